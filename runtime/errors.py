@@ -1,0 +1,52 @@
+"""rollbox's exception tree (one root, context on every error).
+
+    RollboxError
+    ├── InvalidRequest          a spec or request that cannot be honoured (names the field)
+    ├── SandboxNotFound         no live sandbox has that id (carries sandbox_id)
+    ├── SandboxDied             the sandbox ended while in use (carries sandbox_id, reason)
+    ├── SnapshotNotFound        no snapshot by that name or id (carries snapshot_id)
+    ├── Overloaded              admission control refused the work (carries retry_after_s)
+    └── IsolationError          a required isolation layer could not be applied (names the syscall)
+
+Third-party errors are converted once, at the boundary that calls them (``raise ... from exc``).
+"""
+
+from __future__ import annotations
+
+
+class RollboxError(Exception):
+    """Root of every error rollbox raises on purpose."""
+
+    def __init__(self, message: str, *, sandbox_id: str | None = None, snapshot_id: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.sandbox_id = sandbox_id
+        self.snapshot_id = snapshot_id
+
+
+class InvalidRequest(RollboxError):
+    """The request or spec is invalid; the message names the field."""
+
+
+class SandboxNotFound(RollboxError):
+    """No live sandbox has this id (never existed, destroyed, or expired)."""
+
+
+class SandboxDied(RollboxError):
+    """The sandbox ended while it was being used (killed, lifetime over, supervisor lost it)."""
+
+
+class SnapshotNotFound(RollboxError):
+    """No snapshot is known by this name or id."""
+
+
+class Overloaded(RollboxError):
+    """Admission control refused the work; retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, **kw: str | None):
+        super().__init__(message, **kw)
+        self.retry_after_s = retry_after_s
+
+
+class IsolationError(RollboxError):
+    """A required isolation layer failed; the message names the syscall or file."""

@@ -1,0 +1,121 @@
+"""The runtime's small view of a snapshot: layers + warm recipe + manifest.
+
+snapshots/ builds, stores and fetches snapshots; the runtime only needs to know which read-only
+directories to stack, which host directories to bind read-only (for snapshots based on the host
+system), and how to warm the zygote. Keep this surface small.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollbox.runtime.errors import SnapshotNotFound
+from rollbox.runtime.spec import DEFAULT_LIMITS, Limits
+
+ROLLBOX_VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class WarmRecipe:
+    """How the zygote of a snapshot warms up: the interpreter it runs and what it imports."""
+
+    python: str
+    sys_path: tuple[str, ...] = ()
+    imports: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SnapshotView:
+    """What the runtime needs to restore sandboxes from a snapshot.
+
+    ``layers`` are directory names under ``layer_root``, top first, each a read-only overlayfs lower
+    layer. The bottom ``warm_layers`` of them are what the zygote sees while it warms up; layers above
+    (a checkpointed sandbox's diff, say) are added per sandbox, so such snapshots share the zygote.
+    ``host_binds`` are host directories bound read-only at the same path (host-based snapshots);
+    ``host_masks`` are directories hidden under an empty read-only tmpfs.
+    """
+
+    id: str
+    layer_root: str
+    layers: tuple[str, ...]
+    warm: WarmRecipe
+    host_binds: tuple[str, ...] = ()
+    host_masks: tuple[str, ...] = ()
+    warm_layers: int = 0
+    env: Mapping[str, str] = field(default_factory=dict)
+    version: Mapping[str, Any] = field(default_factory=dict)
+    limits: Limits = DEFAULT_LIMITS
+
+    @property
+    def zygote_key(self) -> tuple[Any, ...]:
+        bottom = self.layers[len(self.layers) - self.warm_layers :] if self.warm_layers else ()
+        return (self.layer_root, bottom, self.host_binds, self.host_masks, self.warm, tuple(self.env.items()))
+
+    @property
+    def extra_layers(self) -> tuple[str, ...]:
+        return self.layers[: len(self.layers) - self.warm_layers]
+
+
+class SnapshotResolver(Protocol):
+    def resolve(self, name_or_id: str) -> SnapshotView: ...
+
+
+def host_python() -> str:
+    """The real interpreter behind this process (never a venv shim, which would not exist inside)."""
+    return os.path.realpath(os.path.join(sys.base_prefix, "bin", os.path.basename(sys.executable)))
+
+
+def host_python_view(layer_root: str) -> SnapshotView:
+    """The built-in ``python`` snapshot: the host's Python and base system, read-only, stdlib only."""
+    prefix = os.path.realpath(sys.base_prefix)
+    binds = ["/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib64", "/lib32"):
+        if os.path.isdir(top) and not os.path.islink(top):
+            binds.append(top)
+    if not prefix.startswith("/usr/"):
+        binds.append(prefix)
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    site = os.path.join(prefix, "lib", f"python{ver}", "site-packages")
+    masks = [site] if os.path.isdir(site) else []
+    # Debian's system Python keeps third-party packages in dist-packages: hide them too.
+    for d in (f"/usr/lib/python3/dist-packages", f"/usr/local/lib/python{ver}/dist-packages"):
+        if os.path.isdir(d):
+            masks.append(d)
+    return SnapshotView(
+        id="python",
+        layer_root=layer_root,
+        layers=(),
+        warm=WarmRecipe(python=host_python()),
+        host_binds=tuple(binds),
+        host_masks=tuple(masks),
+        version={
+            "base": "host",
+            "python": sys.version.split()[0],
+            "packages": {},
+            "rollbox": ROLLBOX_VERSION,
+        },
+    )
+
+
+class BuiltinResolver:
+    """Knows the built-in ``python`` snapshot, plus views registered at run time (tests, benchmarks)."""
+
+    def __init__(self, layer_root: str):
+        self.layer_root = layer_root
+        self._views: dict[str, SnapshotView] = {"python": host_python_view(layer_root)}
+
+    def register(self, view: SnapshotView) -> None:
+        self._views[view.id] = view
+
+    def resolve(self, name_or_id: str) -> SnapshotView:
+        try:
+            return self._views[name_or_id]
+        except KeyError:
+            known = ", ".join(sorted(self._views))
+            raise SnapshotNotFound(
+                f"no snapshot named {name_or_id!r}; known: {known}", snapshot_id=name_or_id
+            ) from None

@@ -1,0 +1,143 @@
+"""The runtime's declarative spec: limits, exec requests and the records it returns.
+
+Frozen pydantic models with explicit defaults and units in the names. Secure by default: every
+limit is finite, a request must say exactly one of ``code`` / ``command``.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MiB = 1024 * 1024
+
+# Paths in ``files`` / ``read_files`` are relative to the sandbox working directory (/home/sandbox)
+# or absolute inside the sandbox; ``..`` components and NUL bytes are refused.
+MAX_PATH_CHARS = 4096
+
+
+def check_sandbox_path(path: str) -> str:
+    """Validate a path that names a file inside the sandbox; returns it normalised."""
+    if not path or "\x00" in path or len(path) > MAX_PATH_CHARS:
+        raise ValueError(f"invalid file path {path!r}: must be non-empty, without NUL, <= 4096 chars")
+    if ".." in path.split("/"):
+        raise ValueError(f"invalid file path {path!r}: '..' components are not allowed")
+    norm = posixpath.normpath(path)
+    if norm in (".", "/"):
+        raise ValueError(f"invalid file path {path!r}: names a directory, not a file")
+    return norm
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Limits(_Frozen):
+    """Resource limits of one sandbox. Enforced by the kernel (cgroups, rlimits, tmpfs size) and the
+    supervisor (timeouts, output caps), never by code inside the sandbox."""
+
+    memory_max_bytes: Annotated[int, Field(ge=16 * MiB, le=64 * 1024 * MiB)] = 512 * MiB
+    pids_max: Annotated[int, Field(ge=4, le=32768)] = 128
+    cpu_max_cores: Annotated[float, Field(gt=0, le=256)] = 1.0
+    disk_max_bytes: Annotated[int, Field(ge=1 * MiB, le=64 * 1024 * MiB)] = 256 * MiB
+    nofile_max: Annotated[int, Field(ge=16, le=65536)] = 1024
+    file_size_max_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * MiB)] = 128 * MiB
+    output_max_bytes: Annotated[int, Field(ge=1024, le=64 * MiB)] = 1 * MiB
+    lifetime_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] = 900.0
+    idle_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 300.0
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class ExecRequest(_Frozen):
+    """One step in a sandbox: Python ``code`` (run as ``__main__`` in the warm interpreter) or a
+    shell ``command``; optional stdin; files written before and read after; a wall-clock timeout."""
+
+    code: str | None = None
+    command: str | None = None
+    stdin: str | None = None
+    files: dict[str, str] = Field(default_factory=dict, description="path -> UTF-8 text, written before")
+    read_files: list[str] = Field(default_factory=list, description="paths read back after the run")
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 30.0
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ExecRequest:
+        if (self.code is None) == (self.command is None):
+            raise ValueError("exactly one of 'code' or 'command' must be given")
+        return self
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, v: dict[str, str]) -> dict[str, str]:
+        return {check_sandbox_path(k): c for k, c in v.items()}
+
+    @field_validator("read_files")
+    @classmethod
+    def _read_files(cls, v: list[str]) -> list[str]:
+        return [check_sandbox_path(p) for p in v]
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not k or "=" in k or "\x00" in k or "\x00" in val:
+                raise ValueError(f"invalid environment variable name or value: {k!r}")
+        return v
+
+
+class ExecResult(BaseModel):
+    """What one exec did. ``exit_code`` follows the shell: killed by signal N = 128 + N
+    (a timeout kill is 137)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sandbox_id: str
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    oom_killed: bool = False
+    pids_limit_hit: bool = False
+    signal: str | None = None
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    peak_memory_bytes: int = 0
+    files: dict[str, str | None] = Field(default_factory=dict, description="read_files: text, or None if absent")
+    sandbox_alive: bool = True
+
+
+class SandboxInfo(BaseModel):
+    """A live sandbox as returned by create."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sandbox_id: str
+    snapshot_id: str
+    env_version: dict[str, Any]
+    limits: Limits
+    metadata: dict[str, str] = Field(default_factory=dict)
+    pooled: bool
+    create_ms: float
+    isolation: dict[str, str] = Field(default_factory=dict, description="layer -> how it is applied")
+
+
+class Usage(BaseModel):
+    """The metered life of one sandbox: what it is billed for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sandbox_id: str
+    snapshot_id: str
+    metadata: dict[str, str] = Field(default_factory=dict)
+    wall_s: float
+    cpu_s: float
+    peak_memory_bytes: int
+    billed_s: int
+    execs: int
+    reason: str = Field(description="destroyed | lifetime | idle | died | shutdown")
