@@ -6,7 +6,10 @@
     ├── SandboxDied             the sandbox ended while in use (carries sandbox_id, reason)
     ├── SnapshotNotFound        no snapshot by that name or id (carries snapshot_id)
     ├── Overloaded              admission control refused the work (carries retry_after_s)
-    └── IsolationError          a required isolation layer could not be applied (names the syscall)
+    ├── IsolationError          a required isolation layer could not be applied (names the syscall)
+    └── StoreError              a snapshot store failed (carries snapshot_id, layer_id)
+        ├── StoreUnavailable    the store cannot be reached now (outage); retrying later may succeed
+        └── IntegrityError      content does not match its sha256 or is unsafe; it was never used
 
 Third-party errors are converted once, at the boundary that calls them (``raise ... from exc``).
 """
@@ -50,3 +53,19 @@ class Overloaded(RollboxError):
 
 class IsolationError(RollboxError):
     """A required isolation layer failed; the message names the syscall or file."""
+
+
+class StoreError(RollboxError):
+    """A snapshot store (local directory or S3) failed; the message names the object and the cause."""
+
+    def __init__(self, message: str, *, layer_id: str | None = None, **kw: str | None):
+        super().__init__(message, **kw)
+        self.layer_id = layer_id
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached (connection refused, timeout, 5xx after retries)."""
+
+
+class IntegrityError(StoreError):
+    """A layer or manifest did not match its sha256, was truncated, or held an unsafe entry."""

@@ -1,0 +1,81 @@
+"""Async frames over a unix socket (the supervisor's side of the zygote and agent protocols)."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import socket
+from typing import Any
+
+from rollbox.runtime.inside import proto
+
+
+class Channel:
+    def __init__(self, sock: socket.socket):
+        sock.setblocking(False)
+        self.sock = sock
+        self.reader = proto.Reader()
+        self.loop = asyncio.get_running_loop()
+        self.closed = False
+
+    async def _wait(self, writable: bool) -> None:
+        fut: asyncio.Future[None] = self.loop.create_future()
+        fd = self.sock.fileno()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        if writable:
+            self.loop.add_writer(fd, ready)
+        else:
+            self.loop.add_reader(fd, ready)
+        try:
+            await fut
+        finally:
+            if writable:
+                self.loop.remove_writer(fd)
+            else:
+                self.loop.remove_reader(fd)
+
+    async def recv(self) -> dict[str, Any] | None:
+        """The next frame, or None once the peer has hung up. Safe to cancel between frames."""
+        while True:
+            msg = self.reader.next()
+            if msg is not None:
+                return msg
+            if self.closed:
+                return None
+            try:
+                data, anc, _f, _a = self.sock.recvmsg(1 << 16, proto.ANC_SPACE)
+            except BlockingIOError:
+                await self._wait(writable=False)
+                continue
+            except (ConnectionResetError, OSError):
+                data, anc = b"", []
+            if not data:
+                self.closed = True
+                return None
+            self.reader.feed(data, anc)
+
+    def take_fds(self) -> list[int]:
+        return self.reader.take_fds()
+
+    async def send(self, obj: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+        data = proto.encode(obj)
+        if fds:
+            while True:
+                try:
+                    n = self.sock.sendmsg(
+                        [data[:1]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                    )
+                    break
+                except BlockingIOError:
+                    await self._wait(writable=True)
+            data = data[n:]
+        if data:
+            await self.loop.sock_sendall(self.sock, data)
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()

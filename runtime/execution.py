@@ -1,0 +1,282 @@
+"""Execution: a live sandbox as the supervisor sees it — exec with timeouts and output caps enforced
+from outside, usage metering, and destroy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollbox.runtime.channel import Channel
+from rollbox.runtime.errors import SandboxDied
+from rollbox.runtime.isolation.cgroups import Group
+from rollbox.runtime.snapshot import SnapshotView
+from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, Usage
+
+KILL_GRACE_S = 3.0  # after asking the agent to kill, how long before the whole sandbox is killed
+DRAIN_AFTER_EXIT_S = 0.2  # how long background holders of stdout may keep it open after the exit
+DRAIN_FACTOR = 8  # past the cap, output is read and dropped up to this many caps, then left to block
+
+
+async def _read_capped(fd: int, cap: int) -> tuple[bytes, bool]:
+    """Read a pipe to EOF keeping the first ``cap`` bytes; past DRAIN_FACTOR caps stop reading, so a
+    writer that never stops blocks (and meets its timeout) instead of burning the supervisor's CPU."""
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    total = 0
+    truncated = False
+    event = asyncio.Event()
+    loop.add_reader(fd, event.set)
+    try:
+        while True:
+            await event.wait()
+            event.clear()
+            while True:
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    return bytes(buf), truncated
+                total += len(chunk)
+                room = cap - len(buf)
+                if room > 0:
+                    buf += chunk[:room]
+                if len(chunk) > room:
+                    truncated = True
+                if total > cap * DRAIN_FACTOR:
+                    loop.remove_reader(fd)
+                    await asyncio.Event().wait()  # until cancelled
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _feed(fd: int, data: bytes) -> None:
+    loop = asyncio.get_running_loop()
+    view = memoryview(data)
+    try:
+        while view:
+            try:
+                n = os.write(fd, view)
+                view = view[n:]
+            except BlockingIOError:
+                ev = asyncio.Event()
+                loop.add_writer(fd, ev.set)
+                try:
+                    await ev.wait()
+                finally:
+                    loop.remove_writer(fd)
+            except BrokenPipeError:
+                return
+    finally:
+        os.close(fd)
+
+
+def _exit_code(status: int) -> tuple[int, str | None]:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"SIG{sig}"
+        return 128 + sig, name
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status), None
+    return 255, None
+
+
+@dataclass
+class Sandbox:
+    id: str
+    view: SnapshotView
+    limits: Limits
+    pid: int
+    pidfd: int
+    chan: Channel
+    group: Group | None
+    upper_fd: int
+    extra_layers: tuple[str, ...] = ()
+    metadata: dict[str, str] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    execs: int = 0
+    cpu_s: float = 0.0
+    peak_memory_bytes: int = 0
+    busy: bool = False
+    dead: str | None = None
+    usage: Usage | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def watch(self) -> None:
+        """Notice the sandbox's death (killed, OOM of its init, lifetime) without polling."""
+        loop = asyncio.get_running_loop()
+
+        def gone() -> None:
+            loop.remove_reader(self.pidfd)
+            self.exited.set()
+            if self.dead is None:
+                self.dead = "died"
+
+        loop.add_reader(self.pidfd, gone)
+
+    def start_clock(self) -> None:
+        self.created_at = self.last_used = time.monotonic()
+
+    @property
+    def upper_path(self) -> str:
+        """The sandbox's upper (diff) directory, readable by the supervisor through its fd."""
+        return f"/proc/self/fd/{self.upper_fd}/upper"
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, OSError):
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    async def exec(self, req: ExecRequest) -> ExecResult:
+        async with self.lock:
+            if self.dead is not None:
+                raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
+            self.busy = True
+            try:
+                return await self._exec(req)
+            finally:
+                self.busy = False
+                self.last_used = time.monotonic()
+
+    async def _exec(self, req: ExecRequest) -> ExecResult:
+        cap = self.limits.output_max_bytes
+        before = self.group.stats() if self.group else None
+        if self.group:
+            self.group.reset_peak()
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        os.set_blocking(out_w, True)
+        os.set_blocking(err_w, True)
+        os.set_blocking(in_w, False)
+        msg: dict[str, Any] = {"op": "exec", "env": req.env, "files": req.files, "read_files": req.read_files}
+        if req.code is not None:
+            msg["code"] = req.code
+        else:
+            msg["command"] = req.command
+        t0 = time.monotonic()
+        readers = [asyncio.create_task(_read_capped(out_r, cap)), asyncio.create_task(_read_capped(err_r, cap))]
+        feeder = asyncio.create_task(_feed(in_w, (req.stdin or "").encode()))
+        timed_out = False
+        reply: dict[str, Any] | None = None
+        try:
+            try:
+                await self.chan.send(msg, [in_r, out_w, err_w])
+            finally:
+                for fd in (in_r, out_w, err_w):
+                    os.close(fd)
+            remaining = req.timeout_s
+            try:
+                reply = await asyncio.wait_for(self.chan.recv(), remaining)
+            except TimeoutError:
+                timed_out = True
+                reply = await self._kill_step()
+            wall = time.monotonic() - t0
+            done, pending = await asyncio.wait(readers, timeout=DRAIN_AFTER_EXIT_S)
+        finally:
+            for t in (*readers, feeder):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(*readers, feeder, return_exceptions=True)
+            for fd in (out_r, err_r):
+                os.close(fd)
+        outs: list[tuple[bytes, bool]] = []
+        for t in readers:
+            if t.cancelled() or t.exception() is not None:
+                outs.append((b"", True))
+            else:
+                outs.append(t.result())
+        (stdout, out_trunc), (stderr, err_trunc) = outs
+        after = self.group.stats() if self.group else None
+        self.execs += 1
+        alive = reply is not None and self.dead is None
+        if reply is None:
+            # The agent is gone: the sandbox died under this exec (its init was OOM-killed, say).
+            self.dead = self.dead or "died"
+            exit_code, sig = 137, "SIGKILL"
+            files: dict[str, str | None] = {}
+            cpu, peak = 0.0, 0
+        else:
+            exit_code, sig = _exit_code(int(reply.get("status", 255 << 8)))
+            files = reply.get("files") or {}
+            cpu, peak = float(reply.get("cpu_s", 0.0)), int(reply.get("maxrss_bytes", 0))
+            if reply.get("error"):
+                stderr += f"rollbox: could not start the process: {reply['error']}\n".encode()
+        oom = pids_hit = False
+        if before and after:
+            cpu = after.cpu_s - before.cpu_s
+            peak = after.peak_memory_bytes
+            oom = after.oom_kills > before.oom_kills
+            pids_hit = after.pids_max_hits > before.pids_max_hits
+        self.cpu_s += max(cpu, 0.0)
+        self.peak_memory_bytes = max(self.peak_memory_bytes, peak)
+        return ExecResult(
+            sandbox_id=self.id,
+            exit_code=exit_code,
+            signal=sig,
+            stdout=stdout.decode("utf-8", "replace"),
+            stderr=stderr.decode("utf-8", "replace"),
+            stdout_truncated=out_trunc,
+            stderr_truncated=err_trunc,
+            timed_out=timed_out,
+            oom_killed=oom,
+            pids_limit_hit=pids_hit,
+            wall_s=round(wall, 6),
+            cpu_s=round(max(cpu, 0.0), 6),
+            peak_memory_bytes=peak,
+            files=files,
+            sandbox_alive=alive,
+        )
+
+    async def _kill_step(self) -> dict[str, Any] | None:
+        """Timeout: the agent kills every process but itself; if it cannot, the sandbox goes."""
+        try:
+            await self.chan.send({"op": "kill"})
+            return await asyncio.wait_for(self.chan.recv(), KILL_GRACE_S)
+        except (TimeoutError, OSError):
+            self.dead = "killed: did not stop on timeout"
+            self.kill()
+            return None
+
+    async def close(self, reason: str) -> Usage:
+        if self.usage is not None:
+            return self.usage
+        if self.dead is None:
+            self.dead = reason
+        self.kill()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.exited.wait(), 10)
+        if self.group:
+            stats = self.group.stats()
+            self.cpu_s = max(self.cpu_s, stats.cpu_s)
+            self.peak_memory_bytes = max(self.peak_memory_bytes, stats.peak_memory_bytes)
+            await asyncio.to_thread(self.group.close)
+        self.chan.close()
+        asyncio.get_running_loop().remove_reader(self.pidfd)
+        for fd in (self.upper_fd, self.pidfd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        wall = time.monotonic() - self.created_at
+        self.usage = Usage(
+            sandbox_id=self.id,
+            snapshot_id=self.view.id,
+            metadata=self.metadata,
+            wall_s=round(wall, 6),
+            cpu_s=round(self.cpu_s, 6),
+            peak_memory_bytes=self.peak_memory_bytes,
+            billed_s=max(1, math.ceil(wall)),
+            execs=self.execs,
+            reason=reason,
+        )
+        return self.usage

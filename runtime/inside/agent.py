@@ -1,0 +1,203 @@
+"""The sandbox agent: pid 1 of a sandbox, forked from a zygote, already contained.
+
+It runs no untrusted code itself. For each exec it forks a worker (the warm interpreter, copy-on-write)
+that runs the code or command with the supervisor's pipes as fds 0-2; it reaps every process (it is
+init), and on the supervisor's word kills everything else in the sandbox (kill(-1) from init spares
+only init). Stdlib only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+import types
+from typing import Any
+
+from rollbox.runtime.inside import proto
+
+HOME = "/home/sandbox"
+MAX_READ_FILE_BYTES = 16 * 1024 * 1024
+
+
+def _noop(_sig: int, _frame: Any) -> None:
+    return None
+
+
+def _run_code(src: str, env: dict[str, str]) -> int:
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["-c"]
+    sys.path.insert(0, "")
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", closefd=False, errors="backslashreplace", buffering=1)  # noqa: SIM115
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    rc = 0
+    try:
+        exec(compile(src, "<code>", "exec"), main.__dict__)
+    except SystemExit as e:
+        if e.code is None:
+            rc = 0
+        elif isinstance(e.code, int):
+            rc = e.code & 0xFF
+        else:
+            print(e.code, file=sys.stderr)
+            rc = 1
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # wait for non-daemon threads, as python does
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    return rc
+
+
+def _worker(msg: dict[str, Any], fds: list[int], env: dict[str, str]) -> None:
+    """In the forked worker: wire the pipes, then become the user's program. Never returns."""
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")  # the OOM killer takes the user's program, not init
+        except OSError:
+            pass
+        for target, fd in enumerate(fds[:3]):
+            os.dup2(fd, target)
+        os.closerange(3, 1 << 16)
+        os.chdir(HOME)
+        run_env = dict(env)
+        run_env.update(msg.get("env") or {})
+        if msg.get("command") is not None:
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            os.execve("/bin/sh", ["sh", "-c", msg["command"]], run_env)
+        from rollbox.runtime.isolation import libc
+
+        libc.prctl(libc.PR_SET_DUMPABLE, 1)
+        os._exit(_run_code(msg["code"], run_env))
+    except BaseException as exc:  # noqa: BLE001 - report and leave
+        try:
+            os.write(2, f"rollbox: could not start: {exc}\n".encode())
+        finally:
+            os._exit(127)
+
+
+def _write_files(files: dict[str, str]) -> None:
+    for path, content in files.items():
+        full = path if path.startswith("/") else os.path.join(HOME, path)
+        os.makedirs(os.path.dirname(full) or "/", exist_ok=True)
+        with open(full, "w", encoding="utf-8") as f:
+            f.write(content)
+
+
+def _read_files(paths: list[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for path in paths:
+        full = path if path.startswith("/") else os.path.join(HOME, path)
+        try:
+            with open(full, "rb") as f:
+                out[path] = f.read(MAX_READ_FILE_BYTES).decode("utf-8", "replace")
+        except OSError:
+            out[path] = None
+    return out
+
+
+def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
+    """The agent loop. Never returns: when the supervisor hangs up, the sandbox ends."""
+    devnull = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, _noop)
+    signal.set_wakeup_fd(wake_w)
+    proto.send(sock, {"op": "ready"}, [upper_fd])
+    os.close(upper_fd)
+    reader = proto.Reader()
+    worker: int | None = None
+    pending: dict[str, Any] = {}
+
+    def reap() -> None:
+        nonlocal worker
+        while True:
+            try:
+                pid, status, ru = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == worker:
+                worker = None
+                files = _read_files(pending.get("read_files") or [])
+                proto.send(sock, {
+                    "op": "exit", "status": status, "cpu_s": ru.ru_utime + ru.ru_stime,
+                    "maxrss_bytes": ru.ru_maxrss * 1024, "files": files,
+                })
+
+    def kill_all() -> None:
+        for _ in range(1000):
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            reap()
+        reap()
+
+    while True:
+        try:
+            ready, _, _ = select.select([sock, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+            reap()
+        if sock in ready:
+            data, anc, _f, _a = sock.recvmsg(1 << 16, proto.ANC_SPACE)
+            if not data:
+                kill_all()
+                os._exit(0)
+            reader.feed(data, anc)
+            while (msg := reader.next()) is not None:
+                op = msg.get("op")
+                if op == "exec":
+                    fds = reader.take_fds()
+                    pending = msg
+                    try:
+                        _write_files(msg.get("files") or {})
+                        pid = os.fork()
+                    except OSError as exc:
+                        for fd in fds:
+                            os.close(fd)
+                        proto.send(sock, {"op": "exit", "error": f"{exc.strerror or exc}", "status": 126 << 8,
+                                          "cpu_s": 0.0, "maxrss_bytes": 0, "files": {}})
+                        continue
+                    if pid == 0:
+                        _worker(msg, fds, env)
+                    worker = pid
+                    for fd in fds:
+                        os.close(fd)
+                elif op == "kill":
+                    kill_all()
+                elif op == "ping":
+                    proto.send(sock, {"op": "pong"})

@@ -1,0 +1,88 @@
+"""Frames between the supervisor, a zygote and a sandbox agent (stdlib only).
+
+A frame is a 4-byte big-endian length and a JSON object; file descriptors ride on the frame's first
+byte as SCM_RIGHTS. Everything a sandbox sends is untrusted: frames are size-capped and parsed as
+plain JSON only.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import socket
+import struct
+from typing import Any
+
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+_HDR = struct.Struct(">I")
+_MAX_FDS = 8
+
+
+class ProtocolError(Exception):
+    pass
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _HDR.pack(len(body)) + body
+
+
+def send(sock: socket.socket, obj: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Blocking send of one frame (used inside zygotes and agents)."""
+    data = encode(obj)
+    if fds:
+        n = sock.sendmsg([data[:1]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        data = data[n:]
+    sock.sendall(data)
+
+
+class Reader:
+    """Incremental frame parser collecting any passed fds (feed it what recvmsg returns)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.fds: list[int] = []
+
+    def feed(self, data: bytes, ancdata: list[tuple[int, int, bytes]]) -> None:
+        self.buf += data
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(payload[: len(payload) - (len(payload) % a.itemsize)])
+                self.fds.extend(a)
+
+    def next(self) -> dict[str, Any] | None:
+        if len(self.buf) < 4:
+            return None
+        (n,) = _HDR.unpack_from(self.buf)
+        if n > MAX_FRAME_BYTES:
+            raise ProtocolError(f"peer announced a frame of {n} bytes")
+        if len(self.buf) < 4 + n:
+            return None
+        body = bytes(self.buf[4 : 4 + n])
+        del self.buf[: 4 + n]
+        obj = json.loads(body)
+        if not isinstance(obj, dict):
+            raise ProtocolError("frame is not a JSON object")
+        return obj
+
+    def take_fds(self) -> list[int]:
+        fds, self.fds = self.fds, []
+        return fds
+
+
+def recv(sock: socket.socket, reader: Reader) -> dict[str, Any] | None:
+    """Blocking receive of one frame; None at EOF."""
+    while True:
+        msg = reader.next()
+        if msg is not None:
+            return msg
+        data, anc, _flags, _addr = sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
+        if not data:
+            return None
+        reader.feed(data, anc)
+
+
+ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4)

@@ -1,0 +1,150 @@
+"""The zygote: a warmed-up interpreter that sandboxes are forked from (stdlib only).
+
+Started by the supervisor as ``python -I -S`` with a control socket. It enters its own mount
+namespace (and, rootless, its own user namespace), pivots into the snapshot's read-only view, imports
+the warm recipe, then forks one sandbox per ``spawn`` request: copy-on-write memory is the in-memory
+snapshot. ``contain()`` below is the checklist every sandbox passes before its agent starts.
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import importlib
+import os
+import select
+import signal
+import socket
+import sys
+from typing import Any
+
+from rollbox.runtime.inside import agent, proto
+from rollbox.runtime.isolation import libc, mounts, rlimits, seccomp, users
+
+
+def contain(cfg: dict[str, Any], req: dict[str, Any]) -> int:
+    """Checklist, in order; every step is required (a failure ends this sandbox, reported by the
+    supervisor as an isolation error naming the syscall). Returns the upper-layer fd."""
+    libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS | libc.CLONE_NEWNET)
+    upper_fd = mounts.build_sandbox_root(
+        req["layers"], cfg["host_binds"], cfg["host_masks"], req["disk_bytes"], cfg["rootless"]
+    )
+    libc.sethostname("sandbox")
+    rlimits.apply(req["nofile"], req["fsize_bytes"], req.get("nproc"), req.get("as_bytes"))
+    # --- privileges drop here: from now on the process is the unprivileged sandbox user ---
+    users.drop_privileges(cfg["rootless"])
+    libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)  # cleared by the credential change
+    libc.prctl(libc.PR_SET_DUMPABLE, 0)
+    seccomp.apply(cfg["seccomp"])
+    return upper_fd
+
+
+def _sandbox_main(cfg: dict[str, Any], req: dict[str, Any], sock: socket.socket) -> None:
+    try:
+        upper_fd = contain(cfg, req)
+    except BaseException as exc:  # noqa: BLE001 - told to the supervisor, then gone
+        try:
+            proto.send(sock, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            os._exit(70)
+    try:
+        agent.serve(sock, upper_fd, cfg["env"])
+    finally:
+        os._exit(71)
+
+
+def main(ctl_fd: int) -> None:
+    ctl = socket.socket(fileno=ctl_fd)
+    reader = proto.Reader()
+    cfg = proto.recv(ctl, reader)
+    if cfg is None:
+        return
+    libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    if cfg["rootless"]:
+        users.enter_rootless_userns()
+    else:
+        libc.unshare(libc.CLONE_NEWNS)
+    pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    mounts.prepare_zygote_view(
+        cfg["staging"], cfg["skel"], cfg["layer_root"], cfg["warm_layers"], cfg["host_binds"],
+        cfg["host_masks"],
+    )
+    cfg["seccomp"] = base64.b64decode(cfg["seccomp"])
+    os.environ.clear()
+    os.environ.update(cfg["env"])
+    # Leave the supervisor's package path out of what sandboxes see.
+    for p in cfg.get("drop_sys_path", []):
+        while p in sys.path:
+            sys.path.remove(p)
+    sys.path.extend(cfg["sys_path"])
+    versions: dict[str, str] = {}
+    for name in cfg["imports"]:
+        mod = importlib.import_module(name)
+        versions[name] = str(getattr(mod, "__version__", ""))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.collect()
+    gc.freeze()  # keep the warm heap's pages shared between sandboxes
+
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    children: set[int] = set()
+    proto.send(ctl, {"op": "warm", "python": sys.version.split()[0], "modules": versions, "pid": os.getpid()})
+
+    while True:
+        try:
+            ready, _, _ = select.select([ctl, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+            while True:
+                try:
+                    pid, _status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                children.discard(pid)
+        if ctl not in ready:
+            continue
+        data, anc, _f, _a = ctl.recvmsg(1 << 16, proto.ANC_SPACE)
+        if not data:
+            for pid in children:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            os._exit(0)
+        reader.feed(data, anc)
+        while (msg := reader.next()) is not None:
+            fds = reader.take_fds()
+            if msg.get("op") != "spawn" or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                proto.send(ctl, {"op": "error", "req": msg.get("req"), "error": "bad spawn request"})
+                continue
+            try:
+                libc.unshare(libc.CLONE_NEWPID)
+                pid = os.fork()
+            except OSError as exc:
+                os.close(fds[0])
+                proto.send(ctl, {"op": "error", "req": msg["req"], "error": str(exc)})
+                continue
+            if pid == 0:
+                ctl.close()
+                os.close(pidns)
+                os.close(wake_r)
+                os.close(wake_w)
+                signal.set_wakeup_fd(-1)
+                _sandbox_main(cfg, msg, socket.socket(fileno=fds[0]))
+            libc.setns(pidns, libc.CLONE_NEWPID)
+            os.close(fds[0])
+            children.add(pid)
+            proto.send(ctl, {"op": "spawned", "req": msg["req"], "pid": pid})

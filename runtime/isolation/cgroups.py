@@ -1,0 +1,70 @@
+"""cgroups: pick v2 or v1 at run time (v2 where its controllers are delegated, else v1, else none)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class CgroupStats:
+    cpu_s: float
+    peak_memory_bytes: int
+    oom_kills: int
+    pids_max_hits: int
+
+
+class Group(Protocol):
+    def attach(self, pid: int) -> None: ...
+    def stats(self) -> CgroupStats: ...
+    def reset_peak(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> Group: ...
+    def leftovers(self) -> list[str]: ...
+    def close(self) -> None: ...
+
+
+def mounts_of(fstype: str) -> dict[str, str]:
+    """Mount points of cgroup hierarchies: v1 by controller name, v2 under the key ''."""
+    out: dict[str, str] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            rfields = right.split()
+            if not rfields or rfields[0] != fstype:
+                continue
+            point = fields[4]
+            if fstype == "cgroup2":
+                out.setdefault("", point)
+                continue
+            for opt in rfields[2].split(","):
+                if opt in ("memory", "pids", "cpu", "cpuacct", "freezer"):
+                    out.setdefault(opt, point)
+    return out
+
+
+def select(parent: str, prefer: str = "auto") -> tuple[Backend | None, str]:
+    """The cgroup backend to use and why. ``prefer`` is auto | v1 | v2 | none."""
+    from rollbox.runtime.isolation.cgroups_v1 import V1
+    from rollbox.runtime.isolation.cgroups_v2 import V2
+
+    reasons = []
+    order = {"auto": ("v2", "v1"), "v1": ("v1",), "v2": ("v2",), "none": ()}[prefer]
+    for kind in order:
+        try:
+            backend: Backend = V2(parent) if kind == "v2" else V1(parent)
+            return backend, f"cgroup {kind} at {parent}"
+        except OSError as exc:
+            reasons.append(f"{kind}: {exc}")
+    return None, "; ".join(reasons) or "disabled"
+
+
+def default_parent() -> str:
+    return "rollbox" if os.geteuid() == 0 else f"rollbox-{os.geteuid()}"

@@ -1,0 +1,117 @@
+"""cgroup v1: one directory per sandbox in each of the memory, pids, cpu and cpuacct hierarchies."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from rollbox.runtime.isolation.cgroups import CgroupStats, mounts_of
+
+CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _read_kv(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if v.strip().lstrip("-").isdigit():
+                out[k] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+class V1Group:
+    """The cgroups of one sandbox (created by ``prepare``, populated by ``attach``, removed by ``close``)."""
+
+    def __init__(self, dirs: dict[str, Path]):
+        self.dirs = dirs
+
+    def attach(self, pid: int) -> None:
+        for d in self.dirs.values():
+            _write(d / "cgroup.procs", str(pid))
+
+    def stats(self) -> CgroupStats:
+        mem = self.dirs["memory"]
+        oom = _read_kv(mem / "memory.oom_control").get("oom_kill", 0)
+        try:
+            peak = int((mem / "memory.max_usage_in_bytes").read_text())
+        except (OSError, ValueError):
+            peak = 0
+        try:
+            cpu_ns = int((self.dirs["cpuacct"] / "cpuacct.usage").read_text())
+        except (OSError, ValueError, KeyError):
+            cpu_ns = 0
+        pids_max_hits = _read_kv(self.dirs["pids"] / "pids.events").get("max", 0)
+        return CgroupStats(cpu_s=cpu_ns / 1e9, peak_memory_bytes=peak, oom_kills=oom, pids_max_hits=pids_max_hits)
+
+    def reset_peak(self) -> None:
+        try:
+            _write(self.dirs["memory"] / "memory.max_usage_in_bytes", "0")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for d in self.dirs.values():
+            for attempt in range(200):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY while the last tasks finish exiting
+                    time.sleep(0.001 * min(attempt + 1, 20))
+
+
+class V1:
+    name = "v1"
+
+    def __init__(self, parent: str):
+        roots = mounts_of("cgroup")
+        self.parents: dict[str, Path] = {}
+        for ctrl in CONTROLLERS:
+            if ctrl not in roots:
+                raise OSError(f"cgroup v1 controller {ctrl!r} is not mounted")
+            self.parents[ctrl] = Path(roots[ctrl]) / parent
+        for p in self.parents.values():
+            p.mkdir(exist_ok=True)
+            if not os.access(p, os.W_OK):
+                raise PermissionError(f"{p}: not writable (no delegated cgroup)")
+
+    def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> V1Group:
+        dirs = {c: p / name for c, p in self.parents.items()}
+        for d in dirs.values():
+            d.mkdir()
+        m = dirs["memory"]
+        _write(m / "memory.limit_in_bytes", str(memory_bytes))
+        if (m / "memory.memsw.limit_in_bytes").exists():
+            try:
+                _write(m / "memory.memsw.limit_in_bytes", str(memory_bytes))
+            except OSError:
+                pass
+        try:
+            _write(m / "memory.swappiness", "0")
+        except OSError:
+            pass
+        _write(dirs["pids"] / "pids.max", str(pids_max))
+        period = 100_000
+        _write(dirs["cpu"] / "cpu.cfs_period_us", str(period))
+        _write(dirs["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(cpu_cores * period))))
+        return V1Group(dirs)
+
+    def leftovers(self) -> list[str]:
+        return [str(d) for p in self.parents.values() for d in p.iterdir() if d.is_dir()]
+
+    def close(self) -> None:
+        for p in self.parents.values():
+            try:
+                os.rmdir(p)
+            except OSError:
+                pass

@@ -1,0 +1,115 @@
+"""cgroup v2: one directory per sandbox under a delegated parent with memory, pids and cpu enabled."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from rollbox.runtime.isolation.cgroups import CgroupStats, mounts_of
+
+NEEDED = ("memory", "pids", "cpu")
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _read_kv(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if v.strip().isdigit():
+                out[k] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+class V2Group:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def attach(self, pid: int) -> None:
+        _write(self.path / "cgroup.procs", str(pid))
+
+    def stats(self) -> CgroupStats:
+        try:
+            peak = int((self.path / "memory.peak").read_text())
+        except (OSError, ValueError):
+            peak = 0
+        return CgroupStats(
+            cpu_s=_read_kv(self.path / "cpu.stat").get("usage_usec", 0) / 1e6,
+            peak_memory_bytes=peak,
+            oom_kills=_read_kv(self.path / "memory.events").get("oom_kill", 0),
+            pids_max_hits=_read_kv(self.path / "pids.events").get("max", 0),
+        )
+
+    def reset_peak(self) -> None:
+        try:
+            _write(self.path / "memory.peak", "0")  # resettable since Linux 6.12
+        except OSError:
+            pass
+
+    def kill(self) -> None:
+        try:
+            _write(self.path / "cgroup.kill", "1")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.kill()
+        for attempt in range(200):
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.001 * min(attempt + 1, 20))
+
+
+class V2:
+    name = "v2"
+
+    def __init__(self, parent: str, require: tuple[str, ...] = NEEDED):
+        roots = mounts_of("cgroup2")
+        if "" not in roots:
+            raise OSError("no cgroup2 hierarchy is mounted")
+        root = Path(roots[""])
+        self.parent = root / parent
+        probe = self.parent if self.parent.is_dir() else root
+        available = set((probe / "cgroup.controllers").read_text().split())
+        missing = [c for c in require if c not in available]
+        if missing:
+            raise OSError(f"cgroup v2 at {self.parent} lacks controllers {missing} (has {sorted(available)})")
+        self.parent.mkdir(exist_ok=True)
+        enable = " ".join(f"+{c}" for c in require)
+        if enable:
+            _write(self.parent / "cgroup.subtree_control", enable)
+        self.enabled = require
+
+    def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> V2Group:
+        d = self.parent / name
+        d.mkdir()
+        if "memory" in self.enabled:
+            _write(d / "memory.max", str(memory_bytes))
+            if (d / "memory.swap.max").exists():
+                _write(d / "memory.swap.max", "0")
+        if "pids" in self.enabled:
+            _write(d / "pids.max", str(pids_max))
+        if "cpu" in self.enabled:
+            period = 100_000
+            _write(d / "cpu.max", f"{max(1000, int(cpu_cores * period))} {period}")
+        return V2Group(d)
+
+    def leftovers(self) -> list[str]:
+        return [str(d) for d in self.parent.iterdir() if d.is_dir()]
+
+    def close(self) -> None:
+        try:
+            os.rmdir(self.parent)
+        except OSError:
+            pass

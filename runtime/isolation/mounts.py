@@ -1,0 +1,96 @@
+"""Mounts: the zygote's read-only view of a snapshot, and each sandbox's copy-on-write root.
+
+Stdlib only (runs inside zygotes). Inside a zygote's view, the raw material for sandbox roots sits
+under /.rollbox (layers, skeleton, host /dev); a sandbox's root never shows it: pivot_root drops the
+zygote's tree.
+
+    zygote view  = overlay(warm layers + skeleton, read-only) + host binds (ro) + masks
+    sandbox root = overlay(extra layers + warm layers + skeleton, upper on a size-capped tmpfs)
+                   + host binds (ro) + masks + /proc + minimal /dev
+"""
+
+from __future__ import annotations
+
+import os
+
+from rollbox.runtime.isolation import libc
+from rollbox.runtime.isolation.libc import (
+    MNT_DETACH, MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, MS_RDONLY, MS_REC, MS_REMOUNT, mount,
+)
+
+RB = "/.rollbox"
+LAYERS = RB + "/layers"
+SKEL = RB + "/skel"
+HOSTDEV = RB + "/dev"
+SANDBOX = RB + "/sb"
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+def _bind_ro(src: str, dst: str, extra: int = 0) -> None:
+    mount(src, dst, None, MS_BIND)
+    mount("none", dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | extra)
+
+
+def _mask(dst: str) -> None:
+    mount("tmpfs", dst, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
+
+
+def prepare_zygote_view(staging: str, skel: str, layer_root: str, warm_layers: list[str],
+                        host_binds: list[str], host_masks: list[str]) -> None:
+    """In a fresh mount namespace: build the snapshot's read-only view in ``staging`` and pivot into it."""
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", staging, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
+    root = os.path.join(staging, "root")
+    os.mkdir(root)
+    if warm_layers:
+        lower = ":".join([os.path.join(layer_root, x) for x in warm_layers] + [skel])
+        mount("overlay", root, "overlay", MS_RDONLY, f"lowerdir={lower}")
+    else:
+        _bind_ro(skel, root)
+    _bind_ro(layer_root, root + LAYERS)
+    _bind_ro(skel, root + SKEL)
+    mount("/dev", root + HOSTDEV, None, MS_BIND)
+    for path in host_binds:
+        _bind_ro(path, root + path)
+    for path in host_masks:
+        _mask(root + path)
+    os.chdir(root)
+    libc.pivot_root(".", ".")
+    libc.umount2(".", MNT_DETACH)
+    os.chdir("/")
+
+
+def build_sandbox_root(layers: list[str], host_binds: list[str], host_masks: list[str], disk_bytes: int,
+                       rootless: bool) -> int:
+    """In the sandbox's new mount namespace (as pid 1 of its pid namespace): make its root and pivot
+    into it. Returns an O_PATH fd of the tmpfs that holds the upper layer (for checkpoints)."""
+    mount("tmpfs", SANDBOX, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_bytes},mode=755")
+    for d in ("upper", "work", "root"):
+        os.mkdir(f"{SANDBOX}/{d}")
+    root = f"{SANDBOX}/root"
+    lower = ":".join([f"{LAYERS}/{x}" for x in layers] + [SKEL])
+    opts = f"lowerdir={lower},upperdir={SANDBOX}/upper,workdir={SANDBOX}/work"
+    if rootless:
+        opts += ",userxattr"
+    mount("overlay", root, "overlay", MS_NOSUID | MS_NODEV, opts)
+    for path in host_binds:
+        _bind_ro(path, root + path)
+    for path in host_masks:
+        _mask(root + path)
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    dev = root + "/dev"
+    mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64m,mode=755")
+    for name in DEVICES:
+        open(f"{dev}/{name}", "w").close()
+        mount(f"{HOSTDEV}/{name}", f"{dev}/{name}", None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{dev}/{name}")
+    os.mkdir(f"{dev}/shm")
+    os.chmod(f"{dev}/shm", 0o1777)
+    upper_fd = os.open(SANDBOX, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    os.chdir(root)
+    libc.pivot_root(".", ".")
+    libc.umount2(".", MNT_DETACH)
+    os.chdir("/")
+    return upper_fd

@@ -1,0 +1,178 @@
+"""Restore: zygotes (one warmed interpreter per snapshot recipe) and sandboxes forked from them.
+
+A zygote is started once per snapshot recipe (the cold path: a fresh interpreter, its imports, its
+mount view); every sandbox after that is a fork of it plus containment (the restore path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import os
+import shutil
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+import rollbox.runtime
+from rollbox.runtime.channel import Channel
+from rollbox.runtime.errors import IsolationError
+from rollbox.runtime.snapshot import SnapshotView
+
+_BOOT = """
+import importlib.util, sys, types
+rt = sys.argv[2]
+pkg = types.ModuleType('rollbox'); pkg.__path__ = []; sys.modules['rollbox'] = pkg
+spec = importlib.util.spec_from_file_location('rollbox.runtime', rt + '/__init__.py',
+                                              submodule_search_locations=[rt])
+mod = importlib.util.module_from_spec(spec); sys.modules['rollbox.runtime'] = mod
+spec.loader.exec_module(mod)
+from rollbox.runtime.inside.zygote import main
+main(int(sys.argv[1]))
+"""
+
+RUNTIME_DIR = str(Path(rollbox.runtime.__file__).resolve().parent)
+BASE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/home/sandbox",
+    "USER": "sandbox",
+    "LOGNAME": "sandbox",
+    "LANG": "C.UTF-8",
+    "TMPDIR": "/tmp",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+
+
+class Zygote:
+    """The supervisor's handle on one zygote process."""
+
+    def __init__(self, view: SnapshotView, *, state_dir: Path, skel: Path, seccomp_bpf: bytes, rootless: bool):
+        self.view = view
+        self.state_dir = state_dir
+        self.skel = skel
+        self.seccomp_bpf = seccomp_bpf
+        self.rootless = rootless
+        self.proc: asyncio.subprocess.Process | None = None
+        self.chan: Channel | None = None
+        self.staging = state_dir / "zygotes" / uuid.uuid4().hex[:12]
+        self.warm_info: dict[str, Any] = {}
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._stderr_tail = b""
+        self._stderr_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(BASE_ENV)
+        prefix_bin = os.path.dirname(self.view.warm.python)
+        if not prefix_bin.startswith("/usr/"):
+            env["PATH"] = f"{prefix_bin}:{env['PATH']}"
+        env.update(self.view.env)
+        return env
+
+    async def start(self, timeout_s: float = 300.0) -> None:
+        self.staging.mkdir(parents=True, exist_ok=True)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                self.view.warm.python, "-I", "-S", "-c", _BOOT, str(theirs.fileno()), RUNTIME_DIR,
+                pass_fds=[theirs.fileno()], env={"LANG": "C.UTF-8"}, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd="/",
+            )
+        finally:
+            theirs.close()
+        self._stderr_task = asyncio.create_task(self._drain_stderr())
+        self.chan = Channel(ours)
+        view = self.view
+        warm_layers = list(view.layers[len(view.layers) - view.warm_layers :]) if view.warm_layers else []
+        await self.chan.send({
+            "rootless": self.rootless,
+            "staging": str(self.staging),
+            "skel": str(self.skel),
+            "layer_root": view.layer_root,
+            "warm_layers": warm_layers,
+            "host_binds": list(view.host_binds),
+            "host_masks": list(view.host_masks),
+            "sys_path": list(view.warm.sys_path),
+            "imports": list(view.warm.imports),
+            "env": self.env,
+            "seccomp": base64.b64encode(self.seccomp_bpf).decode(),
+        })
+        try:
+            msg = await asyncio.wait_for(self.chan.recv(), timeout_s)
+        except TimeoutError:
+            msg = None
+        if msg is None or msg.get("op") != "warm":
+            await self.close()
+            tail = self._stderr_tail.decode(errors="replace").strip().splitlines()[-8:]
+            raise IsolationError(
+                f"zygote for snapshot {view.id!r} failed to start: " + (" | ".join(tail) or "no output"),
+                snapshot_id=view.id,
+            )
+        self.warm_info = msg
+        self._reader = asyncio.create_task(self._read_replies())
+
+    async def _drain_stderr(self) -> None:
+        assert self.proc and self.proc.stderr
+        while chunk := await self.proc.stderr.read(4096):
+            self._stderr_tail = (self._stderr_tail + chunk)[-8192:]
+
+    async def _read_replies(self) -> None:
+        assert self.chan
+        while (msg := await self.chan.recv()) is not None:
+            fut = self._waiting.pop(msg.get("req", -1), None)
+            if fut and not fut.done():
+                fut.set_result(msg)
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(IsolationError("zygote exited", snapshot_id=self.view.id))
+        self._waiting.clear()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None and not (self.chan and self.chan.closed)
+
+    async def spawn(self, params: dict[str, Any]) -> tuple[int, socket.socket]:
+        """Fork one sandbox; returns its host pid and the supervisor's end of its control socket."""
+        if not self.alive or self.chan is None:
+            raise IsolationError("zygote is not running", snapshot_id=self.view.id)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        req = next(self._ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[req] = fut
+        try:
+            await self.chan.send({"op": "spawn", "req": req, **params}, [theirs.fileno()])
+        finally:
+            theirs.close()
+        try:
+            msg = await asyncio.wait_for(fut, 30)
+        except BaseException:
+            ours.close()
+            raise
+        if msg.get("op") != "spawned":
+            ours.close()
+            raise IsolationError(f"spawn failed: {msg.get('error')}", snapshot_id=self.view.id)
+        return int(msg["pid"]), ours
+
+    async def close(self) -> None:
+        if self.chan:
+            self.chan.close()
+        if self.proc and self.proc.returncode is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+        if self.proc:
+            await self.proc.wait()
+        for task in (self._reader, self._stderr_task):
+            if task:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        shutil.rmtree(self.staging, ignore_errors=True)

@@ -1,0 +1,307 @@
+"""The Runtime: create, exec, destroy and run sandboxes restored from snapshots (one async core).
+
+    rt = Runtime(RuntimeConfig())
+    await rt.start()
+    info = await rt.create("python")
+    result = await rt.exec(info.sandbox_id, ExecRequest(code="print(1)"))
+    usage = await rt.destroy(info.sandbox_id)
+    await rt.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollbox.runtime import skeleton
+from rollbox.runtime.channel import Channel
+from rollbox.runtime.errors import InvalidRequest, IsolationError, Overloaded, SandboxNotFound
+from rollbox.runtime.execution import Sandbox
+from rollbox.runtime.isolation import cgroups, seccomp
+from rollbox.runtime.isolation.cgroups import Backend
+from rollbox.runtime.pool import Pool
+from rollbox.runtime.restore import Zygote
+from rollbox.runtime.snapshot import BuiltinResolver, SnapshotResolver, SnapshotView
+from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
+
+MiB = 1024 * 1024
+
+
+def default_state_dir() -> Path:
+    if env := os.environ.get("ROLLBOX_STATE_DIR"):
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/lib/rollbox")
+    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "rollbox"
+
+
+class RuntimeConfig(BaseModel):
+    """Supervisor settings. The defaults are the embedded single-box setup."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    state_dir: Path = Field(default_factory=default_state_dir)
+    layer_root: Path | None = Field(default=None, description="directory of snapshot layers (default state_dir/layers)")
+    cgroup: Literal["auto", "v1", "v2", "none"] = "auto"
+    cgroup_parent: str = Field(default_factory=cgroups.default_parent)
+    rootless: bool = Field(default_factory=lambda: os.geteuid() != 0)
+    max_live: Annotated[int, Field(ge=1)] = 4096
+    pool_min: Annotated[int, Field(ge=0)] = 0
+    pool_max: Annotated[int, Field(ge=0)] = 16
+    pool_window_s: Annotated[float, Field(gt=0)] = 10.0
+    pool_idle_s: Annotated[float, Field(gt=0)] = 30.0
+    reaper_interval_s: Annotated[float, Field(gt=0)] = 0.5
+
+
+class Runtime:
+    def __init__(self, config: RuntimeConfig | None = None, resolver: SnapshotResolver | None = None):
+        self.config = config or RuntimeConfig()
+        self.layer_root = self.config.layer_root or self.config.state_dir / "layers"
+        self.resolver: SnapshotResolver = resolver or BuiltinResolver(str(self.layer_root))
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.usages: dict[str, Usage] = {}
+        self.zygotes: dict[Any, Zygote] = {}
+        self._zygote_locks: dict[Any, asyncio.Lock] = {}
+        self.pools: dict[Any, Pool] = {}
+        self.cgroup_backend: Backend | None = None
+        self.cgroup_reason = ""
+        self.seccomp_bpf = b""
+        self._reaper: asyncio.Task[None] | None = None
+        self._creating = 0
+        self.started = False
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        cfg = self.config
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        self.layer_root.mkdir(parents=True, exist_ok=True)
+        self.seccomp_bpf = await asyncio.to_thread(seccomp.build_filter)
+        self.cgroup_backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup)
+        self._reaper = asyncio.create_task(self._reap_loop())
+        self.started = True
+
+    async def close(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for pool in list(self.pools.values()):
+            await pool.close()
+        self.pools.clear()
+        await asyncio.gather(*(self.destroy(sid, reason="shutdown") for sid in list(self.sandboxes)),
+                             return_exceptions=True)
+        for z in list(self.zygotes.values()):
+            await z.close()
+        self.zygotes.clear()
+        if self.cgroup_backend:
+            self.cgroup_backend.close()
+        self.started = False
+
+    async def __aenter__(self) -> Runtime:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ----------------------------------------------------------------- reporting
+    def live_count(self) -> int:
+        return len(self.sandboxes)
+
+    def pool_sizes(self) -> dict[str, int]:
+        return {str(k[0]): len(p.ready) for k, p in self.pools.items()}
+
+    def isolation_report(self) -> dict[str, str]:
+        cg = self.cgroup_reason if self.cgroup_backend else f"not applied ({self.cgroup_reason}); rlimits instead"
+        return {
+            "namespaces": "mount, pid, ipc, uts, net (loopback only)"
+            + (", user (rootless)" if self.config.rootless else ""),
+            "filesystem": "overlayfs over read-only snapshot layers, size-capped tmpfs upper",
+            "cgroups": cg,
+            "seccomp": f"BPF filter: {len(seccomp.DENIED_SYSCALLS)} syscalls and AF_INET/AF_INET6/AF_PACKET denied",
+            "user": "uid 1000, no capabilities, no_new_privs"
+            + (" (user namespace mapped to the caller)" if self.config.rootless else ""),
+            "rlimits": "core 0, nofile, fsize" + ("" if self.cgroup_backend else ", nproc, address space"),
+        }
+
+    # ----------------------------------------------------------------- restore
+    def _skel(self, view: SnapshotView) -> Path:
+        return skeleton.build(self.config.state_dir, view.host_binds, self.config.rootless)
+
+    async def zygote(self, view: SnapshotView) -> Zygote:
+        key = view.zygote_key
+        lock = self._zygote_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            z = self.zygotes.get(key)
+            if z is not None and z.alive:
+                return z
+            if z is not None:
+                await z.close()
+            skel = await asyncio.to_thread(self._skel, view)
+            z = Zygote(view, state_dir=self.config.state_dir, skel=skel, seccomp_bpf=self.seccomp_bpf,
+                       rootless=self.config.rootless)
+            await z.start()
+            self.zygotes[key] = z
+            return z
+
+    async def restore(self, view: SnapshotView, limits: Limits, zygote: Zygote | None = None) -> Sandbox:
+        """Fork one sandbox from the snapshot's zygote and contain it (no pool)."""
+        z = zygote or await self.zygote(view)
+        sid = "sb-" + secrets.token_hex(8)
+        group = None
+        if self.cgroup_backend:
+            group = self.cgroup_backend.prepare(sid, limits.memory_max_bytes, limits.pids_max, limits.cpu_max_cores)
+        params: dict[str, Any] = {
+            "layers": list(view.layers),
+            "disk_bytes": limits.disk_max_bytes,
+            "nofile": limits.nofile_max,
+            "fsize_bytes": limits.file_size_max_bytes,
+        }
+        if group is None:  # no cgroup: fall back to rlimits (nproc counts per user namespace)
+            params["nproc"] = limits.pids_max
+            params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
+        try:
+            pid, sock = await z.spawn(params)
+        except BaseException:
+            if group:
+                group.close()
+            raise
+        pidfd = os.pidfd_open(pid)
+        chan = Channel(sock)
+        try:
+            msg = await asyncio.wait_for(chan.recv(), 30)
+        except BaseException:
+            msg = None
+        if msg is None or msg.get("op") != "ready":
+            chan.close()
+            os.close(pidfd)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+            if group:
+                await asyncio.to_thread(group.close)
+            why = msg.get("error") if msg else "sandbox exited during setup"
+            raise IsolationError(f"sandbox setup failed: {why}", snapshot_id=view.id)
+        fds = chan.take_fds()
+        if group:
+            group.attach(pid)
+        sb = Sandbox(id=sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
+                     upper_fd=fds[0] if fds else -1)
+        sb.watch()
+        return sb
+
+    def _pool_for(self, view: SnapshotView, limits: Limits) -> Pool:
+        key = (view.id, limits)
+        pool = self.pools.get(key)
+        if pool is None:
+            async def make() -> Sandbox:
+                return await self.restore(view, limits)
+
+            pool = Pool(key, make, min_size=self.config.pool_min, max_size=self.config.pool_max,
+                        window_s=self.config.pool_window_s, idle_s=self.config.pool_idle_s)
+            pool.start()
+            self.pools[key] = pool
+        return pool
+
+    async def prewarm(self, snapshot: str = "python", count: int = 1, timeout_s: float = 60.0) -> None:
+        """Keep at least ``count`` ready sandboxes of a snapshot (its default limits) in the pool."""
+        view = self.resolver.resolve(snapshot)
+        pool = self._pool_for(view, view.limits)
+        pool.min_size = max(pool.min_size, count)
+        await self.zygote(view)
+        await pool.wait_ready(count, timeout_s)
+
+    # ----------------------------------------------------------------- the API
+    async def create(self, snapshot: str = "python", limits: Limits | None = None,
+                     metadata: dict[str, str] | None = None) -> SandboxInfo:
+        sb = await self._acquire(snapshot, limits, metadata)
+        return self._info(sb)
+
+    async def _acquire(self, snapshot: str, limits: Limits | None, metadata: dict[str, str] | None) -> Sandbox:
+        if not self.started:
+            raise IsolationError("runtime is not started")
+        if len(self.sandboxes) + self._creating >= self.config.max_live:
+            raise Overloaded(f"{len(self.sandboxes)} sandboxes are live (cap {self.config.max_live})",
+                             retry_after_s=1.0)
+        view = self.resolver.resolve(snapshot)
+        lim = limits or view.limits
+        t0 = time.perf_counter()
+        self._creating += 1
+        try:
+            pool = self._pool_for(view, lim) if limits is None or limits == view.limits else None
+            sb = pool.take() if pool else None
+            pooled = sb is not None
+            if sb is None:
+                sb = await self.restore(view, lim)
+                if pool:
+                    pool.observe_restore(time.perf_counter() - t0)
+        finally:
+            self._creating -= 1
+        sb.metadata = dict(metadata or {})
+        sb.start_clock()
+        sb.create_ms = (time.perf_counter() - t0) * 1000  # type: ignore[attr-defined]
+        sb.pooled = pooled  # type: ignore[attr-defined]
+        self.sandboxes[sb.id] = sb
+        return sb
+
+    def _info(self, sb: Sandbox) -> SandboxInfo:
+        return SandboxInfo(
+            sandbox_id=sb.id, snapshot_id=sb.view.id, env_version=dict(sb.view.version), limits=sb.limits,
+            metadata=sb.metadata, pooled=getattr(sb, "pooled", False), create_ms=round(getattr(sb, "create_ms", 0.0), 3),
+            isolation=self.isolation_report(),
+        )
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            raise SandboxNotFound(f"no live sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+        return sb
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        sb = self.get(sandbox_id)
+        if request.timeout_s > sb.limits.lifetime_s:
+            raise InvalidRequest(f"timeout_s {request.timeout_s} exceeds the sandbox lifetime_s {sb.limits.lifetime_s}",
+                                 sandbox_id=sandbox_id)
+        return await sb.exec(request)
+
+    async def destroy(self, sandbox_id: str, reason: str = "destroyed") -> Usage:
+        if sandbox_id in self.usages:
+            return self.usages[sandbox_id]
+        sb = self.get(sandbox_id)
+        usage = await sb.close(reason)
+        self.sandboxes.pop(sandbox_id, None)
+        self.usages[sandbox_id] = usage
+        while len(self.usages) > 100_000:
+            self.usages.pop(next(iter(self.usages)))
+        return usage
+
+    async def run(self, request: ExecRequest, snapshot: str = "python", limits: Limits | None = None,
+                  metadata: dict[str, str] | None = None) -> ExecResult:
+        sb = await self._acquire(snapshot, limits, metadata)
+        try:
+            return await self.exec(sb.id, request)
+        finally:
+            await self.destroy(sb.id)
+
+    # ----------------------------------------------------------------- lifetimes
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reaper_interval_s)
+            now = time.monotonic()
+            for sid, sb in list(self.sandboxes.items()):
+                reason = None
+                if now - sb.created_at > sb.limits.lifetime_s:
+                    reason = "lifetime"
+                elif not sb.busy and now - sb.last_used > sb.limits.idle_s:
+                    reason = "idle"
+                elif sb.dead == "died" and not sb.busy:
+                    reason = "died"
+                if reason:
+                    with contextlib.suppress(Exception):
+                        await self.destroy(sid, reason=reason)
