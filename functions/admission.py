@@ -1,0 +1,81 @@
+"""Admission control: refuse work early (429 + Retry-After) instead of queueing without bound.
+
+Two caps: requests admitted and not yet answered (queued in the runtime or running), and live
+sandboxes. Creates and runs still in flight count as live until they return, so the cap holds
+under a burst of concurrent creates. Draining (SIGTERM) refuses everything new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+__all__ = ["Admission", "Rejected"]
+
+
+class Rejected(Exception):
+    """Admission refused the request; ``reason`` is a metric label: queue, live or draining."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class Admission:
+    def __init__(
+        self, *, max_live: int, max_queued: int, retry_after_s: float, live_count: Callable[[], int]
+    ):
+        if max_live < 1 or max_queued < 1:
+            raise ValueError("max_live and max_queued must be >= 1")
+        self.max_live = max_live
+        self.max_queued = max_queued
+        self.retry_after_s = retry_after_s
+        self._live_count = live_count
+        self.inflight = 0
+        self.creating = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextmanager
+    def admit(self, *, creates_sandbox: bool) -> Iterator[None]:
+        if self.draining:
+            raise Rejected(
+                "draining", "the server is shutting down; retry on another replica", self.retry_after_s
+            )
+        if self.inflight >= self.max_queued:
+            raise Rejected(
+                "queue",
+                f"too many requests in flight (cap {self.max_queued}); retry later",
+                self.retry_after_s,
+            )
+        if creates_sandbox and self._live_count() + self.creating >= self.max_live:
+            raise Rejected(
+                "live",
+                f"too many live sandboxes (cap {self.max_live}); destroy some or retry later",
+                self.retry_after_s,
+            )
+        self.inflight += 1
+        self.creating += creates_sandbox
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            self.creating -= creates_sandbox
+            if self.inflight == 0:
+                self._idle.set()
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing admitted is in flight; False if ``timeout_s`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True

@@ -1,0 +1,434 @@
+"""An async client for trainers, shaped like E2B's SDK, speaking CloudEvents (binary mode) over httpx.
+
+    async with await Sandbox.create("http://127.0.0.1:8080", metadata={"episode": "7"}) as sb:
+        r = await sb.exec(code="print(6 * 7)")
+        assert r.stdout == "42\\n"
+
+    r = await Client("http://127.0.0.1:8080").run(code="print(1)")   # one-shot
+
+Exceptions (one root; each carries ``sandbox_id`` when there is one):
+
+    ClientError
+    ├── TransportError          the service could not be reached, or its reply was not an event
+    ├── ServiceError            an error event (``status``, ``code``, ``message``, ``details``)
+    │   ├── InvalidRequestError     400, 409, 413, 415: fix the request
+    │   ├── NotFoundError           404: no such sandbox or snapshot
+    │   ├── SandboxDiedError        410
+    │   ├── OverloadedError         429, 503 (after the retries): ``retry_after_s``
+    │   └── InternalError           500 and anything else
+    └── CommandExitError        ``check=True`` and the command failed; it is also the result
+                                (``exit_code``, ``stdout``, ``stderr``, ``result``)
+
+Every request is retried on 429/503 and transport failures with the same event id, so the service's
+idempotency guarantees it runs at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+from cloudevents.conversion import to_binary
+from cloudevents.http import CloudEvent, from_http
+from pydantic import BaseModel, ValidationError
+from rollbox.functions.contract import (
+    ERROR,
+    SANDBOX_CREATE,
+    SANDBOX_CREATED,
+    SANDBOX_DESTROY,
+    SANDBOX_DESTROYED,
+    SANDBOX_EXEC,
+    SANDBOX_RESULT,
+    SANDBOX_RUN,
+    ErrorData,
+)
+from rollbox.runtime.spec import ExecResult, Limits, SandboxInfo, Usage
+
+__all__ = [
+    "Client",
+    "ClientError",
+    "CommandExitError",
+    "InternalError",
+    "InvalidRequestError",
+    "NotFoundError",
+    "OverloadedError",
+    "Sandbox",
+    "SandboxDiedError",
+    "ServiceError",
+    "TransportError",
+]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ClientError(Exception):
+    def __init__(self, message: str, *, sandbox_id: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.sandbox_id = sandbox_id
+
+
+class TransportError(ClientError):
+    """No usable reply: connection failed, or the response was not the expected CloudEvent."""
+
+
+class ServiceError(ClientError):
+    def __init__(
+        self,
+        status: int,
+        error: ErrorData,
+        *,
+        sandbox_id: str | None = None,
+        retry_after_s: float | None = None,
+    ):
+        super().__init__(f"{status} {error.code}: {error.message}", sandbox_id=sandbox_id)
+        self.status = status
+        self.code = error.code
+        self.details = error.details
+        self.retry_after_s = retry_after_s
+
+
+class InvalidRequestError(ServiceError):
+    pass
+
+
+class NotFoundError(ServiceError):
+    pass
+
+
+class SandboxDiedError(ServiceError):
+    pass
+
+
+class OverloadedError(ServiceError):
+    pass
+
+
+class InternalError(ServiceError):
+    pass
+
+
+class CommandExitError(ClientError):
+    """The command exited non-zero (``check=True``); carries the whole result."""
+
+    def __init__(self, result: ExecResult):
+        tail = (result.stderr or result.stdout)[-500:]
+        super().__init__(f"command exited with {result.exit_code}: {tail}", sandbox_id=result.sandbox_id)
+        self.result = result
+
+    @property
+    def exit_code(self) -> int:
+        return self.result.exit_code
+
+    @property
+    def stdout(self) -> str:
+        return self.result.stdout
+
+    @property
+    def stderr(self) -> str:
+        return self.result.stderr
+
+
+def _error_class(status: int) -> type[ServiceError]:
+    if status in (400, 409, 413, 415):
+        return InvalidRequestError
+    if status == 404:
+        return NotFoundError
+    if status == 410:
+        return SandboxDiedError
+    if status in (429, 503):
+        return OverloadedError
+    return InternalError
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    raw = resp.headers.get("retry-after")
+    try:
+        return float(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def _exec_data(
+    code: str | None,
+    command: str | None,
+    stdin: str | None,
+    files: Mapping[str, str] | None,
+    read_files: list[str] | None,
+    env: Mapping[str, str] | None,
+    timeout_s: float | None,
+) -> dict[str, Any]:
+    data: dict[str, Any] = {"code": code, "command": command, "stdin": stdin}
+    if files:
+        data["files"] = dict(files)
+    if read_files:
+        data["read_files"] = list(read_files)
+    if env:
+        data["env"] = dict(env)
+    if timeout_s is not None:
+        data["timeout_s"] = timeout_s
+    return {k: v for k, v in data.items() if v is not None}
+
+
+class Client:
+    """A connection to one rollbox service. Cheap to share between many concurrent episodes."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        source: str = "/rollbox/client",
+        retries: int = 3,
+        connect_timeout_s: float = 10.0,
+        reply_margin_s: float = 60.0,
+        http: httpx.AsyncClient | None = None,
+    ):
+        self.url = url.rstrip("/") + "/"
+        self.source = source
+        self.retries = retries
+        self.reply_margin_s = reply_margin_s
+        self._own_http = http is None
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(connect_timeout_s, read=None, write=60.0, pool=None), limits=limits
+        )
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._own_http:
+            await self._http.aclose()
+
+    async def send(
+        self,
+        event_type: str,
+        data: Mapping[str, Any],
+        *,
+        expect: str,
+        model: type[M],
+        read_timeout_s: float,
+        event_id: str | None = None,
+        sandbox_id: str | None = None,
+    ) -> M:
+        """Send one event and return the reply's data as ``model``; retries keep the event id."""
+        event = CloudEvent(
+            {
+                "type": event_type,
+                "source": self.source,
+                "id": event_id or uuid.uuid4().hex,
+                "datacontenttype": "application/json",
+            },
+            dict(data),
+        )
+        headers, body = to_binary(event)
+        timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout_s, write=60.0, pool=None)
+        attempt = 0
+        while True:
+            try:
+                resp = await self._http.post(self.url, headers=headers, content=body, timeout=timeout)
+            except httpx.TransportError as exc:
+                if attempt >= self.retries:
+                    raise TransportError(
+                        f"{event_type} to {self.url}: {exc!r}", sandbox_id=sandbox_id
+                    ) from exc
+                attempt += 1
+                await asyncio.sleep(0.1 * 2**attempt)
+                continue
+            if resp.status_code in (429, 503) and attempt < self.retries:
+                attempt += 1
+                await asyncio.sleep(_retry_after(resp) or 0.1 * 2**attempt)
+                continue
+            return self._reply(resp, expect, model, sandbox_id)
+
+    def _reply(self, resp: httpx.Response, expect: str, model: type[M], sandbox_id: str | None) -> M:
+        try:
+            reply = from_http(dict(resp.headers), resp.content)
+        except Exception as exc:
+            raise TransportError(
+                f"HTTP {resp.status_code} from {self.url} is not a CloudEvent: {resp.text[:200]!r}",
+                sandbox_id=sandbox_id,
+            ) from exc
+        sid = reply.get("subject") or sandbox_id
+        try:
+            if reply["type"] == ERROR:
+                err = ErrorData.model_validate(reply.data)
+                raise _error_class(resp.status_code)(
+                    resp.status_code, err, sandbox_id=sid, retry_after_s=_retry_after(resp)
+                )
+            if reply["type"] != expect or resp.status_code != 200:
+                raise TransportError(
+                    f"expected a {expect} reply, got {reply['type']} ({resp.status_code})", sandbox_id=sid
+                )
+            data = reply.data if not isinstance(reply.data, (bytes, str)) else json.loads(reply.data)
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise TransportError(f"malformed {reply['type']} reply: {exc}", sandbox_id=sid) from exc
+
+    async def run(
+        self,
+        code: str | None = None,
+        *,
+        command: str | None = None,
+        stdin: str | None = None,
+        files: Mapping[str, str] | None = None,
+        read_files: list[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 30.0,
+        snapshot: str = "python",
+        limits: Limits | None = None,
+        metadata: Mapping[str, str] | None = None,
+        check: bool = False,
+        event_id: str | None = None,
+    ) -> ExecResult:
+        """One-shot: a fresh sandbox runs ``code`` (or ``command``) once and is destroyed."""
+        data = _exec_data(code, command, stdin, files, read_files, env, timeout_s)
+        data["snapshot"] = snapshot
+        if limits is not None:
+            data["limits"] = limits.model_dump(exclude_unset=True)
+        if metadata:
+            data["metadata"] = dict(metadata)
+        result = await self.send(
+            SANDBOX_RUN,
+            data,
+            expect=SANDBOX_RESULT,
+            model=ExecResult,
+            read_timeout_s=timeout_s + self.reply_margin_s,
+            event_id=event_id,
+        )
+        if check and result.exit_code != 0:
+            raise CommandExitError(result)
+        return result
+
+    async def create(
+        self,
+        snapshot: str = "python",
+        *,
+        timeout_s: float | None = None,
+        limits: Limits | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Sandbox:
+        """A live sandbox; ``timeout_s`` is its lifetime (the service destroys it after that)."""
+        data: dict[str, Any] = {"snapshot": snapshot}
+        if timeout_s is not None:
+            data["timeout_s"] = timeout_s
+        if limits is not None:
+            data["limits"] = limits.model_dump(exclude_unset=True)
+        if metadata:
+            data["metadata"] = dict(metadata)
+        info = await self.send(
+            SANDBOX_CREATE,
+            data,
+            expect=SANDBOX_CREATED,
+            model=SandboxInfo,
+            read_timeout_s=self.reply_margin_s,
+        )
+        return Sandbox(self, info, owns_client=False)
+
+
+class Sandbox:
+    """A live sandbox. ``async with`` kills it on exit; ``kill()`` may be called any number of times."""
+
+    def __init__(self, client: Client, info: SandboxInfo, *, owns_client: bool):
+        self.client = client
+        self.info = info
+        self._owns_client = owns_client
+        self._usage: Usage | None = None
+        self._killed = False
+
+    @property
+    def id(self) -> str:
+        return self.info.sandbox_id
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.info.sandbox_id
+
+    @classmethod
+    async def create(
+        cls,
+        url: str | Client,
+        snapshot: str = "python",
+        *,
+        timeout_s: float | None = None,
+        limits: Limits | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Sandbox:
+        """Create a sandbox at the service ``url`` (or through a shared ``Client``)."""
+        client = url if isinstance(url, Client) else Client(url)
+        try:
+            sb = await client.create(snapshot, timeout_s=timeout_s, limits=limits, metadata=metadata)
+        except BaseException:
+            if client is not url:
+                await client.aclose()
+            raise
+        sb._owns_client = client is not url
+        return sb
+
+    async def exec(
+        self,
+        code: str | None = None,
+        *,
+        command: str | None = None,
+        stdin: str | None = None,
+        files: Mapping[str, str] | None = None,
+        read_files: list[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 30.0,
+        check: bool = False,
+        event_id: str | None = None,
+    ) -> ExecResult:
+        """Run ``code`` (Python) or ``command`` (shell) in this sandbox."""
+        data = _exec_data(code, command, stdin, files, read_files, env, timeout_s)
+        data["sandbox_id"] = self.id
+        result = await self.client.send(
+            SANDBOX_EXEC,
+            data,
+            expect=SANDBOX_RESULT,
+            model=ExecResult,
+            read_timeout_s=timeout_s + self.client.reply_margin_s,
+            event_id=event_id,
+            sandbox_id=self.id,
+        )
+        if check and result.exit_code != 0:
+            raise CommandExitError(result)
+        return result
+
+    async def kill(self) -> Usage | None:
+        """Destroy the sandbox; its usage record, or None if the service no longer knew it."""
+        if not self._killed:
+            try:
+                self._usage = await self.client.send(
+                    SANDBOX_DESTROY,
+                    {"sandbox_id": self.id},
+                    expect=SANDBOX_DESTROYED,
+                    model=Usage,
+                    read_timeout_s=self.client.reply_margin_s,
+                    sandbox_id=self.id,
+                )
+            except NotFoundError:
+                self._usage = None
+            self._killed = True
+            if self._owns_client:
+                await self.client.aclose()
+        return self._usage
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self.kill()
+        except ClientError:
+            if exc is None:
+                raise

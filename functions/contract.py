@@ -1,0 +1,185 @@
+"""The event contract: CloudEvent types and the pydantic models of their data.
+
+Every request is a CloudEvents 1.0 event POSTed to ``/``; every reply (errors included) is a
+CloudEvent in the HTTP response. The records the runtime returns (``SandboxInfo``, ``ExecResult``,
+``Usage``) and its ``Limits`` / ``ExecRequest`` are reused as they are, so the wire format and the
+runtime cannot drift apart.
+
+    request type                    data model       reply type                     reply data
+    dev.rollbox.sandbox.create      CreateData       dev.rollbox.sandbox.created    SandboxInfo
+    dev.rollbox.sandbox.exec        ExecData         dev.rollbox.sandbox.result     ExecResult
+    dev.rollbox.sandbox.run         RunData          dev.rollbox.sandbox.result     ExecResult
+    dev.rollbox.sandbox.destroy     DestroyData      dev.rollbox.sandbox.destroyed  Usage
+    (any, on failure)                                dev.rollbox.error              ErrorData
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
+
+__all__ = [
+    "CONTRACT",
+    "ERROR",
+    "EVENT_SOURCE",
+    "SANDBOX_CREATE",
+    "SANDBOX_CREATED",
+    "SANDBOX_DESTROY",
+    "SANDBOX_DESTROYED",
+    "SANDBOX_EXEC",
+    "SANDBOX_RESULT",
+    "SANDBOX_RUN",
+    "CreateData",
+    "DestroyData",
+    "ErrorCode",
+    "ErrorData",
+    "EventSpec",
+    "ExecData",
+    "ExecRequest",
+    "ExecResult",
+    "Limits",
+    "RunData",
+    "SandboxInfo",
+    "Usage",
+]
+
+PREFIX: Final = "dev.rollbox."
+SANDBOX_CREATE: Final = "dev.rollbox.sandbox.create"
+SANDBOX_CREATED: Final = "dev.rollbox.sandbox.created"
+SANDBOX_EXEC: Final = "dev.rollbox.sandbox.exec"
+SANDBOX_RUN: Final = "dev.rollbox.sandbox.run"
+SANDBOX_RESULT: Final = "dev.rollbox.sandbox.result"
+SANDBOX_DESTROY: Final = "dev.rollbox.sandbox.destroy"
+SANDBOX_DESTROYED: Final = "dev.rollbox.sandbox.destroyed"
+ERROR: Final = "dev.rollbox.error"
+
+# The `source` attribute of every reply this service sends (a URI-reference, as CloudEvents asks).
+EVENT_SOURCE: Final = "/rollbox/functions"
+
+SandboxId = Annotated[
+    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+]
+SnapshotRef = Annotated[
+    str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@/+-]*$")
+]
+MAX_METADATA_ITEMS: Final = 32
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _check_metadata(v: dict[str, str]) -> dict[str, str]:
+    if len(v) > MAX_METADATA_ITEMS:
+        raise ValueError(f"at most {MAX_METADATA_ITEMS} metadata items, got {len(v)}")
+    for k, val in v.items():
+        if not 0 < len(k) <= 64 or len(val) > 1024:
+            raise ValueError(f"metadata key {k[:64]!r}: keys are 1-64 chars, values at most 1024 chars")
+    return v
+
+
+class CreateData(_Data):
+    """``dev.rollbox.sandbox.create``: a sandbox restored from ``snapshot``. Limits not given take the
+    snapshot's defaults; ``timeout_s`` is the sandbox lifetime (shorthand for ``limits.lifetime_s``)."""
+
+    snapshot: SnapshotRef = "python"
+    timeout_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
+    limits: Limits | None = None
+    metadata: dict[str, str] = Field(
+        default_factory=dict, description="free labels: experiment, episode, ... (logged, billed)"
+    )
+
+    _metadata = field_validator("metadata")(_check_metadata)
+
+    @model_validator(mode="after")
+    def _timeout(self) -> CreateData:
+        if (
+            self.timeout_s is not None
+            and self.limits is not None
+            and "lifetime_s" in self.limits.model_fields_set
+        ):
+            raise ValueError("give the lifetime once: 'timeout_s' or 'limits.lifetime_s', not both")
+        return self
+
+    def effective_limits(self) -> Limits | None:
+        if self.timeout_s is None:
+            return self.limits
+        base = self.limits or Limits()
+        return base.model_copy(update={"lifetime_s": self.timeout_s})
+
+
+class ExecData(ExecRequest):
+    """``dev.rollbox.sandbox.exec``: one step in the live sandbox ``sandbox_id``."""
+
+    sandbox_id: SandboxId
+
+    def exec_request(self) -> ExecRequest:
+        return ExecRequest.model_validate(self.model_dump(exclude={"sandbox_id"}))
+
+
+class RunData(ExecRequest):
+    """``dev.rollbox.sandbox.run``: create + exec + destroy in one event. ``timeout_s`` bounds the exec."""
+
+    snapshot: SnapshotRef = "python"
+    limits: Limits | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    _metadata = field_validator("metadata")(_check_metadata)
+
+    def exec_request(self) -> ExecRequest:
+        return ExecRequest.model_validate(self.model_dump(exclude={"snapshot", "limits", "metadata"}))
+
+
+class DestroyData(_Data):
+    """``dev.rollbox.sandbox.destroy``: end the sandbox and bill it. Repeating it returns the same usage."""
+
+    sandbox_id: SandboxId
+
+
+class ErrorCode:
+    """The ``code`` of an error reply, with the HTTP status it is sent with."""
+
+    INVALID_EVENT: Final = "invalid_event"  # 400: not a valid CloudEvent (specversion, id, ...)
+    INVALID_DATA: Final = "invalid_data"  # 400: the data does not match the type's model
+    UNKNOWN_TYPE: Final = "unknown_type"  # 400
+    SANDBOX_NOT_FOUND: Final = "sandbox_not_found"  # 404
+    SNAPSHOT_NOT_FOUND: Final = "snapshot_not_found"  # 404
+    NOT_FOUND: Final = "not_found"  # 404: no such HTTP path
+    METHOD_NOT_ALLOWED: Final = "method_not_allowed"  # 405
+    IDEMPOTENCY_CONFLICT: Final = "idempotency_conflict"  # 409: same (source, id), different event
+    SANDBOX_DIED: Final = "sandbox_died"  # 410: the sandbox ended while in use
+    PAYLOAD_TOO_LARGE: Final = "payload_too_large"  # 413
+    UNSUPPORTED_MEDIA_TYPE: Final = "unsupported_media_type"  # 415
+    OVERLOADED: Final = "overloaded"  # 429, with Retry-After
+    INTERNAL: Final = "internal"  # 500, no host details
+    SHUTTING_DOWN: Final = "shutting_down"  # 503, with Retry-After
+    STORE_UNAVAILABLE: Final = "store_unavailable"  # 503, with Retry-After: snapshot store outage
+
+
+class ErrorData(_Data):
+    """``dev.rollbox.error``: what went wrong, and how to fix it."""
+
+    code: str = Field(description="one of ErrorCode's values; stable, for programs")
+    message: str = Field(description="for people: names the field or limit and what to do")
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class EventSpec(BaseModel):
+    """One request type of the contract: its data model, its reply type and reply data model."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request_type: str
+    data: type[BaseModel]
+    reply_type: str
+    reply: type[BaseModel]
+
+
+CONTRACT: Final[tuple[EventSpec, ...]] = (
+    EventSpec(request_type=SANDBOX_CREATE, data=CreateData, reply_type=SANDBOX_CREATED, reply=SandboxInfo),
+    EventSpec(request_type=SANDBOX_EXEC, data=ExecData, reply_type=SANDBOX_RESULT, reply=ExecResult),
+    EventSpec(request_type=SANDBOX_RUN, data=RunData, reply_type=SANDBOX_RESULT, reply=ExecResult),
+    EventSpec(request_type=SANDBOX_DESTROY, data=DestroyData, reply_type=SANDBOX_DESTROYED, reply=Usage),
+)

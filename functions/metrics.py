@@ -1,0 +1,84 @@
+"""Prometheus metrics of the service, in a registry of its own (one per Service)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel
+from rollbox.runtime.spec import ExecResult, SandboxInfo, Usage
+
+__all__ = ["Metrics"]
+
+_CREATE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool_sizes: Callable[[], dict[str, int]]):
+        self._pool_sizes = pool_sizes
+
+    def collect(self) -> Iterator[Metric]:
+        fam = GaugeMetricFamily("rollbox_pool_size", "Ready sandboxes in the warm pool", labels=["snapshot"])
+        for snapshot, n in sorted(self._pool_sizes().items()):
+            fam.add_metric([snapshot], n)
+        yield fam
+
+
+class Metrics:
+    def __init__(
+        self,
+        *,
+        live_count: Callable[[], int],
+        pool_sizes: Callable[[], dict[str, int]],
+        inflight: Callable[[], int],
+    ):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "rollbox_requests", "CloudEvent requests answered", ["type", "status"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "rollbox_request_seconds",
+            "Time to answer a request",
+            ["type"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.replays = Counter(
+            "rollbox_idempotent_replays", "Duplicate events answered from the cache", registry=r
+        )
+        self.create_seconds = Histogram(
+            "rollbox_sandbox_create_seconds",
+            "Sandbox create latency in the runtime",
+            ["source"],
+            buckets=_CREATE_BUCKETS,
+            registry=r,
+        )
+        self.execs = Counter("rollbox_execs", "Execs run (exec and run events)", ["type"], registry=r)
+        self.exit_codes = Counter("rollbox_exec_exit_codes", "Exit codes of execs", ["code"], registry=r)
+        self.timeouts = Counter("rollbox_exec_timeouts", "Execs killed at their timeout", registry=r)
+        self.oom_kills = Counter("rollbox_exec_oom_kills", "Execs killed for memory", registry=r)
+        self.destroyed = Counter("rollbox_sandboxes_destroyed", "Sandboxes destroyed by request", registry=r)
+        self.rejects = Counter(
+            "rollbox_admission_rejects", "Requests refused by admission control", ["reason"], registry=r
+        )
+        live = Gauge("rollbox_live_sandboxes", "Live sandboxes", registry=r)
+        live.set_function(lambda: float(live_count()))
+        inf = Gauge("rollbox_inflight_requests", "Requests admitted and not yet answered", registry=r)
+        inf.set_function(lambda: float(inflight()))
+        r.register(_PoolCollector(pool_sizes))
+
+    def record_reply(self, request_type: str, data: BaseModel) -> None:
+        if isinstance(data, SandboxInfo):
+            self.create_seconds.labels("pooled" if data.pooled else "restored").observe(data.create_ms / 1000)
+        elif isinstance(data, ExecResult):
+            self.execs.labels(request_type).inc()
+            self.exit_codes.labels(str(data.exit_code)).inc()
+            if data.timed_out:
+                self.timeouts.inc()
+            if data.oom_killed:
+                self.oom_kills.inc()
+        elif isinstance(data, Usage):
+            self.destroyed.inc()

@@ -1,0 +1,48 @@
+"""The sandbox event family: create, exec, run (one-shot), destroy.
+
+Thin handlers: the data arrives validated, each handler makes one runtime call and returns its
+record. Errors are the runtime's own (``rollbox.runtime.errors``); the service maps them to replies.
+"""
+
+from __future__ import annotations
+
+from rollbox.functions.contract import (
+    SANDBOX_CREATE,
+    SANDBOX_DESTROY,
+    SANDBOX_EXEC,
+    SANDBOX_RUN,
+    CreateData,
+    DestroyData,
+    ExecData,
+    RunData,
+)
+from rollbox.functions.routing import Route, SandboxRuntime, route
+from rollbox.runtime.spec import ExecResult, SandboxInfo, Usage
+
+__all__ = ["ROUTES", "create", "destroy", "exec_", "run"]
+
+
+async def create(rt: SandboxRuntime, data: CreateData) -> SandboxInfo:
+    return await rt.create(snapshot=data.snapshot, limits=data.effective_limits(), metadata=data.metadata)
+
+
+async def exec_(rt: SandboxRuntime, data: ExecData) -> ExecResult:
+    return await rt.exec(data.sandbox_id, data.exec_request())
+
+
+async def run(rt: SandboxRuntime, data: RunData) -> ExecResult:
+    return await rt.run(
+        data.exec_request(), snapshot=data.snapshot, limits=data.limits, metadata=data.metadata
+    )
+
+
+async def destroy(rt: SandboxRuntime, data: DestroyData) -> Usage:
+    return await rt.destroy(data.sandbox_id)
+
+
+ROUTES: tuple[Route, ...] = (
+    route(SANDBOX_CREATE, create, creates_sandbox=True),
+    route(SANDBOX_EXEC, exec_),
+    route(SANDBOX_RUN, run, creates_sandbox=True),
+    route(SANDBOX_DESTROY, destroy),
+)

@@ -1,0 +1,280 @@
+"""``rollbox serve``: the CloudEvent service on one box, embedded runtime included.
+
+Every flag has an environment variable (``--port`` / ``PORT``, as Knative sets it), cast strictly.
+SIGTERM (or SIGINT): readiness fails and new events get 503 at once, in-flight events finish within
+the grace period, the listener closes, the runtime destroys what is left, exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from rollbox.functions import logs
+from rollbox.functions.logs import logger
+from rollbox.functions.service import Service, ServiceConfig
+
+__all__ = ["ConfigError", "ServeConfig", "add_parser", "resolve", "serve"]
+
+
+class ConfigError(ValueError):
+    """A flag or environment variable with a value that cannot be used; the message names it."""
+
+
+def _int(minimum: int) -> Callable[[str], int]:
+    def cast(raw: str) -> int:
+        s = raw.strip()
+        if not s.isdigit():
+            raise ValueError(f"not a valid integer: {raw!r}")
+        v = int(s)
+        if v < minimum:
+            raise ValueError(f"must be >= {minimum}, got {v}")
+        return v
+
+    return cast
+
+
+def _seconds(raw: str) -> float:
+    try:
+        v = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"not a valid number of seconds: {raw!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"must be a finite number > 0, got {raw!r}")
+    return v
+
+
+def _host(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError("must not be empty")
+    return raw.strip()
+
+
+def _level(raw: str) -> str:
+    v = raw.strip().lower()
+    if v not in ("debug", "info", "warning", "error"):
+        raise ValueError(f"not a log level (debug, info, warning, error): {raw!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class _Option:
+    dest: str
+    flag: str
+    env: str
+    cast: Callable[[str], Any]
+    default: Any
+    help: str
+
+
+_D = ServiceConfig()
+OPTIONS: tuple[_Option, ...] = (
+    _Option("host", "--host", "HOST", _host, "127.0.0.1", "address to listen on"),
+    _Option("port", "--port", "PORT", _int(0), 8080, "port to listen on (0: any free port, logged)"),
+    _Option(
+        "max_live",
+        "--max-live",
+        "ROLLBOX_MAX_LIVE",
+        _int(1),
+        _D.max_live,
+        "cap on live sandboxes; creates beyond it get 429",
+    ),
+    _Option(
+        "max_queued",
+        "--max-queued",
+        "ROLLBOX_MAX_QUEUED",
+        _int(1),
+        _D.max_queued,
+        "cap on requests admitted and not yet answered; more get 429",
+    ),
+    _Option(
+        "max_body_bytes",
+        "--max-body-bytes",
+        "ROLLBOX_MAX_BODY_BYTES",
+        _int(1024),
+        _D.max_body_bytes,
+        "largest request body; larger get 413",
+    ),
+    _Option(
+        "idempotency_entries",
+        "--idempotency-entries",
+        "ROLLBOX_IDEMPOTENCY_ENTRIES",
+        _int(1),
+        _D.idempotency_entries,
+        "replies kept for duplicate events (same source and id)",
+    ),
+    _Option(
+        "idempotency_ttl_s",
+        "--idempotency-ttl-s",
+        "ROLLBOX_IDEMPOTENCY_TTL_S",
+        _seconds,
+        _D.idempotency_ttl_s,
+        "how long a reply is kept for duplicates",
+    ),
+    _Option(
+        "retry_after_s",
+        "--retry-after-s",
+        "ROLLBOX_RETRY_AFTER_S",
+        _seconds,
+        _D.retry_after_s,
+        "Retry-After sent with 429 and 503",
+    ),
+    _Option(
+        "grace_s",
+        "--grace-s",
+        "ROLLBOX_GRACE_S",
+        _seconds,
+        30.0,
+        "on SIGTERM, how long in-flight events may take to finish",
+    ),
+    _Option("log_level", "--log-level", "ROLLBOX_LOG_LEVEL", _level, "info", "debug, info, warning or error"),
+)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str
+    port: int
+    grace_s: float
+    log_level: str
+    service: ServiceConfig
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeConfig:
+    """Flag, else environment variable, else default; each cast strictly. Raises ``ConfigError``."""
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        given = getattr(args, opt.dest, None)
+        if given is not None:
+            raw, origin = given, opt.flag
+        elif environ.get(opt.env) is not None:
+            raw, origin = environ[opt.env], opt.env
+        else:
+            values[opt.dest] = opt.default
+            continue
+        try:
+            values[opt.dest] = opt.cast(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{origin}: {exc}") from None
+    svc = ServiceConfig(**{k: values.pop(k) for k in list(values) if k in ServiceConfig.__dataclass_fields__})
+    return ServeConfig(service=svc, **values)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the CloudEvent functions over HTTP",
+        description="Serve rollbox's CloudEvent functions over HTTP with the embedded runtime. Every flag "
+        "has an environment variable; a flag wins over its variable.",
+    )
+    for opt in OPTIONS:
+        p.add_argument(
+            opt.flag,
+            dest=opt.dest,
+            default=None,
+            help=f"{opt.help} (env {opt.env}, default {opt.default})",
+        )
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        cfg = resolve(args, os.environ)
+    except ConfigError as exc:
+        print(f"rollbox serve: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(cfg.log_level)
+    return asyncio.run(serve(cfg))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, minus its signal handling: ``serve`` owns SIGTERM/SIGINT and drains first."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(cfg: ServeConfig) -> int:
+    from rollbox.runtime.runtime import Runtime, RuntimeConfig
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))
+    port = sock.getsockname()[1]
+    rt = Runtime(RuntimeConfig(max_live=cfg.service.max_live))
+    await rt.start()
+    rc = 0
+    try:
+        service = Service(rt, cfg.service)
+        server = _Server(
+            uvicorn.Config(
+                service.asgi_app(),
+                lifespan="off",
+                log_config=None,
+                access_log=False,
+                timeout_graceful_shutdown=max(1, math.ceil(cfg.grace_s)),
+                limit_concurrency=None,
+                backlog=4096,
+            )
+        )
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if serving.done():
+            serving.result()
+            return 1
+        service.ready = True
+        logger.info(
+            "listening",
+            extra={
+                "fields": {"host": cfg.host, "port": port, "pid": os.getpid(), "isolation": _isolation(rt)}
+            },
+        )
+        await stop.wait()
+        t0 = loop.time()
+        service.admission.start_draining()
+        logger.info(
+            "draining", extra={"fields": {"inflight": service.admission.inflight, "grace_s": cfg.grace_s}}
+        )
+        drained = await service.admission.wait_idle(cfg.grace_s)
+        if not drained:
+            logger.warning(
+                "grace period over; cancelling in-flight events",
+                extra={"fields": {"inflight": service.admission.inflight}},
+            )
+        server.config.timeout_graceful_shutdown = max(1, math.ceil(cfg.grace_s - (loop.time() - t0)))
+        server.should_exit = True
+        await serving
+    finally:
+        try:
+            await rt.close()
+        except Exception:
+            logger.exception("runtime close failed")
+            rc = 1
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    logger.info("stopped", extra={"fields": {"rc": rc}})
+    return rc
+
+
+def _isolation(rt: Any) -> dict[str, str] | None:
+    report = getattr(rt, "isolation_report", None)
+    try:
+        return dict(report()) if callable(report) else None
+    except Exception:
+        return None

@@ -1,0 +1,343 @@
+"""The CloudEvent service: one HTTP function that turns request events into reply events.
+
+Served by functions-framework (its ASGI flavour, HTTP signature: its ``cloud_event`` signature
+drops return values, and a reply must travel in the response). Per request:
+
+    read body (capped) -> decode the CloudEvent -> route by type -> validate data
+    -> idempotency (source, id) -> admission -> handler (one runtime call) -> reply event
+
+Also ``GET /healthz`` (the process is up), ``/readyz`` (it takes work) and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import functions_framework.aio
+from cloudevents.http import CloudEvent
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from rollbox.functions import sandbox
+from rollbox.functions.admission import Admission, Rejected
+from rollbox.functions.contract import SANDBOX_CREATED, SANDBOX_DESTROYED, ErrorCode
+from rollbox.functions.events import ReplyError, content_mode, decode, encode, error_event, reply_event
+from rollbox.functions.idempotency import Conflict, IdempotencyCache
+from rollbox.functions.logs import logger
+from rollbox.functions.metrics import Metrics
+from rollbox.functions.routing import Route, SandboxRuntime
+from rollbox.runtime import errors as rterr
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+__all__ = ["Service", "ServiceConfig", "handle"]
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Caps and windows of one service process (every one is a ``rollbox serve`` flag)."""
+
+    max_live: int = 256
+    max_queued: int = 1024
+    max_body_bytes: int = 8 * MiB
+    idempotency_entries: int = 100_000
+    idempotency_ttl_s: float = 600.0
+    retry_after_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class _Reply:
+    status: int
+    event: CloudEvent
+    retry_after_s: float | None = None
+    cacheable: bool = True
+    code: str | None = None
+
+
+def _error(err: ReplyError, *, cacheable: bool = True) -> _Reply:
+    return _Reply(err.status, error_event(err), err.retry_after_s, cacheable, err.code)
+
+
+def _validation_message(request_type: str, exc: ValidationError) -> tuple[str, list[dict[str, Any]]]:
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e["loc"]) or "(data)"
+        parts.append(f"{loc}: {e['msg']}")
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    details = [{"loc": [str(x) for x in e["loc"]], "msg": e["msg"], "type": e["type"]} for e in errors[:20]]
+    return f"invalid data for {request_type}: " + "; ".join(parts) + more, details
+
+
+def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
+    """The runtime's errors as error replies; unknown ones become a 500 that leaks nothing."""
+    sid = exc.sandbox_id
+    if isinstance(exc, rterr.InvalidRequest):
+        return ReplyError(400, ErrorCode.INVALID_DATA, exc.message, sandbox_id=sid)
+    if isinstance(exc, rterr.SandboxNotFound):
+        return ReplyError(
+            404, ErrorCode.SANDBOX_NOT_FOUND, exc.message, sandbox_id=sid, details={"sandbox_id": sid}
+        )
+    if isinstance(exc, rterr.SnapshotNotFound):
+        return ReplyError(
+            404, ErrorCode.SNAPSHOT_NOT_FOUND, exc.message, details={"snapshot_id": exc.snapshot_id}
+        )
+    if isinstance(exc, rterr.SandboxDied):
+        return ReplyError(
+            410, ErrorCode.SANDBOX_DIED, exc.message, sandbox_id=sid, details={"sandbox_id": sid}
+        )
+    if isinstance(exc, rterr.StoreUnavailable):
+        return ReplyError(
+            503,
+            ErrorCode.STORE_UNAVAILABLE,
+            "the snapshot store is unreachable; retry later",
+            retry_after_s=5.0,
+        )
+    if isinstance(exc, rterr.Overloaded):
+        return ReplyError(429, ErrorCode.OVERLOADED, exc.message, retry_after_s=exc.retry_after_s)
+    return ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details")
+
+
+class Service:
+    def __init__(
+        self,
+        runtime: SandboxRuntime,
+        config: ServiceConfig | None = None,
+        routes: Iterable[Route] = sandbox.ROUTES,
+    ):
+        self.runtime = runtime
+        self.config = cfg = config or ServiceConfig()
+        self.routes: dict[str, Route] = {}
+        for r in routes:
+            if r.spec.request_type in self.routes:
+                raise ValueError(f"two routes for {r.spec.request_type!r}")
+            self.routes[r.spec.request_type] = r
+        self.admission = Admission(
+            max_live=cfg.max_live,
+            max_queued=cfg.max_queued,
+            retry_after_s=cfg.retry_after_s,
+            live_count=runtime.live_count,
+        )
+        self.metrics = Metrics(
+            live_count=runtime.live_count,
+            pool_sizes=runtime.pool_sizes,
+            inflight=lambda: self.admission.inflight,
+        )
+        self.cache: IdempotencyCache[_Reply] = IdempotencyCache(
+            cfg.idempotency_entries, cfg.idempotency_ttl_s, cacheable=lambda r: r.cacheable
+        )
+        self.ready = False
+        self._labels: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
+
+    # -- the ASGI app ------------------------------------------------------------------------------
+
+    def asgi_app(self) -> Starlette:
+        """functions-framework's ASGI app around ``handle``, bound to this service."""
+        app: Starlette = functions_framework.aio.create_asgi_app_from_module(  # type: ignore[no-untyped-call]
+            "handle", __file__, "http", sys.modules[__name__], None
+        )
+        app.state.rollbox_service = self
+        return app
+
+    async def handle(self, request: Request) -> Response:
+        path, method = request.url.path, request.method
+        if method in ("GET", "HEAD") and path in ("/healthz", "/readyz", "/metrics"):
+            if path == "/healthz":
+                return JSONResponse({"status": "ok"})
+            if path == "/readyz":
+                ok = self.ready and not self.admission.draining
+                body = {
+                    "status": "ready" if ok else ("draining" if self.admission.draining else "starting"),
+                    "inflight": self.admission.inflight,
+                }
+                return JSONResponse(body, status_code=200 if ok else 503)
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        if path != "/":
+            err = ReplyError(
+                404, ErrorCode.NOT_FOUND, f"no endpoint at {path[:100]!r}: POST CloudEvents to '/'"
+            )
+            return self._respond(request, _error(err), {})
+        if method != "POST":
+            err = ReplyError(
+                405, ErrorCode.METHOD_NOT_ALLOWED, f"{method} is not allowed: POST CloudEvents to '/'"
+            )
+            return self._respond(request, _error(err), {}, allow="POST")
+        return await self._handle_event(request)
+
+    # -- one event ---------------------------------------------------------------------------------
+
+    async def _handle_event(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        fields: dict[str, Any] = {}
+        replayed = False
+        try:
+            if self.admission.draining:
+                self.metrics.rejects.labels("draining").inc()
+                raise ReplyError(
+                    503,
+                    ErrorCode.SHUTTING_DOWN,
+                    "the server is shutting down; retry elsewhere",
+                    retry_after_s=self.config.retry_after_s,
+                )
+            body = await self._read_body(request)
+            event = decode(request.headers, body)
+            etype, source, eid = event["type"], event["source"], event["id"]
+            fields.update(event_id=eid, source=source, type=etype)
+            route = self.routes.get(etype)
+            if route is None:
+                known = ", ".join(sorted(self.routes))
+                raise ReplyError(
+                    400, ErrorCode.UNKNOWN_TYPE, f"unknown event type {etype[:200]!r}; known: {known}"
+                )
+            data = self._validate(route, event.data)
+            self._label_fields(data, fields)
+            fingerprint = hashlib.sha256(
+                json.dumps([etype, event.data], sort_keys=True, separators=(",", ":")).encode()
+            ).hexdigest()
+            reply, replayed = await self.cache.run(
+                (source, eid), fingerprint, lambda: self._execute(route, data, fields)
+            )
+        except ReplyError as err:
+            reply = _error(err)
+        except Conflict as exc:
+            reply = _error(ReplyError(409, ErrorCode.IDEMPOTENCY_CONFLICT, str(exc)))
+        if replayed:
+            self.metrics.replays.inc()
+        fields.setdefault("sandbox_id", reply.event.get("subject"))
+        self._remember_labels(reply, fields)
+        seconds = time.perf_counter() - t0
+        etype_label = fields.get("type") if fields.get("type") in self.routes else "invalid"
+        self.metrics.requests.labels(etype_label, str(reply.status)).inc()
+        self.metrics.request_seconds.labels(etype_label).observe(seconds)
+        fields.update(
+            status=reply.status, code=reply.code, ms=round(seconds * 1000, 3), replayed=replayed or None
+        )
+        logger.log(40 if reply.status >= 500 else 20, "event", extra={"fields": fields})
+        return self._respond(request, reply, fields)
+
+    def _respond(self, request: Request, reply: _Reply, fields: dict[str, Any], **extra: str) -> Response:
+        headers, body = encode(reply.event, content_mode(request.headers))
+        if reply.retry_after_s is not None:
+            headers["retry-after"] = str(max(1, math.ceil(reply.retry_after_s)))
+        if reply.status == 503:
+            headers["connection"] = "close"
+        headers.update(extra)
+        return Response(body, status_code=reply.status, headers=headers)
+
+    async def _read_body(self, request: Request) -> bytes:
+        cap = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_large = declared.isdigit() and int(declared) > cap
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                too_large = True
+            if too_large:
+                if size > max(64 * MiB, 4 * cap):  # stop reading; the connection is closed after the reply
+                    break
+                continue
+            chunks.append(chunk)
+        if too_large:
+            raise ReplyError(
+                413,
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"request body larger than the {cap}-byte cap (max body bytes); send files "
+                "in smaller pieces or raise ROLLBOX_MAX_BODY_BYTES",
+                details={"max_body_bytes": cap},
+            )
+        return b"".join(chunks)
+
+    def _validate(self, route: Route, data: Any) -> BaseModel:
+        rtype = route.spec.request_type
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ReplyError(
+                400,
+                ErrorCode.INVALID_DATA,
+                f"data of {rtype} must be a JSON object, got {type(data).__name__}",
+            )
+        try:
+            return route.spec.data.model_validate(data)
+        except ValidationError as exc:
+            message, details = _validation_message(rtype, exc)
+            sid = data.get("sandbox_id")
+            raise ReplyError(
+                400,
+                ErrorCode.INVALID_DATA,
+                message,
+                details={"errors": details},
+                sandbox_id=sid if isinstance(sid, str) and len(sid) <= 128 else None,
+            ) from None
+
+    async def _execute(self, route: Route, data: BaseModel, fields: dict[str, Any]) -> _Reply:
+        try:
+            with self.admission.admit(creates_sandbox=route.creates_sandbox):
+                result = await route.handler(self.runtime, data)
+        except Rejected as rej:
+            self.metrics.rejects.labels(rej.reason).inc()
+            status, code = (
+                (503, ErrorCode.SHUTTING_DOWN) if rej.reason == "draining" else (429, ErrorCode.OVERLOADED)
+            )
+            return _error(
+                ReplyError(status, code, rej.message, retry_after_s=rej.retry_after_s), cacheable=False
+            )
+        except rterr.RollboxError as exc:
+            err = _runtime_error(exc)
+            if err.status == 429:
+                self.metrics.rejects.labels("runtime").inc()
+            if err.status >= 500:
+                logger.error(
+                    "runtime error", exc_info=True, extra={"fields": {**fields, "sandbox_id": exc.sandbox_id}}
+                )
+            return _error(err, cacheable=err.status not in (429, 503))
+        except Exception:
+            logger.exception("handler failed", extra={"fields": fields})
+            return _error(
+                ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details")
+            )
+        self.metrics.record_reply(route.spec.request_type, result)
+        subject = getattr(result, "sandbox_id", None)
+        return _Reply(200, reply_event(route.spec.reply_type, result, subject))
+
+    # -- log correlation: experiment / episode of a sandbox ------------------------------------------
+
+    def _label_fields(self, data: BaseModel, fields: dict[str, Any]) -> None:
+        meta = getattr(data, "metadata", None)
+        sid = getattr(data, "sandbox_id", None)
+        if isinstance(meta, dict):
+            fields.update(experiment=meta.get("experiment"), episode=meta.get("episode"))
+        elif isinstance(sid, str):
+            fields["sandbox_id"] = sid
+            exp, ep = self._labels.get(sid, (None, None))
+            fields.update(experiment=exp, episode=ep)
+
+    def _remember_labels(self, reply: _Reply, fields: dict[str, Any]) -> None:
+        sid = reply.event.get("subject")
+        if not sid or reply.status != 200:
+            return
+        if reply.event["type"] == SANDBOX_CREATED:
+            self._labels[sid] = (fields.get("experiment"), fields.get("episode"))
+            if len(self._labels) > 65536:
+                self._labels.popitem(last=False)
+        elif reply.event["type"] == SANDBOX_DESTROYED:
+            self._labels.pop(sid, None)
+
+
+@functions_framework.aio.http
+async def handle(request: Request) -> Response:
+    """The function functions-framework serves; the service it belongs to rides on the app state."""
+    service: Service = request.app.state.rollbox_service
+    return await service.handle(request)
