@@ -24,37 +24,45 @@ DRAIN_AFTER_EXIT_S = 0.2  # how long background holders of stdout may keep it op
 DRAIN_FACTOR = 8  # past the cap, output is read and dropped up to this many caps, then left to block
 
 
-async def _read_capped(fd: int, cap: int) -> tuple[bytes, bool]:
-    """Read a pipe to EOF keeping the first ``cap`` bytes; past DRAIN_FACTOR caps stop reading, so a
-    writer that never stops blocks (and meets its timeout) instead of burning the supervisor's CPU."""
-    loop = asyncio.get_running_loop()
-    buf = bytearray()
-    total = 0
-    truncated = False
-    event = asyncio.Event()
-    loop.add_reader(fd, event.set)
-    try:
-        while True:
-            await event.wait()
-            event.clear()
+class _Capture:
+    """Reads a pipe to EOF keeping the first ``cap`` bytes. Past DRAIN_FACTOR caps it stops reading,
+    so a writer that never stops blocks (and meets its timeout) instead of burning the supervisor's
+    CPU. What was captured survives cancellation."""
+
+    def __init__(self, fd: int, cap: int):
+        self.fd = fd
+        self.cap = cap
+        self.buf = bytearray()
+        self.total = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.cap
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        loop.add_reader(self.fd, event.set)
+        try:
             while True:
-                try:
-                    chunk = os.read(fd, 1 << 16)
-                except BlockingIOError:
-                    break
-                if not chunk:
-                    return bytes(buf), truncated
-                total += len(chunk)
-                room = cap - len(buf)
-                if room > 0:
-                    buf += chunk[:room]
-                if len(chunk) > room:
-                    truncated = True
-                if total > cap * DRAIN_FACTOR:
-                    loop.remove_reader(fd)
-                    await asyncio.Event().wait()  # until cancelled
-    finally:
-        loop.remove_reader(fd)
+                await event.wait()
+                event.clear()
+                while True:
+                    try:
+                        chunk = os.read(self.fd, 1 << 16)
+                    except BlockingIOError:
+                        break
+                    if not chunk:
+                        return
+                    self.total += len(chunk)
+                    room = self.cap - len(self.buf)
+                    if room > 0:
+                        self.buf += chunk[:room]
+                    if self.total > self.cap * DRAIN_FACTOR:
+                        loop.remove_reader(self.fd)
+                        await asyncio.Event().wait()  # until cancelled
+        finally:
+            loop.remove_reader(self.fd)
 
 
 async def _feed(fd: int, data: bytes) -> None:
@@ -166,7 +174,8 @@ class Sandbox:
         else:
             msg["command"] = req.command
         t0 = time.monotonic()
-        readers = [asyncio.create_task(_read_capped(out_r, cap)), asyncio.create_task(_read_capped(err_r, cap))]
+        captures = [_Capture(out_r, cap), _Capture(err_r, cap)]
+        readers = [asyncio.create_task(c.run()) for c in captures]
         feeder = asyncio.create_task(_feed(in_w, (req.stdin or "").encode()))
         timed_out = False
         reply: dict[str, Any] | None = None
@@ -183,7 +192,7 @@ class Sandbox:
                 timed_out = True
                 reply = await self._kill_step()
             wall = time.monotonic() - t0
-            done, pending = await asyncio.wait(readers, timeout=DRAIN_AFTER_EXIT_S)
+            await asyncio.wait(readers, timeout=DRAIN_AFTER_EXIT_S)
         finally:
             for t in (*readers, feeder):
                 if not t.done():
@@ -191,13 +200,8 @@ class Sandbox:
             await asyncio.gather(*readers, feeder, return_exceptions=True)
             for fd in (out_r, err_r):
                 os.close(fd)
-        outs: list[tuple[bytes, bool]] = []
-        for t in readers:
-            if t.cancelled() or t.exception() is not None:
-                outs.append((b"", True))
-            else:
-                outs.append(t.result())
-        (stdout, out_trunc), (stderr, err_trunc) = outs
+        stdout, stderr = bytes(captures[0].buf), bytes(captures[1].buf)
+        out_trunc, err_trunc = captures[0].truncated, captures[1].truncated
         after = self.group.stats() if self.group else None
         self.execs += 1
         alive = reply is not None and self.dead is None

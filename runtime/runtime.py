@@ -25,7 +25,7 @@ from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import InvalidRequest, IsolationError, Overloaded, SandboxNotFound
 from rollbox.runtime.execution import Sandbox
 from rollbox.runtime.isolation import cgroups, seccomp
-from rollbox.runtime.isolation.cgroups import Backend
+from rollbox.runtime.isolation.cgroups import Backend, Group
 from rollbox.runtime.pool import Pool
 from rollbox.runtime.restore import Zygote
 from rollbox.runtime.snapshot import BuiltinResolver, SnapshotResolver, SnapshotView
@@ -75,6 +75,7 @@ class Runtime:
         self.seccomp_bpf = b""
         self._reaper: asyncio.Task[None] | None = None
         self._creating = 0
+        self.restoring: set[str] = set()  # ids of sandboxes being restored right now
         self.started = False
 
     # ----------------------------------------------------------------- lifecycle
@@ -167,6 +168,14 @@ class Runtime:
         if group is None:  # no cgroup: fall back to rlimits (nproc counts per user namespace)
             params["nproc"] = limits.pids_max
             params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
+        self.restoring.add(sid)
+        try:
+            return await self._contain(view, limits, z, sid, group, params)
+        finally:
+            self.restoring.discard(sid)
+
+    async def _contain(self, view: SnapshotView, limits: Limits, z: Zygote, sid: str, group: Group | None,
+                       params: dict[str, Any]) -> Sandbox:
         try:
             pid, sock = await z.spawn(params)
         except BaseException:

@@ -39,11 +39,15 @@ def send(sock: socket.socket, obj: dict[str, Any], fds: list[int] | tuple[int, .
 
 
 class Reader:
-    """Incremental frame parser collecting any passed fds (feed it what recvmsg returns)."""
+    """Incremental frame parser. Passed fds are tied to the frame whose bytes they arrived with
+    (the kernel ends a read right after a message that carries fds), so frames that arrive
+    together never mix up their fds."""
 
     def __init__(self) -> None:
         self.buf = bytearray()
-        self.fds: list[int] = []
+        self.base = 0  # stream offset of buf[0]
+        self.pending: list[tuple[int, list[int]]] = []  # (stream offset of the carrying byte, fds)
+        self.last_fds: list[int] = []
 
     def feed(self, data: bytes, ancdata: list[tuple[int, int, bytes]]) -> None:
         self.buf += data
@@ -51,7 +55,7 @@ class Reader:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 a = array.array("i")
                 a.frombytes(payload[: len(payload) - (len(payload) % a.itemsize)])
-                self.fds.extend(a)
+                self.pending.append((self.base + len(self.buf) - 1, list(a)))
 
     def next(self) -> dict[str, Any] | None:
         if len(self.buf) < 4:
@@ -62,14 +66,19 @@ class Reader:
         if len(self.buf) < 4 + n:
             return None
         body = bytes(self.buf[4 : 4 + n])
+        start, end = self.base, self.base + 4 + n
         del self.buf[: 4 + n]
+        self.base = end
+        self.last_fds = [fd for off, fds in self.pending if start <= off < end for fd in fds]
+        self.pending = [(off, fds) for off, fds in self.pending if off >= end]
         obj = json.loads(body)
         if not isinstance(obj, dict):
             raise ProtocolError("frame is not a JSON object")
         return obj
 
     def take_fds(self) -> list[int]:
-        fds, self.fds = self.fds, []
+        """The fds that came with the frame ``next()`` returned last."""
+        fds, self.last_fds = self.last_fds, []
         return fds
 
 

@@ -107,7 +107,7 @@ class V1:
         return V1Group(dirs)
 
     def leftovers(self) -> list[str]:
-        return [str(d) for p in self.parents.values() for d in p.iterdir() if d.is_dir()]
+        return [str(d) for p in self.parents.values() if p.is_dir() for d in p.iterdir() if d.is_dir()]
 
     def close(self) -> None:
         for p in self.parents.values():

@@ -106,7 +106,7 @@ class V2:
         return V2Group(d)
 
     def leftovers(self) -> list[str]:
-        return [str(d) for d in self.parent.iterdir() if d.is_dir()]
+        return [str(d) for d in self.parent.iterdir() if d.is_dir()] if self.parent.is_dir() else []
 
     def close(self) -> None:
         try:

@@ -1,0 +1,151 @@
+"""Misbehaving code, black-box: each case is (code or command, what must be true of the result).
+
+After every case the supervisor still works and nothing is left behind on the host.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from rollbox.runtime.runtime import Runtime
+from rollbox.runtime.spec import ExecRequest, ExecResult, Limits
+
+from .conftest import host_mounts, host_state
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+MiB = 1024 * 1024
+SECRET = f"host-secret-{uuid.uuid4().hex}"
+HOST_FILE = f"/tmp/rollbox-host-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Case:
+    name: str
+    check: Callable[[ExecResult], bool]
+    code: str | None = None
+    command: str | None = None
+    timeout_s: float = 10.0
+    limits: dict[str, int] = field(default_factory=dict)
+
+
+CASES = [
+    Case("fork bomb is stopped by the pids limit",
+         lambda r: r.pids_limit_hit and r.timed_out and r.exit_code == 137,
+         code="import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+         timeout_s=3, limits={"pids_max": 32}),
+    Case("shell fork bomb is stopped by the pids limit",
+         lambda r: r.pids_limit_hit,
+         command="bomb() { bomb | bomb & }; bomb; sleep 2", timeout_s=3, limits={"pids_max": 32}),
+    Case("memory hog is OOM-killed and reported",
+         lambda r: r.oom_killed and r.exit_code == 137 and r.signal == "SIGKILL",
+         code="a = []\nwhile True:\n    a.append(' ' * 10**7)", limits={"memory_max_bytes": 64 * MiB}),
+    Case("endless output is truncated at the cap",
+         lambda r: r.stdout_truncated and len(r.stdout) == 4096 and r.timed_out,
+         code="while True:\n    print('x' * 1000)", timeout_s=2, limits={"output_max_bytes": 4096}),
+    Case("large finite output is truncated and the run still ends by itself",
+         lambda r: r.stdout_truncated and not r.timed_out and r.exit_code == 0 and len(r.stdout) == 4096,
+         code="import sys\nsys.stdout.write('y' * 20000)", limits={"output_max_bytes": 4096}),
+    Case("endless loop times out with 137",
+         lambda r: r.timed_out and r.exit_code == 137,
+         code="while True:\n    pass", timeout_s=1),
+    Case("sleep forever times out with 137",
+         lambda r: r.timed_out and r.exit_code == 137,
+         command="sleep 1000", timeout_s=1),
+    Case("reading host files outside the snapshot fails",
+         lambda r: r.exit_code == 0 and r.stdout.split() == ["absent"] * 4,
+         code="import os\n"
+              f"for p in ['{HOST_FILE}', '/etc/shadow', '/work', os.path.expanduser('~root') + '/.bashrc']:\n"
+              "    print('present' if os.path.exists(p) else 'absent')"),
+    Case("writing outside the sandbox never reaches the host",
+         lambda r: r.exit_code == 0 and "usr:denied" in r.stdout and not os.path.exists(HOST_FILE + ".w"),
+         code=f"open('{HOST_FILE}.w', 'w').write('x')\n"
+              "try:\n    open('/usr/evil', 'w')\nexcept OSError:\n    print('usr:denied')"),
+    Case("connecting to a TCP port the host listens on fails",
+         lambda r: r.exit_code == 0 and r.stdout.strip() == "refused:PermissionError",
+         code="import socket\ntry:\n    socket.create_connection(('127.0.0.1', PORT), timeout=2)\n    print('connected')\n"
+              "except OSError as e:\n    print('refused:' + type(e).__name__)"),
+    Case("kill -9 -1 inside kills the sandbox's other processes, not its init",
+         lambda r: r.exit_code == 0 and r.stdout.split() == ["alive", "0"] and r.sandbox_alive,
+         command="sleep 100 & sleep 100 & kill -9 -1; echo alive; sleep 0.2; ps -e -o comm= | grep -c sleep || true"),
+    Case("mount fails",
+         lambda r: r.exit_code != 0 and "ok" not in r.stdout,
+         command="mount -t tmpfs none /tmp && echo ok"),
+    Case("ptrace fails",
+         lambda r: r.exit_code == 0 and r.stdout.strip() == "-1 1",
+         code="import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+              "print(libc.ptrace(0, 0, 0, 0), ctypes.get_errno())"),
+    Case("unshare fails (no new namespaces from inside)",
+         lambda r: r.exit_code != 0,
+         command="unshare -U true"),
+    Case("the host environment is not visible",
+         lambda r: r.exit_code == 0 and SECRET not in r.stdout and "HOME=/home/sandbox" in r.stdout,
+         command="env; cat /proc/1/environ 2>/dev/null | tr '\\0' '\\n'"),
+    Case("runs as an unprivileged user with no capabilities",
+         lambda r: r.exit_code == 0 and r.stdout.split() == ["1000", "0000000000000000", "1"],
+         command="id -u; grep CapEff /proc/self/status | cut -f2; grep NoNewPrivs /proc/self/status | cut -f2"),
+]
+
+
+@pytest.fixture(scope="module")
+def host_listener():
+    os.environ.setdefault("ROLLBOX_TEST_SECRET", SECRET)  # visible to the supervisor, never inside
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    with open(HOST_FILE, "w") as f:
+        f.write(SECRET)
+    yield srv.getsockname()[1]
+    srv.close()
+    os.unlink(HOST_FILE)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+async def test_misbehaviour_is_contained(rt: Runtime, host_listener: int, case: Case) -> None:
+    mounts_before = host_mounts()
+    code = case.code.replace("PORT", str(host_listener)) if case.code else None
+    limits = Limits(**case.limits) if case.limits else None
+    info = await rt.create(limits=limits)
+    try:
+        res = await rt.exec(info.sandbox_id, ExecRequest(code=code, command=case.command, timeout_s=case.timeout_s))
+        assert case.check(res), res.model_dump()
+        # the supervisor and this very sandbox still work after the case (unless it had to die)
+        if res.sandbox_alive:
+            again = await rt.exec(info.sandbox_id, ExecRequest(code="print(6*7)"))
+            assert again.stdout == "42\n", again
+    finally:
+        await rt.destroy(info.sandbox_id)
+    fresh = await rt.run(ExecRequest(code="print('fine')"))
+    assert fresh.stdout == "fine\n" and fresh.exit_code == 0
+    assert host_mounts() == mounts_before
+    assert host_state(rt) == {"cgroups": [], "sandbox_children": 0}
+
+
+async def test_kill_minus_one_spares_the_host(rt: Runtime) -> None:
+    host_proc = subprocess.Popen(["sleep", "30"])
+    try:
+        res = await rt.run(ExecRequest(command="kill -9 -1; echo survived"))
+        assert res.exit_code == 0 and res.stdout == "survived\n"
+        assert host_proc.poll() is None
+    finally:
+        host_proc.kill()
+        host_proc.wait()
+
+
+async def test_sandboxes_are_isolated_from_each_other(rt: Runtime) -> None:
+    a = await rt.create()
+    b = await rt.create()
+    try:
+        await rt.exec(a.sandbox_id, ExecRequest(command="echo mine > /tmp/f; echo home > note.txt; sleep 30 &"))
+        r = await rt.exec(b.sandbox_id, ExecRequest(command="cat /tmp/f note.txt; ps -e -o comm="))
+        assert "mine" not in r.stdout and "home" not in r.stdout
+        assert "sleep" not in r.stdout and "ps" in r.stdout  # b sees its own processes, none of a's
+    finally:
+        await rt.destroy(a.sandbox_id)
+        await rt.destroy(b.sandbox_id)
