@@ -1,0 +1,106 @@
+"""Exec as a trainer uses it: code and commands, stdin, files in and out, multi-step state."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollbox.runtime.errors import InvalidRequest, SandboxNotFound
+from rollbox.runtime.runtime import Runtime
+from rollbox.runtime.spec import ExecRequest
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def test_code_runs_as_main_with_fd_level_capture(rt: Runtime) -> None:
+    code = (
+        "import os, subprocess, sys\n"
+        "print('py-out', flush=True)\n"
+        "print('py-err', file=sys.stderr, flush=True)\n"
+        "os.write(1, b'fd-out\\n')\n"
+        "subprocess.run(['sh', '-c', 'echo child-out; echo child-err >&2'])\n"
+        "print(__name__)\n"
+        "sys.exit(5)\n"
+    )
+    r = await rt.run(ExecRequest(code=code))
+    assert r.exit_code == 5
+    assert r.stdout.split() == ["py-out", "fd-out", "child-out", "__main__"]
+    assert r.stderr.split() == ["py-err", "child-err"]
+
+
+async def test_exceptions_give_a_traceback_and_exit_1(rt: Runtime) -> None:
+    r = await rt.run(ExecRequest(code="def f():\n    raise ValueError('boom')\nf()"))
+    assert r.exit_code == 1
+    assert "ValueError: boom" in r.stderr and 'File "<code>", line 2' in r.stderr
+
+
+async def test_syntax_error_is_reported(rt: Runtime) -> None:
+    r = await rt.run(ExecRequest(code="def (:"))
+    assert r.exit_code == 1 and "SyntaxError" in r.stderr
+
+
+async def test_stdin_and_env(rt: Runtime) -> None:
+    r = await rt.run(ExecRequest(command="read x; echo \"got $x $GREETING\"", stdin="abc\n", env={"GREETING": "hi"}))
+    assert (r.exit_code, r.stdout) == (0, "got abc hi\n")
+    big = "z" * 300_000  # larger than a pipe buffer
+    r = await rt.run(ExecRequest(code="import sys\nprint(len(sys.stdin.read()))", stdin=big))
+    assert r.stdout == "300000\n"
+
+
+async def test_files_in_and_out_and_state_across_steps(rt: Runtime) -> None:
+    info = await rt.create(metadata={"episode": "e1"})
+    sid = info.sandbox_id
+    try:
+        r1 = await rt.exec(sid, ExecRequest(code="import helper\nprint(helper.VALUE)",
+                                            files={"helper.py": "VALUE = 41 + 1\n", "data/in.txt": "line\n"}))
+        assert r1.stdout == "42\n", r1.stderr
+        r2 = await rt.exec(sid, ExecRequest(command="echo line >> data/in.txt; echo out > /tmp/o.txt; pwd",
+                                            read_files=["data/in.txt", "/tmp/o.txt", "missing.txt"]))
+        assert r2.stdout == "/home/sandbox\n"
+        assert r2.files == {"data/in.txt": "line\nline\n", "/tmp/o.txt": "out\n", "missing.txt": None}
+        usage = await rt.destroy(sid)
+        assert usage.execs == 2 and usage.billed_s >= 1 and usage.metadata == {"episode": "e1"}
+        assert usage.reason == "destroyed"
+        assert await rt.destroy(sid) == usage  # idempotent
+    finally:
+        if sid in rt.sandboxes:
+            await rt.destroy(sid)
+    with pytest.raises(SandboxNotFound):
+        await rt.exec(sid, ExecRequest(code="print(1)"))
+
+
+async def test_disk_is_capped_by_the_upper_tmpfs(rt: Runtime) -> None:
+    from rollbox.runtime.spec import Limits
+
+    MiB = 1024 * 1024
+    info = await rt.create(limits=Limits(disk_max_bytes=8 * MiB, memory_max_bytes=256 * MiB))
+    try:
+        r = await rt.exec(info.sandbox_id, ExecRequest(command="dd if=/dev/zero of=/tmp/big bs=1M count=32"))
+        assert r.exit_code != 0 and "No space left" in r.stderr
+        r = await rt.exec(info.sandbox_id, ExecRequest(command="rm /tmp/big; echo ok > /tmp/small && cat /tmp/small"))
+        assert r.stdout == "ok\n"
+    finally:
+        await rt.destroy(info.sandbox_id)
+
+
+async def test_lifetime_and_idle_destroy_the_sandbox(rt: Runtime) -> None:
+    import asyncio
+
+    from rollbox.runtime.spec import Limits
+
+    a = await rt.create(limits=Limits(lifetime_s=1.0))
+    b = await rt.create(limits=Limits(idle_s=1.0))
+    await asyncio.sleep(2.5)
+    for sid, reason in ((a.sandbox_id, "lifetime"), (b.sandbox_id, "idle")):
+        assert sid not in rt.sandboxes
+        assert (await rt.destroy(sid)).reason == reason
+
+
+async def test_timeout_longer_than_lifetime_is_refused(rt: Runtime) -> None:
+    from rollbox.runtime.spec import Limits
+
+    info = await rt.create(limits=Limits(lifetime_s=5))
+    try:
+        with pytest.raises(InvalidRequest, match="timeout_s"):
+            await rt.exec(info.sandbox_id, ExecRequest(code="1", timeout_s=60))
+    finally:
+        await rt.destroy(info.sandbox_id)
