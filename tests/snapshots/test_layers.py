@@ -10,11 +10,11 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
 from rollbox.runtime.errors import IntegrityError
 from rollbox.snapshots.layers import layer_id, pack, pack_to_file, unpack
 
 ROOT = os.geteuid() == 0
+OPAQUE = "trusted.overlay.opaque" if ROOT else "user.overlay.opaque"
 
 
 def make_tree(root: Path, *, reverse: bool = False, mtime: int = 1_700_000_000) -> Path:
@@ -30,7 +30,7 @@ def make_tree(root: Path, *, reverse: bool = False, mtime: int = 1_700_000_000) 
         lambda: os.mknod(root / "gone", stat.S_IFCHR | 0o000, os.makedev(0, 0)),
         lambda: (root / "opaque").mkdir(),
         lambda: (root / "opaque" / "only.txt").write_text("only me\n"),
-        lambda: os.setxattr(root / "opaque", "trusted.overlay.opaque" if ROOT else "user.overlay.opaque", b"y"),
+        lambda: os.setxattr(root / "opaque", OPAQUE, b"y"),
         lambda: os.mkfifo(root / "fifo"),
         lambda: (root / "empty").mkdir(),
         lambda: (root / "ro").mkdir(),
@@ -202,7 +202,7 @@ def test_wrong_id_and_truncation_are_refused_and_leave_nothing(tmp_path: Path) -
         unpack(io.BytesIO(bytes(flipped)), tmp_path / "o1", expected_id=packed.id)
     assert not (tmp_path / "o1").exists()
 
-    with pytest.raises(IntegrityError, match="truncated or corrupt|is corrupt"):
+    with pytest.raises(IntegrityError, match=r"truncated or corrupt|is corrupt"):
         unpack(io.BytesIO(data[: len(data) // 2]), tmp_path / "o2", expected_id=packed.id)
     assert not (tmp_path / "o2").exists()
 

@@ -1,0 +1,74 @@
+"""The runtime's ``SnapshotResolver`` over a store: name or id -> ``SnapshotView``, pulling lazily.
+
+Layers are made present in the local store (pulled from the remote through the cache when one is
+configured) before the view is returned; the view's ``layer_root`` is the local store's
+``layers/``. Snapshots built on the host (``base: host``) get the host's read-only binds and masks
+computed here, on the restoring machine, and are refused when this host's Python differs from the
+one their packages were built for. An unknown ``python`` falls back to the runtime's built-in view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from rollbox.runtime.errors import InvalidRequest, SnapshotNotFound
+from rollbox.runtime.snapshot import SnapshotView, WarmRecipe, host_python_view
+from rollbox.snapshots.cache import LayerCache
+from rollbox.snapshots.manifest import Manifest
+from rollbox.snapshots.store_local import LocalStore
+
+BUILTIN = "python"
+
+
+class StoreResolver:
+    def __init__(self, store: LayerCache | LocalStore):
+        self.cache = store if isinstance(store, LayerCache) else LayerCache(store)
+
+    @property
+    def layer_root(self) -> str:
+        return self.cache.local.layer_root
+
+    def resolve(self, name_or_id: str) -> SnapshotView:
+        try:
+            manifest = self.cache.manifest(name_or_id)
+        except SnapshotNotFound:
+            if name_or_id == BUILTIN:
+                return host_python_view(self.layer_root)
+            raise
+        self.cache.ensure([ref.id for ref in manifest.layers],
+                          sizes={ref.id: ref.size_bytes for ref in manifest.layers})
+        return view_of(manifest, self.layer_root)
+
+    async def resolve_async(self, name_or_id: str) -> SnapshotView:
+        return await asyncio.to_thread(self.resolve, name_or_id)
+
+
+def view_of(manifest: Manifest, layer_root: str) -> SnapshotView:
+    """The runtime's view of a manifest whose layers are under ``layer_root``."""
+    sid = manifest.id
+    binds: tuple[str, ...] = ()
+    masks: tuple[str, ...] = ()
+    python = manifest.warm.python
+    if manifest.base == "host":
+        here = sys.version.split()[0]
+        if here.rsplit(".", 1)[0] != manifest.version.python.rsplit(".", 1)[0]:
+            raise InvalidRequest(
+                f"snapshot {sid} was built on a host with Python {manifest.version.python}; this "
+                f"host runs Python {here}: rebuild it here", snapshot_id=sid)
+        host = host_python_view(layer_root)
+        binds, masks, python = host.host_binds, host.host_masks, host.warm.python
+    if python is None:
+        raise InvalidRequest(f"snapshot {sid} is not host-based and has no warm.python", snapshot_id=sid)
+    return SnapshotView(
+        id=sid,
+        layer_root=layer_root,
+        layers=tuple(ref.id for ref in reversed(manifest.layers)),
+        warm=WarmRecipe(python=python, sys_path=manifest.warm.sys_path, imports=manifest.warm.imports),
+        host_binds=binds,
+        host_masks=masks,
+        warm_layers=manifest.warm_layers,
+        env=dict(manifest.env),
+        version=manifest.version.model_dump(mode="json"),
+        limits=manifest.limits,
+    )

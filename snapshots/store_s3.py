@@ -1,0 +1,344 @@
+"""The S3 store: snapshots in any S3-compatible bucket, through boto3.
+
+Keys under ``s3://bucket/prefix``::
+
+    prefix/layers/<layer id>.tar       canonical layer tars (multipart upload above a threshold)
+    prefix/manifests/<snapshot id>.json
+    prefix/names/<name>                a snapshot id
+
+Endpoint, region and credentials come from the arguments or boto3's usual sources
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, config
+files). Retries with exponential backoff are botocore's ``standard`` mode; multipart transfers are
+boto3's ``TransferConfig``. botocore/s3transfer errors are converted here, once, into rollbox errors:
+unreachable or 5xx -> ``StoreUnavailable``; missing key -> ``SnapshotNotFound``/``StoreError``;
+denied, missing bucket, no credentials -> ``StoreError`` saying what to fix. Every layer and manifest
+read is verified against its sha256 before it is returned.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import boto3
+import boto3.exceptions
+import botocore.config
+import botocore.exceptions
+from boto3.s3.transfer import TransferConfig
+from rollbox.runtime.errors import (
+    IntegrityError,
+    RollboxError,
+    SnapshotNotFound,
+    StoreError,
+    StoreUnavailable,
+)
+from rollbox.snapshots.layers import check_layer_id
+from rollbox.snapshots.manifest import Manifest, check_name, check_snapshot_id
+from rollbox.snapshots.store import ByteCallback
+
+MiB = 1024 * 1024
+_UNREACHABLE = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectionClosedError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ResponseStreamingError,
+)
+_NOT_FOUND = ("NoSuchKey", "404", "NotFound")
+_DENIED = ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden")
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> (bucket, "some/prefix")."""
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise StoreError(f"invalid S3 store URL {url!r}: expected s3://bucket[/prefix]")
+    return parsed.netloc, parsed.path.strip("/")
+
+
+class S3Store:
+    """A snapshot store in an S3 bucket (see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        profile: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        max_attempts: int = 5,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 60.0,
+        multipart_threshold_bytes: int = 64 * MiB,
+        multipart_chunk_bytes: int = 16 * MiB,
+        max_concurrency: int = 4,
+    ):
+        self.url = url
+        self.bucket, self.prefix = parse_s3_url(url)
+        try:
+            session = boto3.session.Session(profile_name=profile)
+            self._client = session.client(
+                "s3",
+                endpoint_url=endpoint_url,
+                region_name=region or session.region_name or "us-east-1",
+                aws_access_key_id=access_key_id,
+                aws_secret_access_key=secret_access_key,
+                config=botocore.config.Config(
+                    retries={"max_attempts": max_attempts, "mode": "standard"},
+                    connect_timeout=connect_timeout_s,
+                    read_timeout=read_timeout_s,
+                    s3={"addressing_style": "path"} if endpoint_url else None,
+                ),
+            )
+        except botocore.exceptions.BotoCoreError as exc:
+            raise StoreError(f"cannot configure the S3 client for {url}: {exc}") from exc
+        self.endpoint = self._client.meta.endpoint_url
+        self.max_attempts = max_attempts
+        self._transfer = TransferConfig(
+            multipart_threshold=multipart_threshold_bytes,
+            multipart_chunksize=multipart_chunk_bytes,
+            max_concurrency=max_concurrency,
+            use_threads=max_concurrency > 1,
+        )
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._stats_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
+
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def _count(self, what: str) -> None:
+        with self._stats_lock:
+            self.stats[what] += 1
+
+    # ------------------------------------------------------------------------- the boundary
+    @contextlib.contextmanager
+    def _errors(self, doing: str, *, snapshot_id: str | None = None,
+                layer_id: str | None = None) -> Iterator[None]:
+        """Convert botocore / s3transfer errors raised while ``doing`` into rollbox errors."""
+        try:
+            yield
+        except RollboxError:
+            raise
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
+                boto3.exceptions.Boto3Error) as exc:
+            raise self._convert(exc, doing, snapshot_id=snapshot_id, layer_id=layer_id) from exc
+
+    def _convert(self, exc: BaseException, doing: str, *, snapshot_id: str | None,
+                 layer_id: str | None) -> RollboxError:
+        root = _root_cause(exc)
+        where = f"S3 {self.endpoint} bucket {self.bucket!r}"
+        kw: dict[str, Any] = {"snapshot_id": snapshot_id, "layer_id": layer_id}
+        if isinstance(root, _UNREACHABLE):
+            return StoreUnavailable(
+                f"{where} is unreachable while {doing} ({root}; tried {self.max_attempts} times with "
+                "backoff); check that the S3 endpoint is up, then retry", **kw)
+        if isinstance(root, botocore.exceptions.NoCredentialsError):
+            return StoreError(
+                f"no AWS credentials for {where} while {doing}: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or --aws-profile / AWS_PROFILE", **kw)
+        if isinstance(root, botocore.exceptions.ClientError):
+            err = root.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = int(root.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if code == "NoSuchBucket":
+                return StoreError(f"{where} does not exist (while {doing}); create the bucket first", **kw)
+            if code in _DENIED:
+                return StoreError(f"{where} refused access while {doing} ({code}): check the "
+                                  "credentials and the bucket policy", **kw)
+            if status >= 500 or code in ("SlowDown", "ServiceUnavailable", "InternalError"):
+                return StoreUnavailable(f"{where} failed while {doing} ({code}, HTTP {status}, after "
+                                        f"{self.max_attempts} attempts); retry later", **kw)
+            return StoreError(f"{where} refused {doing}: {code} {err.get('Message', '')}".rstrip(), **kw)
+        return StoreError(f"{where} failed while {doing}: {root}", **kw)
+
+    def _exists(self, key: str, doing: str, **kw: str | None) -> bool:
+        with self._errors(doing, **kw):
+            try:
+                self._client.head_object(Bucket=self.bucket, Key=key)
+            except botocore.exceptions.ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code")) in _NOT_FOUND:
+                    return False
+                raise
+        return True
+
+    def _get_bytes(self, key: str, doing: str, **kw: str | None) -> bytes | None:
+        with self._errors(doing, **kw):
+            try:
+                resp = self._client.get_object(Bucket=self.bucket, Key=key)
+                data: bytes = resp["Body"].read()
+            except botocore.exceptions.ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code")) in _NOT_FOUND:
+                    return None
+                raise
+        return data
+
+    def _put_bytes(self, key: str, data: bytes, doing: str, **kw: str | None) -> None:
+        with self._errors(doing, **kw):
+            self._client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    def _list(self, prefix: str, doing: str) -> list[str]:
+        keys: list[str] = []
+        with self._errors(doing):
+            for page in self._client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=prefix):
+                keys.extend(obj["Key"] for obj in page.get("Contents", []))
+        return keys
+
+    # -------------------------------------------------------------------------------- layers
+    def has_layer(self, layer_id: str) -> bool:
+        key = self._key("layers", f"{check_layer_id(layer_id)}.tar")
+        return self._exists(key, f"looking for layer {layer_id}", layer_id=layer_id)
+
+    def put_layer(self, layer_id: str, tar_path: str, *, on_bytes: ByteCallback | None = None) -> None:
+        key = self._key("layers", f"{check_layer_id(layer_id)}.tar")
+        got = _sha256_file(tar_path)
+        if got != layer_id:
+            raise IntegrityError(f"refusing to upload layer {layer_id}: {tar_path} hashes to {got}",
+                                 layer_id=layer_id)
+        if self.has_layer(layer_id):
+            return
+        with self._errors(f"uploading layer {layer_id}", layer_id=layer_id):
+            self._client.upload_file(tar_path, self.bucket, key, Config=self._transfer, Callback=on_bytes)
+        self._count("layer_uploads")
+
+    def get_layer(self, layer_id: str, dest_path: str, *, on_bytes: ByteCallback | None = None) -> None:
+        key = self._key("layers", f"{check_layer_id(layer_id)}.tar")
+        doing = f"downloading layer {layer_id}"
+        self._count("layer_downloads")
+        try:
+            with self._errors(doing, layer_id=layer_id):
+                try:
+                    self._client.download_file(self.bucket, key, dest_path, Config=self._transfer,
+                                               Callback=on_bytes)
+                except botocore.exceptions.ClientError as exc:
+                    if str(exc.response.get("Error", {}).get("Code")) in _NOT_FOUND:
+                        raise StoreError(f"layer {layer_id} is missing from {self.url} (a manifest "
+                                         "names it): push the snapshot again", layer_id=layer_id) from exc
+                    raise
+            got = _sha256_file(dest_path)
+            if got != layer_id:
+                size = os.path.getsize(dest_path)
+                raise IntegrityError(
+                    f"layer {layer_id} downloaded from {self.url} is corrupt or truncated: its "
+                    f"{size} bytes hash to {got}; it was not used (push the snapshot again)",
+                    layer_id=layer_id)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(dest_path)
+            raise
+
+    # ----------------------------------------------------------------------------- manifests
+    def has_manifest(self, snapshot_id: str) -> bool:
+        key = self._key("manifests", f"{check_snapshot_id(snapshot_id)}.json")
+        return self._exists(key, f"looking for snapshot {snapshot_id}", snapshot_id=snapshot_id)
+
+    def put_manifest(self, manifest: Manifest) -> str:
+        sid = manifest.id
+        self._put_bytes(self._key("manifests", f"{sid}.json"), manifest.canonical_json(),
+                        f"uploading manifest {sid}", snapshot_id=sid)
+        return sid
+
+    def get_manifest(self, snapshot_id: str) -> Manifest:
+        key = self._key("manifests", f"{check_snapshot_id(snapshot_id)}.json")
+        data = self._get_bytes(key, f"reading snapshot {snapshot_id}", snapshot_id=snapshot_id)
+        if data is None:
+            raise SnapshotNotFound(f"no snapshot {snapshot_id} in {self.url}", snapshot_id=snapshot_id)
+        return Manifest.from_bytes(data, expected_id=snapshot_id)
+
+    def list_ids(self) -> list[str]:
+        prefix = self._key("manifests") + "/"
+        return sorted(k[len(prefix):].removesuffix(".json") for k in self._list(prefix, "listing snapshots"))
+
+    # --------------------------------------------------------------------------------- names
+    def set_name(self, name: str, snapshot_id: str) -> None:
+        try:
+            check_name(name)
+        except ValueError as exc:
+            raise StoreError(str(exc), snapshot_id=snapshot_id) from None
+        self._put_bytes(self._key("names", name), check_snapshot_id(snapshot_id).encode(),
+                        f"naming snapshot {snapshot_id} {name!r}", snapshot_id=snapshot_id)
+
+    def _get_name(self, name: str) -> str | None:
+        data = self._get_bytes(self._key("names", name), f"resolving name {name!r}", snapshot_id=name)
+        return None if data is None else data.decode().strip()
+
+    def names(self) -> dict[str, str]:
+        prefix = self._key("names") + "/"
+        out = {}
+        for key in self._list(prefix, "listing names"):
+            sid = self._get_name(key[len(prefix):])
+            if sid is not None:
+                out[key[len(prefix):]] = sid
+        return out
+
+    def resolve_id(self, name_or_id: str) -> str:
+        try:
+            check_snapshot_id(name_or_id)
+            is_id = True
+        except IntegrityError:
+            is_id = False
+        if is_id and self.has_manifest(name_or_id):
+            return name_or_id
+        if not is_id:
+            try:
+                check_name(name_or_id)
+            except ValueError:
+                pass
+            else:
+                sid = self._get_name(name_or_id)
+                if sid is not None:
+                    return check_snapshot_id(sid)
+        raise SnapshotNotFound(f"no snapshot named {name_or_id!r} in {self.url}", snapshot_id=name_or_id)
+
+    # -------------------------------------------------------------------------------- delete
+    def delete(self, snapshot_id: str) -> list[str]:
+        manifest = self.get_manifest(snapshot_id)
+        doing = f"deleting snapshot {snapshot_id}"
+        for name, sid in self.names().items():
+            if sid == snapshot_id:
+                with self._errors(doing, snapshot_id=snapshot_id):
+                    self._client.delete_object(Bucket=self.bucket, Key=self._key("names", name))
+        with self._errors(doing, snapshot_id=snapshot_id):
+            self._client.delete_object(Bucket=self.bucket, Key=self._key("manifests", f"{snapshot_id}.json"))
+        still_used = {ref.id for sid in self.list_ids() for ref in self.get_manifest(sid).layers}
+        removed = []
+        for ref in manifest.layers:
+            if ref.id not in still_used:
+                with self._errors(doing, snapshot_id=snapshot_id, layer_id=ref.id):
+                    self._client.delete_object(Bucket=self.bucket, Key=self._key("layers", f"{ref.id}.tar"))
+                removed.append(ref.id)
+        return removed
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The botocore error behind s3transfer/boto3 wrappers (they chain it or keep it as an attr)."""
+    seen = set()
+    cur: BaseException = exc
+    while id(cur) not in seen:
+        seen.add(id(cur))
+        nxt = getattr(cur, "last_exception", None) or cur.__cause__ or cur.__context__
+        if not isinstance(nxt, BaseException):
+            break
+        if isinstance(cur, (botocore.exceptions.ClientError, *_UNREACHABLE)):
+            break
+        cur = nxt
+    return cur
+
+
+def _sha256_file(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(MiB):
+            sha.update(chunk)
+    return sha.hexdigest()

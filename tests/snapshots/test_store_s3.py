@@ -1,0 +1,157 @@
+"""The S3 store against a real S3 server (SeaweedFS): push/pull, multipart, integrity, errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from rollbox.runtime.errors import IntegrityError, SnapshotNotFound, StoreError
+from rollbox.snapshots.cache import LayerCache
+from rollbox.snapshots.layers import layer_id
+from rollbox.snapshots.resolver import StoreResolver
+from rollbox.snapshots.store import copy_snapshot
+from rollbox.snapshots.store_local import LocalStore
+from rollbox.snapshots.store_s3 import S3Store
+
+from .s3server import S3Factory, SeaweedS3, sample_snapshot, store_factory
+
+MiB = 1024 * 1024
+
+
+def test_push_then_pull_into_an_empty_store_gives_the_same_snapshot(
+        tmp_path: Path, s3_url: str, make_s3: S3Factory, seaweed: SeaweedS3) -> None:
+    a = LocalStore(tmp_path / "a")
+    manifest = sample_snapshot(a, tmp_path, big_bytes=12 * MiB, name="demo")
+    s3 = make_s3(s3_url, multipart_threshold_bytes=5 * MiB, multipart_chunk_bytes=5 * MiB)
+
+    pushed = copy_snapshot(a, s3, "demo")
+    assert pushed.id == manifest.id
+    assert s3.list_ids() == [manifest.id]
+    assert s3.names() == {"demo": manifest.id}
+    assert s3.stats["layer_uploads"] == 2
+    # the big layer went up in parts (an S3 multipart ETag ends in -<parts>)
+    big = manifest.layers[1]
+    bucket, prefix = s3.bucket, s3.prefix
+    etag = seaweed.client().head_object(Bucket=bucket, Key=f"{prefix}/layers/{big.id}.tar")["ETag"]
+    assert etag.strip('"').endswith("-3"), etag
+    # pushing again uploads nothing
+    copy_snapshot(a, s3, "demo")
+    assert s3.stats["layer_uploads"] == 2
+
+    b = LocalStore(tmp_path / "b")
+    pulled = copy_snapshot(s3, b, "demo")
+    assert pulled.id == manifest.id and b.resolve_id("demo") == manifest.id
+    for ref in manifest.layers:
+        assert layer_id(b.layer_path(ref.id)) == ref.id
+        assert tree_equal(a.layer_path(ref.id), b.layer_path(ref.id))
+    assert list((b.root / "tmp").iterdir()) == []
+
+
+def tree_equal(x: Path, y: Path) -> bool:
+    from .s3server import tree_files
+
+    return tree_files(x) == tree_files(y)
+
+
+def test_a_corrupt_or_truncated_object_is_refused_and_the_cache_left_clean(
+        tmp_path: Path, s3_url: str, make_s3: S3Factory, seaweed: SeaweedS3) -> None:
+    a = LocalStore(tmp_path / "a")
+    manifest = sample_snapshot(a, tmp_path, big_bytes=1 * MiB, name="demo")
+    s3 = make_s3(s3_url)
+    copy_snapshot(a, s3, "demo")
+    top = manifest.layers[1]
+    key = f"{s3.prefix}/layers/{top.id}.tar"
+    client = seaweed.client()
+    good = client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+
+    cache = LocalStore(tmp_path / "cache")
+    resolver = StoreResolver(LayerCache(cache, s3))
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0xFF
+    for bad, what in ((bytes(flipped), "corrupt"), (good[: len(good) // 3], "truncated")):
+        client.put_object(Bucket=s3.bucket, Key=key, Body=bad)
+        with pytest.raises(IntegrityError, match=rf"layer {top.id} downloaded from .* is corrupt or trunc"):
+            resolver.resolve("demo")
+        assert not cache.has_layer(top.id), what
+        assert list((cache.root / "tmp").iterdir()) == [], what
+        assert not (cache.root / "layers-meta" / f"{top.id}.json").exists()
+
+    client.put_object(Bucket=s3.bucket, Key=key, Body=good)
+    view = resolver.resolve("demo")
+    assert view.id == manifest.id
+    assert (Path(view.layer_root) / top.id / "data" / "tag").read_text() == "a"
+
+
+def test_a_corrupt_manifest_is_refused(tmp_path: Path, s3_url: str, make_s3: S3Factory,
+                                       seaweed: SeaweedS3) -> None:
+    a = LocalStore(tmp_path / "a")
+    manifest = sample_snapshot(a, tmp_path, name="demo")
+    s3 = make_s3(s3_url)
+    copy_snapshot(a, s3, "demo")
+    key = f"{s3.prefix}/manifests/{manifest.id}.json"
+    data = manifest.canonical_json().replace(b'"TAG":"a"', b'"TAG":"b"')
+    seaweed.client().put_object(Bucket=s3.bucket, Key=key, Body=data)
+    with pytest.raises(IntegrityError, match=f"manifest of snapshot {manifest.id} is corrupt"):
+        s3.get_manifest(manifest.id)
+    with pytest.raises(IntegrityError):
+        StoreResolver(LayerCache(LocalStore(tmp_path / "c"), s3)).resolve("demo")
+
+
+def test_errors_say_what_to_fix(tmp_path: Path, s3_url: str, make_s3: S3Factory, seaweed: SeaweedS3) -> None:
+    s3 = make_s3(s3_url)
+    with pytest.raises(SnapshotNotFound, match="no snapshot named 'nope'"):
+        s3.resolve_id("nope")
+    with pytest.raises(StoreError, match=r"does not exist.*create the bucket"):
+        make_s3("s3://rb-no-such-bucket/x").list_ids()
+    wrong = S3Store(s3_url, endpoint_url=seaweed.endpoint, access_key_id="nobody",
+                    secret_access_key="wrong", max_attempts=1)
+    with pytest.raises(StoreError, match=r"refused access.*check the credentials"):
+        wrong.list_ids()
+    with pytest.raises(StoreError, match="invalid S3 store URL"):
+        make_s3("http://bucket/x")
+    # a layer whose tar does not hash to its id is never uploaded
+    tar = tmp_path / "x.tar"
+    tar.write_bytes(b"not a layer")
+    with pytest.raises(IntegrityError, match="refusing to upload"):
+        s3.put_layer("0" * 64, str(tar))
+
+
+@pytest.mark.slow
+def test_an_outage_fails_clearly_and_the_next_call_after_restart_succeeds(tmp_path: Path) -> None:
+    server = SeaweedS3(tmp_path / "s3")
+    server.start()
+    try:
+        url = f"s3://{server.new_bucket()}/snapshots"
+        s3 = store_factory(server)(url, max_attempts=2)
+        a = LocalStore(tmp_path / "a")
+        first = sample_snapshot(a, tmp_path, tag="a", name="first")
+        second = sample_snapshot(a, tmp_path, tag="b", name="second")
+        copy_snapshot(a, s3, "first")
+        copy_snapshot(a, s3, "second")
+        cache = LocalStore(tmp_path / "cache")
+        resolver = StoreResolver(LayerCache(cache, s3))
+        assert resolver.resolve("first").id == first.id
+
+        server.stop()
+        # a snapshot already in the cache still resolves (by id, and by its cached name)
+        assert resolver.resolve(first.id).id == first.id
+        assert resolver.resolve("first").id == first.id
+        # one that is not fails clearly, and leaves the cache as it was
+        from rollbox.runtime.errors import StoreUnavailable
+
+        with pytest.raises(StoreUnavailable, match=r"S3 http://127\.0\.0\.1:\d+ .* is unreachable"):
+            resolver.resolve("second")
+        with pytest.raises(StoreUnavailable, match="unreachable while downloading layer"):
+            LayerCache(cache, s3).ensure([second.layers[1].id])
+        with pytest.raises(StoreUnavailable):
+            copy_snapshot(a, s3, "second")
+        assert not cache.has_layer(second.layers[1].id)
+        assert list((cache.root / "tmp").iterdir()) == []
+
+        server.start()
+        assert resolver.resolve("second").id == second.id
+        assert cache.has_layer(second.layers[1].id)
+    finally:
+        server.stop()
+    assert os.path.isdir(tmp_path / "s3" / "data")
