@@ -137,10 +137,13 @@ class Zygote:
         return self.proc is not None and self.proc.returncode is None and not (self.chan and self.chan.closed)
 
     async def spawn(self, params: dict[str, Any]) -> tuple[int, socket.socket]:
-        """Fork one sandbox; returns its host pid and the supervisor's end of its control socket."""
+        """Fork one sandbox; returns its pid in the zygote's pid namespace and the supervisor's end of
+        its control socket (which carries the host pid with the sandbox's first frame)."""
         if not self.alive or self.chan is None:
             raise IsolationError("zygote is not running", snapshot_id=self.view.id)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The kernel stamps what the sandbox sends with its pid as seen from here (the host).
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         req = next(self._ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[req] = fut

@@ -177,26 +177,28 @@ class Runtime:
     async def _contain(self, view: SnapshotView, limits: Limits, z: Zygote, sid: str, group: Group | None,
                        params: dict[str, Any]) -> Sandbox:
         try:
-            pid, sock = await z.spawn(params)
+            _, sock = await z.spawn(params)
         except BaseException:
             if group:
                 group.close()
             raise
-        pidfd = os.pidfd_open(pid)
         chan = Channel(sock)
         try:
             msg = await asyncio.wait_for(chan.recv(), 30)
         except BaseException:
             msg = None
-        if msg is None or msg.get("op") != "ready":
+        creds = chan.reader.creds
+        if msg is None or msg.get("op") != "ready" or creds is None:
             chan.close()
-            os.close(pidfd)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
+            if creds is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(creds[0], 9)
             if group:
                 await asyncio.to_thread(group.close)
             why = msg.get("error") if msg else "sandbox exited during setup"
             raise IsolationError(f"sandbox setup failed: {why}", snapshot_id=view.id)
+        pid = creds[0]
+        pidfd = os.pidfd_open(pid)
         fds = chan.take_fds()
         if group:
             group.attach(pid)

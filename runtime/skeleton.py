@@ -27,7 +27,7 @@ ETC_COPIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "loca
 
 
 def build(state_dir: Path, host_binds: tuple[str, ...], rootless: bool) -> Path:
-    recipe = {"v": 3, "binds": host_binds, "uid": SANDBOX_UID, "rootless": rootless,
+    recipe = {"v": 4, "binds": host_binds, "uid": SANDBOX_UID, "rootless": rootless,
               "etc": [os.path.exists(f"/etc/{n}") for n in ETC_COPIES]}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     skel = state_dir / f"skel-{key}"
@@ -50,7 +50,7 @@ def build(state_dir: Path, host_binds: tuple[str, ...], rootless: bool) -> Path:
             (tmp / top).mkdir()
     for bind in host_binds:
         (tmp / bind.lstrip("/")).mkdir(parents=True, exist_ok=True)
-    for sub in ("layers", "skel", "dev", "sb"):
+    for sub in ("layers", "skel", "dev", "proc", "sb"):
         (tmp / mounts.RB.lstrip("/") / sub).mkdir(parents=True, exist_ok=True)
     etc = tmp / "etc"
     (etc / "passwd").write_text(PASSWD)

@@ -48,6 +48,7 @@ class Reader:
         self.base = 0  # stream offset of buf[0]
         self.pending: list[tuple[int, list[int]]] = []  # (stream offset of the carrying byte, fds)
         self.last_fds: list[int] = []
+        self.creds: tuple[int, int, int] | None = None  # (pid, uid, gid) of the latest sender, SO_PASSCRED
 
     def feed(self, data: bytes, ancdata: list[tuple[int, int, bytes]]) -> None:
         self.buf += data
@@ -56,6 +57,9 @@ class Reader:
                 a = array.array("i")
                 a.frombytes(payload[: len(payload) - (len(payload) % a.itemsize)])
                 self.pending.append((self.base + len(self.buf) - 1, list(a)))
+            elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= 12:
+                pid, uid, gid = struct.unpack_from("iII", payload)
+                self.creds = (pid, uid, gid)
 
     def next(self) -> dict[str, Any] | None:
         if len(self.buf) < 4:
@@ -94,4 +98,4 @@ def recv(sock: socket.socket, reader: Reader) -> dict[str, Any] | None:
         reader.feed(data, anc)
 
 
-ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4)
+ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4) + socket.CMSG_SPACE(12)

@@ -31,9 +31,10 @@ def contain(cfg: dict[str, Any], req: dict[str, Any]) -> int:
         req["layers"], cfg["host_binds"], cfg["host_masks"], req["disk_bytes"], cfg["rootless"]
     )
     libc.sethostname("sandbox")
-    rlimits.apply(req["nofile"], req["fsize_bytes"], req.get("nproc"), req.get("as_bytes"))
     # --- privileges drop here: from now on the process is the unprivileged sandbox user ---
     users.drop_privileges(cfg["rootless"])
+    # After the drop: rootless, RLIMIT_NPROC then counts this sandbox's own user namespace only.
+    rlimits.apply(req["nofile"], req["fsize_bytes"], req.get("nproc"), req.get("as_bytes"))
     libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)  # cleared by the credential change
     libc.prctl(libc.PR_SET_DUMPABLE, 0)
     seccomp.apply(cfg["seccomp"])
@@ -62,7 +63,16 @@ def main(ctl_fd: int) -> None:
         return
     libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
     if cfg["rootless"]:
+        # Root of a new user namespace. Its own pid namespace too: setns() back into the pid
+        # namespace we fork sandboxes from needs CAP_SYS_ADMIN over it, which only one we own gives.
         users.enter_rootless_userns()
+        libc.unshare(libc.CLONE_NEWPID)
+        holder = os.fork()
+        if holder:  # stays outside, mirroring the zygote's exit for the supervisor
+            ctl.close()
+            _, status = os.waitpid(holder, 0)
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
     else:
         libc.unshare(libc.CLONE_NEWNS)
     pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)

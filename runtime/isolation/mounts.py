@@ -22,6 +22,7 @@ RB = "/.rollbox"
 LAYERS = RB + "/layers"
 SKEL = RB + "/skel"
 HOSTDEV = RB + "/dev"
+HOSTPROC = RB + "/proc"
 SANDBOX = RB + "/sb"
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
@@ -49,7 +50,9 @@ def prepare_zygote_view(staging: str, skel: str, layer_root: str, warm_layers: l
         _bind_ro(skel, root)
     _bind_ro(layer_root, root + LAYERS)
     _bind_ro(skel, root + SKEL)
-    mount("/dev", root + HOSTDEV, None, MS_BIND)
+    mount("/dev", root + HOSTDEV, None, MS_BIND | MS_REC)  # recursive: a userns may not split locked submounts
+    # A user namespace may mount a new proc only where a proc is already fully visible.
+    mount("/proc", root + HOSTPROC, None, MS_BIND | MS_REC)
     for path in host_binds:
         _bind_ro(path, root + path)
     for path in host_masks:

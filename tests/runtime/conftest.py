@@ -14,7 +14,8 @@ from rollbox.runtime.runtime import Runtime, RuntimeConfig
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rt(tmp_path_factory) -> AsyncIterator[Runtime]:  # type: ignore[no-untyped-def]
     state = tmp_path_factory.mktemp("state")
-    runtime = Runtime(RuntimeConfig(state_dir=state, cgroup_parent=f"rollbox-test-{os.getpid()}"))
+    parent = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT", f"rollbox-test-{os.getpid()}")
+    runtime = Runtime(RuntimeConfig(state_dir=state, cgroup_parent=parent))
     await runtime.start()
     try:
         yield runtime
@@ -23,26 +24,29 @@ async def rt(tmp_path_factory) -> AsyncIterator[Runtime]:  # type: ignore[no-unt
     assert host_state(runtime) == {"cgroups": [], "sandbox_children": 0}
 
 
-def zygote_children() -> int:
-    """Processes whose parent is one of our zygotes (sandbox inits), counted from /proc."""
-    mine = os.getpid()
-    zygotes = set()
+def descendants(root: int) -> int:
+    """How many processes descend from ``root`` (from /proc)."""
+    children: dict[int, list[int]] = {}
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == mine:
-                    zygotes.add(int(p.name))
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-    n = 0
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) in zygotes:
-                    n += 1
-            except (OSError, IndexError, ValueError):
-                continue
+            children.setdefault(ppid, []).append(int(p.name))
+    n, todo = 0, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        n += 1
+        todo.extend(children.get(pid, []))
     return n
+
+
+def sandbox_processes(rt: Runtime) -> int:
+    """Processes under our zygotes: everything we spawned minus the zygotes themselves (rootless, a
+    zygote is two processes: the holder outside its pid namespace and the zygote inside)."""
+    per_zygote = 2 if rt.config.rootless else 1
+    return descendants(os.getpid()) - per_zygote * len(rt.zygotes)
 
 
 def host_state(rt: Runtime) -> dict[str, object]:
@@ -51,7 +55,7 @@ def host_state(rt: Runtime) -> dict[str, object]:
     cgs = rt.cgroup_backend.leftovers() if rt.cgroup_backend else []
     return {
         "cgroups": [c for c in cgs if os.path.basename(c) not in known],
-        "sandbox_children": zygote_children() - len(known),
+        "sandbox_children": sandbox_processes(rt) - len(known),
     }
 
 

@@ -1,0 +1,54 @@
+"""SIGTERM under load: readiness fails, new events get 503, every admitted event gets its reply, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+from svc_testkit import send, start_server
+from svc_testkit import event as ce
+
+from rollbox.functions.contract import ERROR, SANDBOX_RESULT, SANDBOX_RUN
+
+N = 24
+
+
+def inflight(text: str) -> float:
+    m = re.search(r"^rollbox_inflight_requests (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def test_sigterm_drains_in_flight_work(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, "--grace-s", "30")
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=60),
+                                     limits=httpx.Limits(max_connections=N + 8)) as http:
+            work = [asyncio.create_task(send(http, srv.url, ce(SANDBOX_RUN, {
+                "code": f"import time; time.sleep(2); print({i})"}))) for i in range(N)]
+            deadline = time.monotonic() + 30
+            while inflight((await http.get(srv.url + "metrics")).text) < N:
+                assert time.monotonic() < deadline, "the runs were never all in flight"
+                await asyncio.sleep(0.02)
+            os.kill(srv.pid, signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            ready = await http.get(srv.url + "readyz")
+            assert (ready.status_code, ready.json()["status"]) == (503, "draining")
+            late = await send(http, srv.url, ce(SANDBOX_RUN, {"code": "print('late')"}))
+            assert (late.status, late.type, late.data["code"]) == (503, ERROR, "shutting_down")
+            assert int(late.headers["retry-after"]) >= 1
+            replies = await asyncio.gather(*work)
+        # every event admitted before SIGTERM got its full reply
+        assert [(r.status, r.type) for r in replies] == [(200, SANDBOX_RESULT)] * N
+        assert sorted(int(r.data["stdout"]) for r in replies) == list(range(N))
+        srv.proc.wait(40)
+        assert srv.proc.returncode == 0
+        msgs = [x.get("msg") for x in srv.log_records()]
+        assert "draining" in msgs and msgs[-1] == "stopped"
+    finally:
+        rc = srv.stop()
+    assert rc == 0
