@@ -88,7 +88,11 @@ class V1:
     def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> V1Group:
         dirs = {c: p / name for c, p in self.parents.items()}
         for d in dirs.values():
-            d.mkdir()
+            try:
+                d.mkdir()
+            except FileNotFoundError:  # another runtime sharing the parent removed it on close
+                d.parent.mkdir(exist_ok=True)
+                d.mkdir()
         m = dirs["memory"]
         _write(m / "memory.limit_in_bytes", str(memory_bytes))
         if (m / "memory.memsw.limit_in_bytes").exists():

@@ -93,7 +93,12 @@ class V2:
 
     def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> V2Group:
         d = self.parent / name
-        d.mkdir()
+        try:
+            d.mkdir()
+        except FileNotFoundError:  # another runtime sharing the parent removed it on close
+            self.parent.mkdir(exist_ok=True)
+            _write(self.parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in self.enabled))
+            d.mkdir()
         if "memory" in self.enabled:
             _write(d / "memory.max", str(memory_bytes))
             if (d / "memory.swap.max").exists():

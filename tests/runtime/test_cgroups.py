@@ -1,0 +1,83 @@
+"""cgroup backends against the real hierarchies of this host.
+
+v1 carries memory/pids/cpu here, so it is tested in full. This host's cgroup v2 hierarchy carries no
+memory/pids/cpu controller (they are bound to v1), so for v2 only what works without them is tested
+for real: creating a group, moving a process in, cgroup.kill, removal, and the refusal (naming the
+missing controllers) when limits are asked of a hierarchy that cannot enforce them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from rollbox.runtime.isolation import cgroups
+from rollbox.runtime.isolation.cgroups_v1 import V1
+from rollbox.runtime.isolation.cgroups_v2 import V2
+
+MiB = 1024 * 1024
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="creates cgroups at the hierarchy root")
+
+
+@needs_root
+@pytest.mark.skipif("memory" not in cgroups.mounts_of("cgroup"), reason="no cgroup v1 memory hierarchy")
+def test_v1_limits_stats_and_cleanup() -> None:
+    backend = V1(f"rollbox-t1-{os.getpid()}")
+    group = backend.prepare("sb-x", 64 * MiB, 7, 0.5)
+    try:
+        assert (group.dirs["memory"] / "memory.limit_in_bytes").read_text().strip() == str(64 * MiB)
+        assert (group.dirs["pids"] / "pids.max").read_text().strip() == "7"
+        assert (group.dirs["cpu"] / "cpu.cfs_quota_us").read_text().strip() == "50000"
+        proc = subprocess.Popen(["sh", "-c", "for i in 1 2 3 4 5 6 7 8 9 10; do sleep 5 & done; wait"],
+                                preexec_fn=lambda: group.attach(os.getpid()))
+        time.sleep(0.5)
+        stats = group.stats()
+        assert stats.pids_max_hits >= 1  # 1 sh + 10 sleeps > 7
+        proc.kill()
+        for pid in map(int, (group.dirs["pids"] / "cgroup.procs").read_text().split()):
+            os.kill(pid, 9)
+        proc.wait()
+    finally:
+        group.close()
+        backend.close()
+    assert not any(d.exists() for d in group.dirs.values())
+
+
+def test_v2_without_controllers_refuses_and_names_them() -> None:
+    roots = cgroups.mounts_of("cgroup2")
+    if "" not in roots:
+        pytest.skip("no cgroup2 hierarchy mounted")
+    available = set((Path(roots[""]) / "cgroup.controllers").read_text().split())
+    if {"memory", "pids", "cpu"} <= available:
+        pytest.skip("this host delegates v2 controllers; the full path is used instead")
+    with pytest.raises(OSError, match="lacks controllers"):
+        V2(f"rollbox-t2-{os.getpid()}")
+    assert not (Path(roots[""]) / f"rollbox-t2-{os.getpid()}").exists()  # nothing left behind
+
+
+@needs_root
+def test_v2_group_attach_kill_and_remove() -> None:
+    roots = cgroups.mounts_of("cgroup2")
+    if "" not in roots:
+        pytest.skip("no cgroup2 hierarchy mounted")
+    backend = V2(f"rollbox-t3-{os.getpid()}", require=())
+    group = backend.prepare("sb-y", 64 * MiB, 8, 1.0)
+    try:
+        proc = subprocess.Popen(["sleep", "30"])
+        group.attach(proc.pid)
+        assert str(proc.pid) in (group.path / "cgroup.procs").read_text().split()
+        group.kill()  # cgroup.kill: every process in the group, from outside
+        assert proc.wait(timeout=5) == -9
+    finally:
+        group.close()
+        backend.close()
+    assert not group.path.exists() and not backend.parent.exists()
+
+
+def test_select_reports_why() -> None:
+    backend, why = cgroups.select("rollbox-none", prefer="none")
+    assert backend is None and why == "disabled"

@@ -1,0 +1,50 @@
+"""`rollbox run` and `rollbox doctor` as a user types them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROLLBOX = [sys.executable, "-m", "rollbox.functions.cli"]
+
+
+def run(*args: str, tmp: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, ROLLBOX_STATE_DIR=str(tmp))
+    return subprocess.run([*ROLLBOX, *args], capture_output=True, text=True, env=env, input=stdin, timeout=120)
+
+
+def test_run_passes_output_and_exit_status_through(tmp_path: Path) -> None:
+    p = run("run", "--code", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(7)", tmp=tmp_path)
+    assert (p.returncode, p.stdout, p.stderr) == (7, "out\n", "err\n")
+
+
+def test_run_file_and_json_record(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("print(sum(range(10)))\n")
+    p = run("run", "--json", str(script), tmp=tmp_path)
+    rec = json.loads(p.stdout)
+    assert p.returncode == 0 and rec["stdout"] == "45\n" and rec["exit_code"] == 0 and rec["timed_out"] is False
+
+
+def test_run_timeout_exits_137_and_says_so(tmp_path: Path) -> None:
+    p = run("run", "--timeout-s", "1", "--command", "sleep 30", tmp=tmp_path)
+    assert p.returncode == 137 and "timed out" in p.stderr
+
+
+def test_bad_env_value_is_a_clear_error(tmp_path: Path) -> None:
+    env = dict(os.environ, ROLLBOX_STATE_DIR=str(tmp_path), ROLLBOX_TIMEOUT_S="soon")
+    p = subprocess.run([*ROLLBOX, "run", "--code", "1"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode != 0 and "ROLLBOX_TIMEOUT_S='soon' is not a valid number" in p.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the layer list differs rootless; covered by test_rootless")
+def test_doctor_lists_every_layer(tmp_path: Path) -> None:
+    p = run("doctor", tmp=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for layer in ("mount namespace", "pid namespace", "net namespace", "overlayfs", "seccomp", "cgroups", "sandbox"):
+        assert f"ok   {layer}" in p.stdout
