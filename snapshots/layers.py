@@ -36,7 +36,7 @@ import stat
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from rollbox.runtime.errors import IntegrityError, StoreError
 
@@ -56,6 +56,10 @@ def check_layer_id(layer_id: str) -> str:
     if not LAYER_ID_RE.match(layer_id):
         raise IntegrityError(f"invalid layer id {layer_id!r}: expected 64 lowercase hex digits")
     return layer_id
+
+
+class Readable(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class _HashSink:
 class _HashSource:
     """A read-only file object that hashes everything read from it."""
 
-    def __init__(self, src: BinaryIO):
+    def __init__(self, src: Readable):
         self.src = src
         self.sha = hashlib.sha256()
         self.size = 0
@@ -224,6 +228,7 @@ class _Extractor:
         self.chown = chown
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         self.dirs: list[tuple[list[str], tarfile.TarInfo]] = []
+        self.opaque: list[list[str]] = []
 
     def close(self) -> None:
         os.close(self.root_fd)
@@ -336,9 +341,19 @@ class _Extractor:
         raise IntegrityError(f"unsafe layer entry {m.name!r}: device nodes other than whiteouts "
                              "(char 0/0) are not allowed in a layer")
 
+    def mark_opaque(self, parts: list[str]) -> None:
+        os.close(self._open_dir(parts, create=True))
+        self.opaque.append(parts)
+
     def finish(self) -> None:
         """Directory modes, owners and opaque marks last (deepest first), so a read-only directory
         does not stop its own contents from being written."""
+        for parts in self.opaque:
+            fd = self._open_dir(parts, create=False)
+            try:
+                os.setxattr(fd, self.opaque_xattr, b"y")
+            finally:
+                os.close(fd)
         for parts, m in reversed(self.dirs):
             fd = self._open_dir(parts, create=False)
             try:
@@ -351,7 +366,7 @@ class _Extractor:
                 os.close(fd)
 
 
-def unpack(src: BinaryIO, dest: str | os.PathLike[str], *, expected_id: str | None,
+def unpack(src: Readable, dest: str | os.PathLike[str], *, expected_id: str | None,
            opaque_xattr: str | None = None, chown: bool | None = None) -> PackedLayer:
     """Extract a layer tar read from ``src`` into the new directory ``dest``, verifying its sha256.
 
@@ -391,6 +406,42 @@ def unpack(src: BinaryIO, dest: str | os.PathLike[str], *, expected_id: str | No
         if exc.layer_id is None and expected_id is not None:
             exc.layer_id = expected_id
         raise
+    finally:
+        if not ok:
+            remove_tree(out)
+
+
+def unpack_oci(src: Readable, dest: str | os.PathLike[str], *, opaque_xattr: str | None = None,
+               chown: bool | None = None) -> None:
+    """Extract one OCI image layer (tar, optionally gzip/bzip2/xz) into the new directory ``dest``,
+    turning OCI whiteouts into overlay ones: ``.wh.NAME`` -> char device 0/0 ``NAME``,
+    ``.wh..wh..opq`` -> its directory marked opaque. Same safety rules as :func:`unpack`; the
+    caller verifies the blob's digest. On failure ``dest`` is removed."""
+    out = os.fspath(dest)
+    xattr = opaque_xattr or default_opaque_xattr()
+    os.mkdir(out, 0o755)
+    ok = False
+    try:
+        ex = _Extractor(out, opaque_xattr=xattr, chown=os.geteuid() == 0 if chown is None else chown)
+        try:
+            with tarfile.open(fileobj=src, mode="r|*") as tar:  # type: ignore[call-overload]
+                for member in tar:
+                    parts = _member_parts(member.name)
+                    leaf = parts[-1] if parts else ""
+                    if leaf == ".wh..wh..opq":
+                        ex.mark_opaque(parts[:-1])
+                    elif leaf.startswith(".wh."):
+                        wh = tarfile.TarInfo("/".join([*parts[:-1], leaf[4:]]))
+                        wh.type, wh.mode, wh.uid, wh.gid = tarfile.CHRTYPE, 0, 0, 0
+                        ex.add(wh, None)
+                    else:
+                        ex.add(member, tar.extractfile(member) if member.isreg() else None)
+            ex.finish()
+        finally:
+            ex.close()
+        ok = True
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise IntegrityError(f"cannot extract OCI layer into {out}: {exc}") from exc
     finally:
         if not ok:
             remove_tree(out)
@@ -438,4 +489,5 @@ __all__ = [
     "remove_tree",
     "tree_size",
     "unpack",
+    "unpack_oci",
 ]

@@ -57,7 +57,7 @@ class LayerRef(_Frozen):
 class Warm(_Frozen):
     """The zygote recipe: interpreter (a path inside the sandbox root), extra sys.path, imports."""
 
-    python: str | None = Field(None, description="None: the host's Python (base 'host')")
+    python: str | None = Field(default=None, description="None: the host's Python (base 'host')")
     sys_path: tuple[str, ...] = ()
     imports: tuple[str, ...] = ()
 
@@ -81,7 +81,7 @@ class Manifest(_Frozen):
     env: dict[str, str] = Field(default_factory=dict)
     limits: Limits = Field(default_factory=Limits)
     version: Version
-    parent: str | None = Field(None, description="the snapshot this one was checkpointed from")
+    parent: str | None = Field(default=None, description="the snapshot this one was checkpointed from")
 
     @field_validator("parent")
     @classmethod

@@ -24,7 +24,8 @@ ByteCallback = Callable[[int], None]
 
 
 class Store(Protocol):
-    url: str
+    @property
+    def url(self) -> str: ...
 
     def has_layer(self, layer_id: str) -> bool: ...
 
@@ -66,7 +67,7 @@ def copy_snapshot(src: Store, dst: Store, name_or_id: str, *, tmp_dir: str | Non
         if dst.has_layer(ref.id):
             continue
         cb = on_layer(ref.id, ref.size_bytes) if on_layer else None
-        fd, tmp = tempfile.mkstemp(prefix=f"layer-{ref.id[:12]}-", suffix=".tar", dir=tmp_dir)
+        fd, tmp = tempfile.mkstemp(prefix=f"{os.getpid()}.layer-{ref.id[:12]}-", suffix=".tar", dir=tmp_dir)
         os.close(fd)
         os.unlink(tmp)
         try:

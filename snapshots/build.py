@@ -1,0 +1,185 @@
+"""Building a template into a snapshot: base layers, a packages layer, a files layer, a manifest.
+
+1. base   ``host``: no layer (the runtime binds the host's /usr etc. read-only);
+          ``dir``:  the directory as one layer (owners kept);
+          ``oci``:  one layer per image layer, OCI whiteouts turned into overlay whiteouts.
+2. packages  ``pip install --target`` into ``/opt/rollbox/site-packages`` (wheels only by default,
+          ``--no-compile``), then byte-compiled with ``unchecked-hash`` pycs, which do not depend
+          on mtimes; versions read from the installed ``*.dist-info``.
+3. files  the template's files with their modes.
+4. the manifest (VERSION: base, Python, packages, rollbox), stored with the template's name.
+
+Built layers are owned by root (``owner=(0, 0)``) and every mtime is 0 in the layer tar, so the
+same template and the same inputs (base, wheels) give the same layer and snapshot ids.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rollbox.runtime.errors import InvalidRequest, StoreError
+from rollbox.runtime.snapshot import ROLLBOX_VERSION
+from rollbox.snapshots.layers import remove_tree, unpack_oci
+from rollbox.snapshots.manifest import LayerRef, Manifest, Version, Warm
+from rollbox.snapshots.oci import read_image
+from rollbox.snapshots.store_local import LocalStore
+from rollbox.snapshots.template import PACKAGES_PREFIX, DirBase, OciBase, PipOptions, Template
+
+Step = Callable[[str], None]
+"""Told what the build is doing now (drives a progress display)."""
+
+
+def build(template: Template, template_dir: Path, store: LocalStore, *, pip_extra: PipOptions | None = None,
+          on_step: Step | None = None) -> Manifest:
+    """Build ``template`` into ``store``; returns the manifest (its ``id`` is the snapshot id)."""
+    step = on_step or (lambda _msg: None)
+    layers: list[LayerRef] = []
+    env: dict[str, str] = {}
+    work = Path(store.tmp_dir())
+    try:
+        # 1. base
+        base = template.base
+        if base == "host":
+            base_label = "host"
+        elif isinstance(base, DirBase):
+            src = _path(template_dir, base.dir)
+            if not src.is_dir():
+                raise InvalidRequest(f"base.dir: {src} is not a directory")
+            step(f"base: packing {src}")
+            ref = store.add_layer_dir(src, owner=None)
+            layers.append(ref)
+            base_label = f"dir:{ref.id}"
+        else:
+            assert isinstance(base, OciBase)
+            image = read_image(_path(template_dir, base.oci), base.image)
+            for i, digest in enumerate(image.layers, 1):
+                step(f"base: OCI layer {i}/{len(image.layers)} {digest[7:19]}")
+                layer_dir = work / f"oci-{i}"
+                with image.open_layer(digest) as blob:
+                    unpack_oci(blob, layer_dir, opaque_xattr=store.opaque_xattr)
+                    blob.verify()
+                layers.append(store.add_layer_dir(layer_dir, owner=None))
+                remove_tree(layer_dir)
+            env.update(image.env)
+            base_label = f"oci:{image.manifest_digest}"
+
+        # 2. packages
+        packages: dict[str, str] = {}
+        sys_path: tuple[str, ...] = ()
+        if template.packages:
+            step(f"packages: pip install {' '.join(template.packages)}")
+            layer_dir = work / "packages"
+            target = layer_dir / PACKAGES_PREFIX.lstrip("/")
+            _pip_install(template, template_dir, target, pip_extra)
+            step("packages: byte-compiling")
+            _compile(target)
+            packages = _installed(target)
+            _normalise_dirs(layer_dir, files=True)
+            step(f"packages: packing {len(packages)} distributions")
+            layers.append(store.add_layer_dir(layer_dir))
+            sys_path = (PACKAGES_PREFIX,)
+
+        # 3. files
+        if template.files:
+            step(f"files: {len(template.files)}")
+            layer_dir = work / "files"
+            layer_dir.mkdir()
+            for path, spec in sorted(template.files.items()):
+                dest = layer_dir / path.lstrip("/")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if spec.content is not None:
+                    dest.write_text(spec.content)
+                else:
+                    assert spec.source is not None
+                    try:
+                        dest.write_bytes(_path(template_dir, spec.source).read_bytes())
+                    except OSError as exc:
+                        raise InvalidRequest(f"files.{path}.source: cannot read {spec.source}: "
+                                             f"{exc.strerror}") from None
+                os.chmod(dest, spec.mode)
+            _normalise_dirs(layer_dir)
+            layers.append(store.add_layer_dir(layer_dir))
+    finally:
+        remove_tree(work)
+
+    env.update(template.env)
+    # a non-host base's Python cannot be asked here; official images say it in PYTHON_VERSION
+    here = sys.version.split()[0]
+    python_version = here if template.base == "host" else env.get("PYTHON_VERSION", "unknown")
+    manifest = Manifest(
+        base=base_label,
+        layers=tuple(layers),
+        warm_layers=len(layers),
+        warm=Warm(python=template.python, sys_path=sys_path, imports=template.warm.imports),
+        env=env,
+        limits=template.limits,
+        version=Version(base=base_label, python=python_version, packages=packages, rollbox=ROLLBOX_VERSION),
+    )
+    store.put_manifest(manifest)
+    store.set_name(template.name, manifest.id)
+    step(f"snapshot {template.name} = {manifest.id}")
+    return manifest
+
+
+def _path(template_dir: Path, p: str) -> Path:
+    return (template_dir / p).resolve()
+
+
+def _pip_install(template: Template, template_dir: Path, target: Path, extra: PipOptions | None) -> None:
+    opts = [template.pip, *([extra] if extra else [])]
+    cmd = [sys.executable, "-m", "pip", "install", "--target", str(target), "--no-compile",
+           "--disable-pip-version-check", "--no-warn-script-location", "--no-input", "--quiet"]
+    for opt in opts:
+        for link in opt.find_links:
+            cmd += ["--find-links", str(_path(template_dir, link))]
+        if opt.no_index:
+            cmd.append("--no-index")
+        if opt.index_url:
+            cmd += ["--index-url", opt.index_url]
+        cmd += list(opt.extra_args)
+    if all(opt.only_binary for opt in opts):
+        cmd.append("--only-binary=:all:")
+    cmd += ["--", *template.packages]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update({"PYTHONDONTWRITEBYTECODE": "1", "SOURCE_DATE_EPOCH": "0"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise InvalidRequest(f"packages: pip install failed (exit {proc.returncode}):\n{tail}")
+
+
+def _compile(target: Path) -> None:
+    """unchecked-hash pycs: valid whatever the source mtimes; tracebacks name the sandbox path."""
+    cmd = [sys.executable, "-m", "compileall", "-q", "-j", "1", "--invalidation-mode", "unchecked-hash",
+           "-s", str(target), "-p", PACKAGES_PREFIX, str(target)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONHASHSEED": "0"})
+    if proc.returncode not in (0, 1):  # 1: some file did not compile (test data, py2 leftovers)
+        raise StoreError(f"byte-compiling {target} failed: {proc.stderr.strip()[-2000:]}")
+
+
+def _installed(target: Path) -> dict[str, str]:
+    out = {}
+    for meta in sorted(target.glob("*.dist-info/METADATA")):
+        msg = email.parser.BytesHeaderParser().parsebytes(meta.read_bytes())
+        if msg["Name"] and msg["Version"]:
+            out[str(msg["Name"]).lower().replace("_", "-")] = str(msg["Version"])
+    return out
+
+
+def _normalise_dirs(root: Path, *, files: bool = False) -> None:
+    """Modes the build created, made independent of the umask: directories 0755 and (``files``)
+    regular files 0755 if anyone may execute them, else 0644."""
+    for dirpath, _dirs, names in os.walk(root):
+        os.chmod(dirpath, 0o755)
+        for name in names if files else ():
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                os.chmod(path, 0o755 if st.st_mode & 0o111 else 0o644)
