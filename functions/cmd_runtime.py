@@ -37,7 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rollbox.runtime.spec import ExecRequest, Limits
 
     if args.file is not None:
-        with sys.stdin if args.file == "-" else open(args.file) as f:  # noqa: SIM115
+        with sys.stdin if args.file == "-" else open(args.file) as f:
             code: str | None = f.read()
     else:
         code = args.code

@@ -26,10 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy
-
 from rollbox.runtime.restore import Zygote
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
-from rollbox.runtime.snapshot import BuiltinResolver, SnapshotView, WarmRecipe, host_python_view
+from rollbox.runtime.snapshot import BuiltinResolver, WarmRecipe, host_python_view
 from rollbox.runtime.spec import ExecRequest
 
 SITE = "/opt/rollbox/site-packages"
@@ -59,7 +58,7 @@ def numpy_layer(layer_root: Path) -> str:
 
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
 async def main(n: int, cold_n: int) -> None:

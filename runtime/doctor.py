@@ -21,7 +21,7 @@ def _probe(fn: object) -> str | None:
         try:
             fn()  # type: ignore[operator]
             os._exit(0)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             os.write(w, str(exc).encode()[:500])
             os._exit(1)
     os.close(w)

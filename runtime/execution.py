@@ -114,6 +114,8 @@ class Sandbox:
     created_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     execs: int = 0
+    pooled: bool = False
+    create_ms: float = 0.0
     cpu_s: float = 0.0
     peak_memory_bytes: int = 0
     busy: bool = False
@@ -208,7 +210,7 @@ class Sandbox:
         if reply is None:
             # The agent is gone: the sandbox died under this exec (its init was OOM-killed, say).
             self.dead = self.dead or "died"
-            exit_code, sig = 137, "SIGKILL"
+            exit_code, sig = 137, "SIGKILL"  # type: tuple[int, str | None]
             files: dict[str, str | None] = {}
             cpu, peak = 0.0, 0
         else:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
 from rollbox.runtime import skeleton
 from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import InvalidRequest, IsolationError, Overloaded, SandboxNotFound
@@ -256,15 +255,15 @@ class Runtime:
             self._creating -= 1
         sb.metadata = dict(metadata or {})
         sb.start_clock()
-        sb.create_ms = (time.perf_counter() - t0) * 1000  # type: ignore[attr-defined]
-        sb.pooled = pooled  # type: ignore[attr-defined]
+        sb.create_ms = (time.perf_counter() - t0) * 1000
+        sb.pooled = pooled
         self.sandboxes[sb.id] = sb
         return sb
 
     def _info(self, sb: Sandbox) -> SandboxInfo:
         return SandboxInfo(
             sandbox_id=sb.id, snapshot_id=sb.view.id, env_version=dict(sb.view.version), limits=sb.limits,
-            metadata=sb.metadata, pooled=getattr(sb, "pooled", False), create_ms=round(getattr(sb, "create_ms", 0.0), 3),
+            metadata=sb.metadata, pooled=sb.pooled, create_ms=round(sb.create_ms, 3),
             isolation=self.isolation_report(),
         )
 

@@ -82,7 +82,7 @@ def host_python_view(layer_root: str) -> SnapshotView:
     site = os.path.join(prefix, "lib", f"python{ver}", "site-packages")
     masks = [site] if os.path.isdir(site) else []
     # Debian's system Python keeps third-party packages in dist-packages: hide them too.
-    for d in (f"/usr/lib/python3/dist-packages", f"/usr/local/lib/python{ver}/dist-packages"):
+    for d in ("/usr/lib/python3/dist-packages", f"/usr/local/lib/python{ver}/dist-packages"):
         if os.path.isdir(d):
             masks.append(d)
     return SnapshotView(

@@ -92,7 +92,7 @@ def _worker(msg: dict[str, Any], fds: list[int], env: dict[str, str]) -> None:
 
         libc.prctl(libc.PR_SET_DUMPABLE, 1)
         os._exit(_run_code(msg["code"], run_env))
-    except BaseException as exc:  # noqa: BLE001 - report and leave
+    except BaseException as exc:
         try:
             os.write(2, f"rollbox: could not start: {exc}\n".encode())
         finally:
@@ -162,7 +162,7 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
 
     while True:
         try:
-            ready, _, _ = select.select([sock, wake_r], [], [])
+            ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
         except InterruptedError:
             continue
         if wake_r in ready:
@@ -172,7 +172,7 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
             except BlockingIOError:
                 pass
             reap()
-        if sock in ready:
+        if sock.fileno() in ready:
             data, anc, _f, _a = sock.recvmsg(1 << 16, proto.ANC_SPACE)
             if not data:
                 kill_all()

@@ -44,7 +44,7 @@ def contain(cfg: dict[str, Any], req: dict[str, Any]) -> int:
 def _sandbox_main(cfg: dict[str, Any], req: dict[str, Any], sock: socket.socket) -> None:
     try:
         upper_fd = contain(cfg, req)
-    except BaseException as exc:  # noqa: BLE001 - told to the supervisor, then gone
+    except BaseException as exc:
         try:
             proto.send(sock, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
         finally:
@@ -105,7 +105,7 @@ def main(ctl_fd: int) -> None:
 
     while True:
         try:
-            ready, _, _ = select.select([ctl, wake_r], [], [])
+            ready, _, _ = select.select([ctl.fileno(), wake_r], [], [])
         except InterruptedError:
             continue
         if wake_r in ready:
@@ -122,7 +122,7 @@ def main(ctl_fd: int) -> None:
                 if pid == 0:
                     break
                 children.discard(pid)
-        if ctl not in ready:
+        if ctl.fileno() not in ready:
             continue
         data, anc, _f, _a = ctl.recvmsg(1 << 16, proto.ANC_SPACE)
         if not data:

@@ -15,7 +15,16 @@ import os
 
 from rollbox.runtime.isolation import libc
 from rollbox.runtime.isolation.libc import (
-    MNT_DETACH, MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, MS_RDONLY, MS_REC, MS_REMOUNT, mount,
+    MNT_DETACH,
+    MS_BIND,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REC,
+    MS_REMOUNT,
+    mount,
 )
 
 RB = "/.rollbox"

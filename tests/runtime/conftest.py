@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest_asyncio
-
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 
 

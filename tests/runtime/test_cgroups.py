@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from rollbox.runtime.isolation import cgroups
 from rollbox.runtime.isolation.cgroups_v1 import V1
 from rollbox.runtime.isolation.cgroups_v2 import V2

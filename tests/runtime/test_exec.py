@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rollbox.runtime.errors import InvalidRequest, SandboxNotFound
 from rollbox.runtime.runtime import Runtime
 from rollbox.runtime.spec import ExecRequest

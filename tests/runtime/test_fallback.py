@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.spec import ExecRequest, Limits
 

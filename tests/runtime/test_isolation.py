@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-
 from rollbox.runtime.runtime import Runtime
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from rollbox.runtime.execution import Sandbox
 from rollbox.runtime.pool import Pool
 from rollbox.runtime.runtime import Runtime

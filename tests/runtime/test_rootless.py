@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from rollbox.runtime.isolation.cgroups import mounts_of
 
 USER = "rollbox-rootless"
