@@ -91,9 +91,9 @@ def add_parser(subparsers: Any) -> None:
 
 def _guard(fn: Callable[[argparse.Namespace, Console], int]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        err = Console(stderr=True)
+        err = Console(stderr=True, soft_wrap=True)
         try:
-            return fn(args, Console())
+            return fn(args, Console(soft_wrap=True))
         except RollboxError as exc:
             err.print(f"[bold red]error:[/] {exc.message}", highlight=False, markup=True)
             return 2 if isinstance(exc, InvalidRequest) else 1
