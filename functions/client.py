@@ -387,6 +387,8 @@ class Sandbox:
         event_id: str | None = None,
     ) -> ExecResult:
         """Run ``code`` (Python) or ``command`` (shell) in this sandbox."""
+        if self._killed:
+            raise ClientError(f"sandbox {self.id} was killed; create a new one", sandbox_id=self.id)
         data = _exec_data(code, command, stdin, files, read_files, env, timeout_s)
         data["sandbox_id"] = self.id
         result = await self.client.send(

@@ -11,6 +11,7 @@ Also ``GET /healthz`` (the process is up), ``/readyz`` (it takes work) and ``/me
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -162,6 +163,10 @@ class Service:
                 }
                 return JSONResponse(body, status_code=200 if ok else 503)
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        if path != "/" or method != "POST":
+            # read what the client sent (bounded) before answering, so closing cannot reset the reply
+            with contextlib.suppress(ReplyError):
+                await self._read_body(request)
         if path != "/":
             err = ReplyError(
                 404, ErrorCode.NOT_FOUND, f"no endpoint at {path[:100]!r}: POST CloudEvents to '/'"
@@ -181,6 +186,7 @@ class Service:
         fields: dict[str, Any] = {}
         replayed = False
         try:
+            body = await self._read_body(request)  # first, even to refuse: see handle()
             if self.admission.draining:
                 self.metrics.rejects.labels("draining").inc()
                 raise ReplyError(
@@ -189,7 +195,6 @@ class Service:
                     "the server is shutting down; retry elsewhere",
                     retry_after_s=self.config.retry_after_s,
                 )
-            body = await self._read_body(request)
             event = decode(request.headers, body)
             etype, source, eid = event["type"], event["source"], event["id"]
             fields.update(event_id=eid, source=source, type=etype)

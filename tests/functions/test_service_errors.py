@@ -12,11 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from svc_testkit import ServerProc, send, start_server
-from svc_testkit import event as ce
-
 from rollbox.functions.client import Client, OverloadedError
 from rollbox.functions.contract import ERROR, SANDBOX_CREATE, SANDBOX_CREATED, SANDBOX_DESTROY, SANDBOX_RUN
+from svc_testkit import ServerProc, send, start_server
+from svc_testkit import event as ce
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -31,8 +30,14 @@ def sample(text: str, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("small"), "--max-live", "1", "--max-queued", "2",
-                       env={"ROLLBOX_RETRY_AFTER_S": "2"})
+    srv = start_server(
+        tmp_path_factory.mktemp("small"),
+        "--max-live",
+        "1",
+        "--max-queued",
+        "2",
+        env={"ROLLBOX_RETRY_AFTER_S": "2"},
+    )
     yield srv
     assert srv.stop() == 0, srv.log_path.read_text()[-3000:]
 
@@ -58,8 +63,19 @@ async def test_live_cap_is_429_with_retry_after(small_server: ServerProc, http: 
 async def test_queue_cap_is_429(small_server: ServerProc, http: httpx.AsyncClient) -> None:
     url = small_server.url
     sid = (await send(http, url, ce(SANDBOX_CREATE, {}))).data["sandbox_id"]
-    slow = [asyncio.create_task(send(http, url, ce("dev.rollbox.sandbox.exec", {
-        "sandbox_id": sid, "code": "import time; time.sleep(2); print('slow')"}))) for _ in range(2)]
+    slow = [
+        asyncio.create_task(
+            send(
+                http,
+                url,
+                ce(
+                    "dev.rollbox.sandbox.exec",
+                    {"sandbox_id": sid, "code": "import time; time.sleep(2); print('slow')"},
+                ),
+            )
+        )
+        for _ in range(2)
+    ]
     for _ in range(200):
         if sample((await http.get(url + "metrics")).text, "rollbox_inflight_requests") >= 2:
             break
@@ -87,7 +103,11 @@ async def test_internal_error_is_500_without_host_details(tmp_path: Path, http: 
         eid = uuid.uuid4().hex
         r = await send(http, srv.url, ce(SANDBOX_CREATE, {}, id=eid))
         assert (r.status, r.type, r.data["code"]) == (500, ERROR, "internal")
-        assert str(tmp_path) not in r.data["message"] and "Error" not in r.data["message"] and not r.data["details"]
+        assert (
+            str(tmp_path) not in r.data["message"]
+            and "Error" not in r.data["message"]
+            and not r.data["details"]
+        )
         logged = [x for x in srv.log_records() if x.get("event_id") == eid and "exc" in x]
         assert logged and "Traceback" in logged[0]["exc"]
         assert srv.alive()
@@ -107,11 +127,24 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    for env, flag in (({"ROLLBOX_MAX_LIVE": "many"}, "ROLLBOX_MAX_LIVE"), ({"PORT": "80x"}, "PORT"),
-                      ({"ROLLBOX_GRACE_S": "-1"}, "ROLLBOX_GRACE_S"), ({"ROLLBOX_MAX_LIVE": "0"}, "ROLLBOX_MAX_LIVE")):
-        p = subprocess.run([sys.executable, "-m", "rollbox.functions.cli", "serve"], capture_output=True, text=True,
-                           env={**os.environ, **env}, timeout=60)
+    for env, flag in (
+        ({"ROLLBOX_MAX_LIVE": "many"}, "ROLLBOX_MAX_LIVE"),
+        ({"PORT": "80x"}, "PORT"),
+        ({"ROLLBOX_GRACE_S": "-1"}, "ROLLBOX_GRACE_S"),
+        ({"ROLLBOX_MAX_LIVE": "0"}, "ROLLBOX_MAX_LIVE"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "rollbox.functions.cli", "serve"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            timeout=60,
+        )
         assert p.returncode == 2 and flag in p.stderr, (env, p.stderr)
-    p = subprocess.run([sys.executable, "-m", "rollbox.functions.cli", "serve", "--max-queued", "1.5"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "rollbox.functions.cli", "serve", "--max-queued", "1.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "--max-queued" in p.stderr and "integer" in p.stderr

@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 
 import httpx
-from svc_testkit import send, start_server
-from svc_testkit import event as ce
-
 from rollbox.functions.contract import ERROR, SANDBOX_RESULT, SANDBOX_RUN
+from svc_testkit import event as ce
+from svc_testkit import send, start_server
 
 N = 24
 
@@ -26,10 +25,15 @@ def inflight(text: str) -> float:
 async def test_sigterm_drains_in_flight_work(tmp_path: Path) -> None:
     srv = start_server(tmp_path, "--grace-s", "30")
     try:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=60),
-                                     limits=httpx.Limits(max_connections=N + 8)) as http:
-            work = [asyncio.create_task(send(http, srv.url, ce(SANDBOX_RUN, {
-                "code": f"import time; time.sleep(2); print({i})"}))) for i in range(N)]
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(10, read=60), limits=httpx.Limits(max_connections=N + 8)
+        ) as http:
+            work = [
+                asyncio.create_task(
+                    send(http, srv.url, ce(SANDBOX_RUN, {"code": f"import time; time.sleep(2); print({i})"}))
+                )
+                for i in range(N)
+            ]
             deadline = time.monotonic() + 30
             while inflight((await http.get(srv.url + "metrics")).text) < N:
                 assert time.monotonic() < deadline, "the runs were never all in flight"

@@ -1,0 +1,131 @@
+"""The pure parts: schemas are current, config casting is strict, the idempotency cache keeps its promises."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+from rollbox.functions import schemas
+from rollbox.functions.contract import CreateData, ExecData, Limits
+from rollbox.functions.idempotency import Conflict, IdempotencyCache
+from rollbox.functions.server import OPTIONS, ConfigError, resolve
+
+
+def test_json_schemas_are_current() -> None:
+    assert schemas.stale() == [], "run: python -m rollbox.functions.schemas"
+    assert schemas.main(["--check"]) == 0
+
+
+def test_stale_schema_is_detected(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for name, text in schemas.render().items():
+        (tmp_path / name).write_text(text)
+    assert schemas.stale(tmp_path) == []
+    (tmp_path / "dev.rollbox.sandbox.exec.json").write_text("{}")
+    (tmp_path / "dev.rollbox.old.json").write_text("{}")
+    assert schemas.stale(tmp_path) == ["dev.rollbox.sandbox.exec.json", "dev.rollbox.old.json"]
+
+
+def _args(**kw: str) -> argparse.Namespace:
+    ns = argparse.Namespace(**{o.dest: None for o in OPTIONS})
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_config_flag_env_default() -> None:
+    cfg = resolve(_args(), {})
+    assert (cfg.host, cfg.port, cfg.service.max_live) == ("127.0.0.1", 8080, 256)
+    cfg = resolve(_args(), {"PORT": "9000", "HOST": "::1", "ROLLBOX_MAX_LIVE": "5", "ROLLBOX_GRACE_S": "2.5"})
+    assert (cfg.host, cfg.port, cfg.service.max_live, cfg.grace_s) == ("::1", 9000, 5, 2.5)
+    cfg = resolve(_args(port="9001"), {"PORT": "9000"})
+    assert cfg.port == 9001  # the flag wins
+
+
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"PORT": "http"}, "PORT: not a valid integer"),
+        ({"ROLLBOX_MAX_QUEUED": "0"}, "ROLLBOX_MAX_QUEUED: must be >= 1"),
+        ({"ROLLBOX_MAX_BODY_BYTES": "1e6"}, "ROLLBOX_MAX_BODY_BYTES: not a valid integer"),
+        ({"ROLLBOX_IDEMPOTENCY_TTL_S": "inf"}, "ROLLBOX_IDEMPOTENCY_TTL_S: must be a finite number > 0"),
+        ({"ROLLBOX_LOG_LEVEL": "loud"}, "ROLLBOX_LOG_LEVEL: not a log level"),
+    ],
+)
+def test_config_is_cast_strictly(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        resolve(_args(), env)
+
+
+def test_contract_models() -> None:
+    assert CreateData(timeout_s=60).effective_limits() == Limits(lifetime_s=60)
+    assert CreateData().effective_limits() is None  # the snapshot's defaults
+    with pytest.raises(ValueError, match="lifetime"):
+        CreateData(timeout_s=60, limits=Limits(lifetime_s=30))
+    e = ExecData(sandbox_id="sb-1", code="print(1)", files={"./a/../b": "x"} if False else {"a/b": "x"})
+    assert e.exec_request().model_dump() == {**e.model_dump(exclude={"sandbox_id"})}
+
+
+async def test_cache_runs_once_and_replays() -> None:
+    calls = 0
+
+    async def work() -> str:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.05)
+        return f"reply-{calls}"
+
+    cache: IdempotencyCache[str] = IdempotencyCache(10, 60, cacheable=lambda r: True)
+    got = await asyncio.gather(*(cache.run(("s", "1"), "fp", work) for _ in range(5)))
+    assert calls == 1 and [r for r, _ in got] == ["reply-1"] * 5 and sum(rep for _, rep in got) == 4
+    assert await cache.run(("s", "1"), "fp", work) == ("reply-1", True)
+    with pytest.raises(Conflict):
+        await cache.run(("s", "1"), "other", work)
+    assert await cache.run(("other", "1"), "fp", work) == ("reply-2", False)
+
+
+async def test_cache_forgets_uncacheable_and_expired_and_is_bounded() -> None:
+    now = [0.0]
+    n = 0
+
+    async def work() -> str:
+        nonlocal n
+        n += 1
+        return "busy" if n == 1 else f"ok-{n}"
+
+    cache: IdempotencyCache[str] = IdempotencyCache(
+        3, 10, cacheable=lambda r: r != "busy", clock=lambda: now[0]
+    )
+    assert await cache.run(("s", "a"), "fp", work) == ("busy", False)
+    assert await cache.run(("s", "a"), "fp", work) == ("ok-2", False)  # a refusal is not remembered
+    now[0] = 11
+    assert await cache.run(("s", "a"), "fp", work) == ("ok-3", False)  # expired
+    for key in "bcde":
+        await cache.run(("s", key), "fp", work)
+    assert len(cache) == 3  # bounded: the oldest finished entries went first
+    assert (await cache.run(("s", "e"), "fp", work))[1] is True
+
+
+async def test_cache_waiters_take_over_when_the_first_is_cancelled() -> None:
+    started = asyncio.Event()
+    runs = 0
+
+    async def slow() -> str:
+        nonlocal runs
+        runs += 1
+        started.set()
+        await asyncio.sleep(10)
+        return "never"
+
+    async def fast() -> str:
+        nonlocal runs
+        runs += 1
+        return "second"
+
+    cache: IdempotencyCache[str] = IdempotencyCache(10, 60, cacheable=lambda r: True)
+    first = asyncio.create_task(cache.run(("s", "1"), "fp", slow))
+    await started.wait()
+    waiter = asyncio.create_task(cache.run(("s", "1"), "fp", fast))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    assert await waiter == ("second", False) and runs == 2
