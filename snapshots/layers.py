@@ -103,15 +103,27 @@ class _HashSource:
             pass
 
 
+def _xattr(path: str, attr: str) -> bytes | None:
+    try:
+        return os.getxattr(path, attr, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EPERM, errno.EACCES):
+            raise
+    return None
+
+
 def _is_opaque(path: str) -> bool:
-    for attr in OPAQUE_XATTRS:
-        try:
-            if os.getxattr(path, attr, follow_symlinks=False) == b"y":
-                return True
-        except OSError as exc:
-            if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EPERM, errno.EACCES):
-                raise
-    return False
+    return any(_xattr(path, attr) == b"y" for attr in OPAQUE_XATTRS)
+
+
+def _refuse_overlay_features(path: str, kind: str) -> None:
+    """An upper dir written with redirect_dir or metacopy holds entries whose content lives in the
+    lower layers; packed alone they would be wrong, so refuse them."""
+    for ns in ("trusted", "user"):
+        if _xattr(path, f"{ns}.overlay.{kind}") is not None:
+            raise StoreError(f"cannot pack {path!r}: it carries {ns}.overlay.{kind} (an overlay mounted "
+                             f"with {'redirect_dir' if kind == 'redirect' else 'metacopy'}=on); mount "
+                             "sandboxes with redirect_dir=off,metacopy=off to checkpoint them")
 
 
 def _walk(root: str, rel: str = "") -> Iterator[tuple[str, str]]:
@@ -144,6 +156,7 @@ def pack(src: str | os.PathLike[str], out: BinaryIO | None = None, *,
             fmt = stat.S_IFMT(st.st_mode)
             if fmt == stat.S_IFDIR:
                 info.type = tarfile.DIRTYPE
+                _refuse_overlay_features(path, "redirect")
                 if _is_opaque(path):
                     info.pax_headers = {_PAX_OPAQUE: "y"}
                 tar.addfile(info)
@@ -155,6 +168,7 @@ def pack(src: str | os.PathLike[str], out: BinaryIO | None = None, *,
                     tar.addfile(info)
                     continue
                 links[key] = rel
+                _refuse_overlay_features(path, "metacopy")
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
                 with os.fdopen(fd, "rb") as f:
                     info.size = os.fstat(fd).st_size

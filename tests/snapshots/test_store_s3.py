@@ -155,3 +155,13 @@ def test_an_outage_fails_clearly_and_the_next_call_after_restart_succeeds(tmp_pa
     finally:
         server.stop()
     assert os.path.isdir(tmp_path / "s3" / "data")
+
+
+def test_a_layer_modified_on_disk_is_not_pushed(tmp_path: Path, s3_url: str, make_s3: S3Factory) -> None:
+    a = LocalStore(tmp_path / "a")
+    manifest = sample_snapshot(a, tmp_path, name="demo")
+    (a.layer_path(manifest.layers[1].id) / "data" / "tag").write_text("tampered")
+    s3 = make_s3(s3_url)
+    with pytest.raises(IntegrityError, match="was modified on disk"):
+        copy_snapshot(a, s3, "demo")
+    assert not s3.has_layer(manifest.layers[1].id) and s3.list_ids() == []
