@@ -34,7 +34,7 @@ def add_parsers(sub: Any) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from rollbox.runtime.errors import RollboxError
     from rollbox.runtime.runtime import Runtime
-    from rollbox.runtime.spec import ExecRequest, Limits
+    from rollbox.runtime.spec import ExecRequest, ExecResult, Limits
 
     if args.file is not None:
         with sys.stdin if args.file == "-" else open(args.file) as f:
@@ -48,7 +48,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"rollbox run: {exc}", file=sys.stderr)
         return 2
 
-    async def go() -> Any:
+    async def go() -> ExecResult:
         async with Runtime() as rt:
             return await rt.run(req, snapshot=args.snapshot, limits=limits)
 

@@ -148,18 +148,19 @@ class Sandbox:
         with contextlib.suppress(ProcessLookupError, OSError):
             signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
 
-    async def exec(self, req: ExecRequest) -> ExecResult:
+    async def exec(self, req: ExecRequest, last: bool = False) -> ExecResult:
+        """Run one step. ``last`` says no step follows (one-shot runs): no spare worker is forked."""
         async with self.lock:
             if self.dead is not None:
                 raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
             self.busy = True
             try:
-                return await self._exec(req)
+                return await self._exec(req, last)
             finally:
                 self.busy = False
                 self.last_used = time.monotonic()
 
-    async def _exec(self, req: ExecRequest) -> ExecResult:
+    async def _exec(self, req: ExecRequest, last: bool) -> ExecResult:
         cap = self.limits.output_max_bytes
         before = self.group.stats() if self.group else None
         if self.group:
@@ -170,7 +171,8 @@ class Sandbox:
         os.set_blocking(out_w, True)
         os.set_blocking(err_w, True)
         os.set_blocking(in_w, False)
-        msg: dict[str, Any] = {"op": "exec", "env": req.env, "files": req.files, "read_files": req.read_files}
+        msg: dict[str, Any] = {"op": "exec", "env": req.env, "files": req.files, "read_files": req.read_files,
+                               "last": last}
         if req.code is not None:
             msg["code"] = req.code
         else:

@@ -111,11 +111,12 @@ class Pool:
                 await asyncio.wait_for(self._wake.wait(), 1.0)
 
     async def close(self) -> None:
+        """Stop refilling and destroy what the pool holds (the loop finishes its current step: a
+        sandbox half-destroyed by a cancellation would leak)."""
         self.closed = True
+        self._wake.set()
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await self._task
         for t in list(self._builds):
             with contextlib.suppress(BaseException):
                 await t

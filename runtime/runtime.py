@@ -201,6 +201,7 @@ class Runtime:
         fds = chan.take_fds()
         if group:
             group.attach(pid)
+        await chan.send({"op": "attached"})  # only now may the agent fork
         sb = Sandbox(id=sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
                      upper_fd=fds[0] if fds else -1)
         sb.watch()
@@ -273,12 +274,12 @@ class Runtime:
             raise SandboxNotFound(f"no live sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
         return sb
 
-    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+    async def exec(self, sandbox_id: str, request: ExecRequest, *, last: bool = False) -> ExecResult:
         sb = self.get(sandbox_id)
         if request.timeout_s > sb.limits.lifetime_s:
             raise InvalidRequest(f"timeout_s {request.timeout_s} exceeds the sandbox lifetime_s {sb.limits.lifetime_s}",
                                  sandbox_id=sandbox_id)
-        return await sb.exec(request)
+        return await sb.exec(request, last=last)
 
     async def destroy(self, sandbox_id: str, reason: str = "destroyed") -> Usage:
         if sandbox_id in self.usages:
@@ -295,7 +296,7 @@ class Runtime:
                   metadata: dict[str, str] | None = None) -> ExecResult:
         sb = await self._acquire(snapshot, limits, metadata)
         try:
-            return await self.exec(sb.id, request)
+            return await self.exec(sb.id, request, last=True)
         finally:
             await self.destroy(sb.id)
 

@@ -38,6 +38,9 @@ def _run_code(src: str, env: dict[str, str]) -> int:
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", closefd=False, errors="backslashreplace", buffering=1)  # noqa: SIM115
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:  # forks share the zygote's legacy numpy RNG state: give each run its own
+        np_random.seed()
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
@@ -119,6 +122,23 @@ def _read_files(paths: list[str]) -> dict[str, str | None]:
     return out
 
 
+def _spare_main(chan: socket.socket, env: dict[str, str]) -> None:
+    """A worker forked ahead of demand: it waits for its exec, so the fork is off the critical path."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    keep = chan.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 1 << 16)
+    reader = proto.Reader()
+    try:
+        msg = proto.recv(chan, reader)
+    except OSError:
+        msg = None
+    if msg is None:
+        os._exit(0)
+    _worker(msg, reader.take_fds(), env)
+
+
 def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
     """The agent loop. Never returns: when the supervisor hangs up, the sandbox ends."""
     devnull = os.open("/dev/null", os.O_RDWR)
@@ -132,10 +152,26 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
     os.close(upper_fd)
     reader = proto.Reader()
     worker: int | None = None
+    spare: tuple[int, socket.socket] | None = None
     pending: dict[str, Any] = {}
 
+    def fork_spare() -> None:
+        nonlocal spare
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            pid = os.fork()
+        except OSError:  # the pids limit is full (a fork bomb still running): fork on demand later
+            ours.close()
+            theirs.close()
+            return
+        if pid == 0:
+            ours.close()
+            _spare_main(theirs, env)
+        theirs.close()
+        spare = (pid, ours)
+
     def reap() -> None:
-        nonlocal worker
+        nonlocal worker, spare
         while True:
             try:
                 pid, status, ru = os.wait4(-1, os.WNOHANG)
@@ -143,6 +179,9 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
                 return
             if pid == 0:
                 return
+            if spare is not None and pid == spare[0]:
+                spare[1].close()
+                spare = None
             if pid == worker:
                 worker = None
                 files = _read_files(pending.get("read_files") or [])
@@ -160,7 +199,38 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
             reap()
         reap()
 
+    def start(msg: dict[str, Any], fds: list[int]) -> None:
+        nonlocal worker, spare
+        try:
+            _write_files(msg.get("files") or {})
+            pid = 0
+            if spare is not None:
+                pid, chan = spare
+                spare = None
+                try:
+                    proto.send(chan, msg, fds)
+                except OSError:  # the spare died (killed with everything else): fork afresh
+                    pid = 0
+                chan.close()
+            if pid == 0:
+                pid = os.fork()
+                if pid == 0:
+                    _worker(msg, fds, env)
+        except OSError as exc:
+            proto.send(sock, {"op": "exit", "error": f"{exc.strerror or exc}", "status": 126 << 8,
+                              "cpu_s": 0.0, "maxrss_bytes": 0, "files": {}})
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        worker = pid
+
+    # No fork before the supervisor says this process is in its cgroup ("attached"): a child forked
+    # earlier would live outside the sandbox's limits. After that, while idle, keep one spare worker.
+    attached = False
     while True:
+        if attached and spare is None and worker is None and not pending.get("last"):
+            fork_spare()
         try:
             ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
         except InterruptedError:
@@ -181,22 +251,10 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
             while (msg := reader.next()) is not None:
                 op = msg.get("op")
                 if op == "exec":
-                    fds = reader.take_fds()
                     pending = msg
-                    try:
-                        _write_files(msg.get("files") or {})
-                        pid = os.fork()
-                    except OSError as exc:
-                        for fd in fds:
-                            os.close(fd)
-                        proto.send(sock, {"op": "exit", "error": f"{exc.strerror or exc}", "status": 126 << 8,
-                                          "cpu_s": 0.0, "maxrss_bytes": 0, "files": {}})
-                        continue
-                    if pid == 0:
-                        _worker(msg, fds, env)
-                    worker = pid
-                    for fd in fds:
-                        os.close(fd)
+                    start(msg, reader.take_fds())
+                elif op == "attached":
+                    attached = True
                 elif op == "kill":
                     kill_all()
                 elif op == "ping":

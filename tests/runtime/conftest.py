@@ -23,8 +23,7 @@ async def rt(tmp_path_factory) -> AsyncIterator[Runtime]:  # type: ignore[no-unt
     assert host_state(runtime) == {"cgroups": [], "sandbox_children": 0}
 
 
-def descendants(root: int) -> int:
-    """How many processes descend from ``root`` (from /proc)."""
+def _children() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
@@ -33,19 +32,17 @@ def descendants(root: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(p.name))
-    n, todo = 0, list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        n += 1
-        todo.extend(children.get(pid, []))
-    return n
+    return children
 
 
 def sandbox_processes(rt: Runtime) -> int:
-    """Processes under our zygotes: everything we spawned minus the zygotes themselves (rootless, a
-    zygote is two processes: the holder outside its pid namespace and the zygote inside)."""
-    per_zygote = 2 if rt.config.rootless else 1
-    return descendants(os.getpid()) - per_zygote * len(rt.zygotes)
+    """Sandbox inits alive on the host: the children of our zygotes (rootless, a zygote runs under a
+    holder process that stays outside its pid namespace)."""
+    children = _children()
+    zygotes = [z.proc.pid for z in rt.zygotes.values() if z.proc]
+    if rt.config.rootless:
+        zygotes = [c for h in zygotes for c in children.get(h, [])]
+    return sum(len(children.get(z, [])) for z in zygotes)
 
 
 def host_state(rt: Runtime) -> dict[str, object]:
