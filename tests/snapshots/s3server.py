@@ -110,11 +110,13 @@ class SeaweedS3:
         self.stop()
         raise RuntimeError(f"SeaweedFS S3 not ready after {timeout_s}s ({last}):\n{self.tail()}")
 
-    def stop(self) -> None:
+    def stop(self, *, graceful: bool = False) -> None:
+        """Kill it (an S3 crash; its writes are already in the kernel, so a restart finds them), or
+        with ``graceful`` ask it to shut down (which can take weed 1-20 s)."""
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGTERM if graceful else signal.SIGKILL)
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
