@@ -7,9 +7,11 @@ import logging
 import sys
 from typing import IO, Any
 
-__all__ = ["JsonFormatter", "configure", "logger"]
+__all__ = ["JsonFormatter", "configure", "lifecycle", "logger"]
 
 logger = logging.getLogger("rollbox.functions")
+# Start, drain and stop: always logged (at info), whatever the level, so supervisors can follow them.
+lifecycle = logging.getLogger("rollbox.lifecycle")
 
 
 class JsonFormatter(logging.Formatter):
@@ -39,3 +41,6 @@ def configure(level: str = "info", stream: IO[str] | None = None) -> None:
         lg.handlers[:] = [handler]
         lg.setLevel(level.upper())
         lg.propagate = False
+    lifecycle.handlers[:] = [handler]
+    lifecycle.setLevel(logging.INFO)
+    lifecycle.propagate = False

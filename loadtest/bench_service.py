@@ -1,0 +1,142 @@
+"""One-shot `run` of print(1) through HTTP at several concurrencies: throughput and p50/p99.
+
+    .venv/bin/python loadtest/bench_service.py                  # concurrency 1, 16, 64
+    .venv/bin/python loadtest/bench_service.py -c 16 -n 2000
+
+Starts its own `rollbox serve` on 127.0.0.1 (a free port), sends binary-mode CloudEvents with httpx
+from this process, checks every reply (200, exit code 0, stdout "1\\n"), stops the server by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+RUN = "dev.rollbox.sandbox.run"
+BODY = json.dumps({"code": "print(1)"}).encode()
+
+
+def start(log: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollbox.functions.cli", "serve", "--port", "0", *extra],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("msg") == "listening":
+                return proc, f"http://127.0.0.1:{rec['port']}/"
+        if proc.poll() is not None:
+            raise SystemExit(f"rollbox serve exited with {proc.returncode}:\n{log.read_text()}")
+        time.sleep(0.05)
+    stop(proc)
+    raise SystemExit("rollbox serve did not start")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+async def one(http: httpx.AsyncClient, url: str) -> float:
+    headers = {
+        "ce-specversion": "1.0",
+        "ce-type": RUN,
+        "ce-source": "/bench",
+        "ce-id": uuid.uuid4().hex,
+        "content-type": "application/json",
+    }
+    t0 = time.perf_counter()
+    resp = await http.post(url, headers=headers, content=BODY)
+    dt = time.perf_counter() - t0
+    if resp.status_code != 200 or resp.headers.get("ce-type") != "dev.rollbox.sandbox.result":
+        raise RuntimeError(f"bad reply {resp.status_code}: {resp.text[:300]}")
+    data = resp.json()
+    if data["exit_code"] != 0 or data["stdout"] != "1\n":
+        raise RuntimeError(f"wrong result: {data}")
+    return dt
+
+
+async def level(url: str, concurrency: int, requests: int) -> dict[str, float]:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        for _ in range(min(concurrency, 8)):  # warm connections and the zygote
+            await one(http, url)
+        latencies: list[float] = []
+        todo = iter(range(requests))
+
+        async def worker() -> None:
+            for _ in todo:
+                latencies.append(await one(http, url))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    qs = statistics.quantiles(latencies, n=100, method="inclusive")
+    return {
+        "concurrency": concurrency,
+        "requests": len(latencies),
+        "wall_s": wall,
+        "runs_per_s": len(latencies) / wall,
+        "p50_ms": qs[49] * 1000,
+        "p99_ms": qs[98] * 1000,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-c", "--concurrency", type=int, action="append", help="repeatable; default 1, 16, 64")
+    p.add_argument("-n", "--requests", type=int, help="requests per level (default 200 x concurrency, max 2000)")
+    p.add_argument("--log-level", default="warning", help="server log level (default warning)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON lines too")
+    args = p.parse_args()
+    levels = args.concurrency or [1, 16, 64]
+    with tempfile.TemporaryDirectory(prefix="rollbox-bench-") as tmp:
+        proc, url = start(Path(tmp) / "serve.log", ["--log-level", args.log_level, "--max-queued", "4096"])
+        rows = []
+        try:
+            for c in levels:
+                n = args.requests or min(2000, max(200, 50 * c))
+                rows.append(asyncio.run(level(url, c, n)))
+        finally:
+            rc = stop(proc)
+    print(f"{'concurrency':>11} {'requests':>8} {'runs/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    for r in rows:
+        print(
+            f"{r['concurrency']:>11} {r['requests']:>8} {r['runs_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f}"
+        )
+        if args.json:
+            print(json.dumps(r))
+    print(
+        f"(server: rollbox serve --log-level {args.log_level}, exit status {rc}; client: httpx in one process, "
+        f"{os.cpu_count()} cores shared)"
+    )
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
