@@ -62,9 +62,7 @@ async def test_one_shot_run_and_command_exit(server: ServerProc) -> None:
             await client.run(code="import sys; print('bad', file=sys.stderr); sys.exit(3)", check=True)
         err = info.value
         assert (err.exit_code, err.stderr) == (3, "bad\n") and err.sandbox_id == err.result.sandbox_id
-        r = await client.run(
-            code="print(len(open('/proc/self/status').read()) > 0)", limits=Limits(pids_max=16)
-        )
+        r = await client.run(code="print(len(open('/proc/self/status').read()) > 0)", limits=Limits(pids_max=16))
         assert r.stdout == "True\n"
 
 

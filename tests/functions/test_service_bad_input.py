@@ -253,9 +253,7 @@ async def test_bad_input(
     assert (r.status, r.type, r.data["code"]) == (status, ERROR, code), r.data
     for w in words:
         assert w in r.data["message"], (w, r.data["message"])
-    want_mode = (
-        "structured" if headers.get("content-type", "").startswith("application/cloudevents") else "binary"
-    )
+    want_mode = "structured" if headers.get("content-type", "").startswith("application/cloudevents") else "binary"
     assert r.mode == want_mode
     assert "Traceback" not in r.data["message"] and "/work/" not in r.data["message"]
     assert server.alive()
@@ -273,7 +271,5 @@ async def test_huge_body_is_413(server: ServerProc, http: httpx.AsyncClient) -> 
     # a declared length over the cap is refused without reading the body
     r = parse(await http.post(server.url, headers=binary_headers(), content=b"x" * (3 * cap)))
     assert (r.status, r.data["code"]) == (413, "payload_too_large")
-    ok = await send(
-        http, server.url, ce(SANDBOX_RUN, {"code": "print(2)", "files": {"small.txt": "x" * 1000}})
-    )
+    ok = await send(http, server.url, ce(SANDBOX_RUN, {"code": "print(2)", "files": {"small.txt": "x" * 1000}}))
     assert (ok.status, ok.data["stdout"]) == (200, "2\n")

@@ -87,11 +87,7 @@ async def test_episode_create_exec_destroy(server: ServerProc, http: httpx.Async
     )
     assert (r.status, r.type, r.mode, r.subject) == (200, SANDBOX_RESULT, mode, sid), r.data
     res = ExecResult.model_validate(r.data)
-    assert (
-        res.exit_code == 0
-        and res.stdout == "head-tail\n"
-        and res.files == {"out.txt": None, "missing.txt": None}
-    )
+    assert res.exit_code == 0 and res.stdout == "head-tail\n" and res.files == {"out.txt": None, "missing.txt": None}
 
     r = await send(
         http,
@@ -119,9 +115,7 @@ async def test_episode_create_exec_destroy(server: ServerProc, http: httpx.Async
     # the exec was logged as one JSON line carrying the correlation fields
     lines = [x for x in server.log_records() if x.get("event_id") == exec_id]
     assert len(lines) == 1, lines
-    assert (
-        lines[0]["sandbox_id"] == sid and lines[0]["experiment"] == "e2e" and lines[0]["episode"] == episode
-    )
+    assert lines[0]["sandbox_id"] == sid and lines[0]["experiment"] == "e2e" and lines[0]["episode"] == episode
     assert lines[0]["status"] == 200 and lines[0]["type"] == SANDBOX_EXEC
 
 
@@ -155,9 +149,7 @@ async def test_run_one_shot(server: ServerProc, http: httpx.AsyncClient, mode: s
 
 async def test_run_timeout_is_killed(server: ServerProc, http: httpx.AsyncClient) -> None:
     before = metric((await http.get(server.url + "metrics")).text, "rollbox_exec_timeouts_total")
-    r = await send(
-        http, server.url, ce(SANDBOX_RUN, {"code": "import time; time.sleep(30)", "timeout_s": 0.5})
-    )
+    r = await send(http, server.url, ce(SANDBOX_RUN, {"code": "import time; time.sleep(30)", "timeout_s": 0.5}))
     res = ExecResult.model_validate(r.data)
     assert r.status == 200 and res.timed_out and res.exit_code == 137
     after = metric((await http.get(server.url + "metrics")).text, "rollbox_exec_timeouts_total")
@@ -166,9 +158,7 @@ async def test_run_timeout_is_killed(server: ServerProc, http: httpx.AsyncClient
 
 async def test_create_latency_and_live_metrics(server: ServerProc, http: httpx.AsyncClient) -> None:
     text = (await http.get(server.url + "metrics")).text
-    counts = sum(
-        metric(text, "rollbox_sandbox_create_seconds_count", source=s) for s in ("pooled", "restored")
-    )
+    counts = sum(metric(text, "rollbox_sandbox_create_seconds_count", source=s) for s in ("pooled", "restored"))
     r = await send(http, server.url, ce(SANDBOX_CREATE, {}))
     sid = r.data["sandbox_id"]
     text = (await http.get(server.url + "metrics")).text
@@ -205,9 +195,7 @@ async def test_concurrent_duplicates_wait_for_the_first(server: ServerProc, http
     sid = (await send(http, server.url, ce(SANDBOX_CREATE, {}))).data["sandbox_id"]
     step = {"sandbox_id": sid, "code": "import time; open('log.txt', 'a').write('x\\n'); time.sleep(0.5)"}
     eid = uuid.uuid4().hex
-    replies = await asyncio.gather(
-        *(send(http, server.url, ce(SANDBOX_EXEC, step, id=eid)) for _ in range(6))
-    )
+    replies = await asyncio.gather(*(send(http, server.url, ce(SANDBOX_EXEC, step, id=eid)) for _ in range(6)))
     assert {r.status for r in replies} == {200}
     assert len({r.event["id"] for r in replies}) == 1
     r = await send(
@@ -242,9 +230,7 @@ async def test_not_found_statuses(server: ServerProc, http: httpx.AsyncClient, m
     r = await send(http, server.url, ce(SANDBOX_DESTROY, {"sandbox_id": "sb-does-not-exist"}), mode)
     assert (r.status, r.data["code"]) == (404, "sandbox_not_found")
     r = await send(http, server.url, ce(SANDBOX_CREATE, {"snapshot": "no-such-snapshot"}), mode)
-    assert (r.status, r.data["code"]) == (404, "snapshot_not_found") and "no-such-snapshot" in r.data[
-        "message"
-    ]
+    assert (r.status, r.data["code"]) == (404, "snapshot_not_found") and "no-such-snapshot" in r.data["message"]
     r = await send(http, server.url, ce(SANDBOX_RUN, {"snapshot": "no-such-snapshot", "code": "1"}), mode)
     assert (r.status, r.data["code"]) == (404, "snapshot_not_found")
 

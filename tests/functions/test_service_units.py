@@ -93,9 +93,7 @@ async def test_cache_forgets_uncacheable_and_expired_and_is_bounded() -> None:
         n += 1
         return "busy" if n == 1 else f"ok-{n}"
 
-    cache: IdempotencyCache[str] = IdempotencyCache(
-        3, 10, cacheable=lambda r: r != "busy", clock=lambda: now[0]
-    )
+    cache: IdempotencyCache[str] = IdempotencyCache(3, 10, cacheable=lambda r: r != "busy", clock=lambda: now[0])
     assert await cache.run(("s", "a"), "fp", work) == ("busy", False)
     assert await cache.run(("s", "a"), "fp", work) == ("ok-2", False)  # a refusal is not remembered
     now[0] = 11
