@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,8 @@ class Sandbox:
     group: Group | None
     upper_fd: int
     extra_layers: tuple[str, ...] = ()
+    cg_base_cpu_s: float = 0.0  # the (reused) cgroup's CPU counter when this sandbox joined it
+    release_group: Callable[[Group], None] | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -267,9 +270,12 @@ class Sandbox:
             await asyncio.wait_for(self.exited.wait(), 10)
         if self.group:
             stats = self.group.stats()
-            self.cpu_s = max(self.cpu_s, stats.cpu_s)
+            self.cpu_s = max(self.cpu_s, stats.cpu_s - self.cg_base_cpu_s)
             self.peak_memory_bytes = max(self.peak_memory_bytes, stats.peak_memory_bytes)
-            await asyncio.to_thread(self.group.close)
+            if self.release_group:
+                self.release_group(self.group)
+            else:
+                await asyncio.to_thread(self.group.close)
         self.chan.close()
         asyncio.get_running_loop().remove_reader(self.pidfd)
         for fd in (self.upper_fd, self.pidfd):

@@ -70,11 +70,14 @@ class Runtime:
         self._zygote_locks: dict[Any, asyncio.Lock] = {}
         self.pools: dict[Any, Pool] = {}
         self.cgroup_backend: Backend | None = None
+        self.free_groups: list[Group] = []  # empty cgroups of destroyed sandboxes, reused: no mkdir/rmdir
+        self.releasing: set[Group] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.cgroup_reason = ""
         self.seccomp_bpf = b""
         self._reaper: asyncio.Task[None] | None = None
         self._creating = 0
-        self.restoring: set[str] = set()  # ids of sandboxes being restored right now
+        self.restoring: dict[str, Group | None] = {}  # sandboxes being restored right now, with their cgroup
         self.started = False
 
     # ----------------------------------------------------------------- lifecycle
@@ -100,6 +103,12 @@ class Runtime:
         for z in list(self.zygotes.values()):
             await z.close()
         self.zygotes.clear()
+        self.started = False
+        for task in list(self._tasks):
+            await task
+        for group in self.free_groups:
+            await asyncio.to_thread(group.close)
+        self.free_groups.clear()
         if self.cgroup_backend:
             self.cgroup_backend.close()
         self.started = False
@@ -117,6 +126,13 @@ class Runtime:
 
     def pool_sizes(self) -> dict[str, int]:
         return {str(k[0]): len(p.ready) for k, p in self.pools.items()}
+
+    def held_cgroups(self) -> set[str]:
+        """Every cgroup directory this runtime holds: live, pooled, restoring, being emptied, reusable."""
+        groups = [sb.group for sb in self.sandboxes.values()]
+        groups += [sb.group for pool in self.pools.values() for sb in pool.ready]
+        groups += [*self.restoring.values(), *self.releasing, *self.free_groups]
+        return {path for g in groups if g is not None for path in g.paths()}
 
     def isolation_report(self) -> dict[str, str]:
         cg = self.cgroup_reason if self.cgroup_backend else f"not applied ({self.cgroup_reason}); rlimits instead"
@@ -156,7 +172,10 @@ class Runtime:
         z = zygote or await self.zygote(view)
         sid = "sb-" + secrets.token_hex(8)
         group = None
-        if self.cgroup_backend:
+        if self.free_groups:
+            group = self.free_groups.pop()
+            group.configure(limits.memory_max_bytes, limits.pids_max, limits.cpu_max_cores)
+        elif self.cgroup_backend:
             group = self.cgroup_backend.prepare(sid, limits.memory_max_bytes, limits.pids_max, limits.cpu_max_cores)
         params: dict[str, Any] = {
             "layers": list(view.layers),
@@ -167,11 +186,11 @@ class Runtime:
         if group is None:  # no cgroup: fall back to rlimits (nproc counts per user namespace)
             params["nproc"] = limits.pids_max
             params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
-        self.restoring.add(sid)
+        self.restoring[sid] = group
         try:
             return await self._contain(view, limits, z, sid, group, params)
         finally:
-            self.restoring.discard(sid)
+            self.restoring.pop(sid, None)
 
     async def _contain(self, view: SnapshotView, limits: Limits, z: Zygote, sid: str, group: Group | None,
                        params: dict[str, Any]) -> Sandbox:
@@ -179,7 +198,7 @@ class Runtime:
             _, sock = await z.spawn(params)
         except BaseException:
             if group:
-                group.close()
+                self.release_group(group)
             raise
         chan = Channel(sock)
         try:
@@ -193,19 +212,45 @@ class Runtime:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(creds[0], 9)
             if group:
-                await asyncio.to_thread(group.close)
+                self.release_group(group)
             why = msg.get("error") if msg else "sandbox exited during setup"
             raise IsolationError(f"sandbox setup failed: {why}", snapshot_id=view.id)
         pid = creds[0]
         pidfd = os.pidfd_open(pid)
         fds = chan.take_fds()
+        cg_base = 0.0
         if group:
             group.attach(pid)
+            group.reset_peak()
+            cg_base = group.stats().cpu_s
         await chan.send({"op": "attached"})  # only now may the agent fork
         sb = Sandbox(id=sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
-                     upper_fd=fds[0] if fds else -1)
+                     upper_fd=fds[0] if fds else -1, cg_base_cpu_s=cg_base, release_group=self.release_group)
         sb.watch()
         return sb
+
+    def release_group(self, group: Group) -> None:
+        """Keep an emptied cgroup for the next sandbox (its counters are read as deltas), or remove it."""
+        if group.is_empty() and self.started and len(self.free_groups) < 64:
+            self.free_groups.append(group)
+            return
+        self.releasing.add(group)
+        task = asyncio.get_running_loop().create_task(self._release_later(group))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release_later(self, group: Group) -> None:
+        try:
+            for _ in range(100):  # the last processes of a killed sandbox may take a moment to leave
+                if group.is_empty():
+                    break
+                await asyncio.sleep(0.01)
+            if group.is_empty() and self.started and len(self.free_groups) < 64:
+                self.free_groups.append(group)
+            else:
+                await asyncio.to_thread(group.close)
+        finally:
+            self.releasing.discard(group)
 
     def _pool_for(self, view: SnapshotView, limits: Limits) -> Pool:
         key = (view.id, limits)

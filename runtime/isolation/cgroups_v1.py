@@ -34,6 +34,28 @@ class V1Group:
     def __init__(self, dirs: dict[str, Path]):
         self.dirs = dirs
 
+    def configure(self, memory_bytes: int, pids_max: int, cpu_cores: float) -> None:
+        m = self.dirs["memory"]
+        memsw = m / "memory.memsw.limit_in_bytes"
+        # memory+swap may never be below memory: raise it first, then set memory, then match them.
+        for path in (memsw, m / "memory.limit_in_bytes", memsw):
+            try:
+                _write(path, str(memory_bytes))
+            except OSError:
+                if path.name == "memory.limit_in_bytes":
+                    raise
+        _write(self.dirs["pids"] / "pids.max", str(pids_max))
+        _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(cpu_cores * 100_000))))
+
+    def paths(self) -> list[str]:
+        return [str(d) for d in self.dirs.values()]
+
+    def is_empty(self) -> bool:
+        try:
+            return not (self.dirs["pids"] / "cgroup.procs").read_text().strip()
+        except OSError:
+            return False
+
     def attach(self, pid: int) -> None:
         for d in self.dirs.values():
             _write(d / "cgroup.procs", str(pid))
@@ -93,22 +115,14 @@ class V1:
             except FileNotFoundError:  # another runtime sharing the parent removed it on close
                 d.parent.mkdir(exist_ok=True)
                 d.mkdir()
-        m = dirs["memory"]
-        _write(m / "memory.limit_in_bytes", str(memory_bytes))
-        if (m / "memory.memsw.limit_in_bytes").exists():
-            try:
-                _write(m / "memory.memsw.limit_in_bytes", str(memory_bytes))
-            except OSError:
-                pass
         try:
-            _write(m / "memory.swappiness", "0")
+            _write(dirs["memory"] / "memory.swappiness", "0")
         except OSError:
             pass
-        _write(dirs["pids"] / "pids.max", str(pids_max))
-        period = 100_000
-        _write(dirs["cpu"] / "cpu.cfs_period_us", str(period))
-        _write(dirs["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(cpu_cores * period))))
-        return V1Group(dirs)
+        _write(dirs["cpu"] / "cpu.cfs_period_us", "100000")
+        group = V1Group(dirs)
+        group.configure(memory_bytes, pids_max, cpu_cores)
+        return group
 
     def leftovers(self) -> list[str]:
         return [str(d) for p in self.parents.values() if p.is_dir() for d in p.iterdir() if d.is_dir()]

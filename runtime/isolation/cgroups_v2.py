@@ -29,8 +29,26 @@ def _read_kv(path: Path) -> dict[str, int]:
 
 
 class V2Group:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, enabled: tuple[str, ...] = NEEDED):
         self.path = path
+        self.enabled = enabled
+
+    def configure(self, memory_bytes: int, pids_max: int, cpu_cores: float) -> None:
+        if "memory" in self.enabled:
+            _write(self.path / "memory.max", str(memory_bytes))
+        if "pids" in self.enabled:
+            _write(self.path / "pids.max", str(pids_max))
+        if "cpu" in self.enabled:
+            _write(self.path / "cpu.max", f"{max(1000, int(cpu_cores * 100_000))} 100000")
+
+    def paths(self) -> list[str]:
+        return [str(self.path)]
+
+    def is_empty(self) -> bool:
+        try:
+            return "populated 0" in (self.path / "cgroup.events").read_text()
+        except OSError:
+            return False
 
     def attach(self, pid: int) -> None:
         _write(self.path / "cgroup.procs", str(pid))
@@ -99,16 +117,11 @@ class V2:
             self.parent.mkdir(exist_ok=True)
             _write(self.parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in self.enabled))
             d.mkdir()
-        if "memory" in self.enabled:
-            _write(d / "memory.max", str(memory_bytes))
-            if (d / "memory.swap.max").exists():
-                _write(d / "memory.swap.max", "0")
-        if "pids" in self.enabled:
-            _write(d / "pids.max", str(pids_max))
-        if "cpu" in self.enabled:
-            period = 100_000
-            _write(d / "cpu.max", f"{max(1000, int(cpu_cores * period))} {period}")
-        return V2Group(d)
+        group = V2Group(d, self.enabled)
+        if "memory" in self.enabled and (d / "memory.swap.max").exists():
+            _write(d / "memory.swap.max", "0")
+        group.configure(memory_bytes, pids_max, cpu_cores)
+        return group
 
     def leftovers(self) -> list[str]:
         return [str(d) for d in self.parent.iterdir() if d.is_dir()] if self.parent.is_dir() else []

@@ -46,11 +46,13 @@ def sandbox_processes(rt: Runtime) -> int:
 
 
 def host_state(rt: Runtime) -> dict[str, object]:
-    """What exists on the host beyond the sandboxes the runtime knows (live ones and the warm pool)."""
-    known = set(rt.sandboxes) | {sb.id for pool in rt.pools.values() for sb in pool.ready} | rt.restoring
+    """What exists on the host beyond what the runtime holds (live sandboxes, the warm pool, cgroups
+    kept for reuse — which must be empty)."""
+    known = set(rt.sandboxes) | {sb.id for pool in rt.pools.values() for sb in pool.ready} | set(rt.restoring)
+    assert all(g.is_empty() for g in rt.free_groups)
     cgs = rt.cgroup_backend.leftovers() if rt.cgroup_backend else []
     return {
-        "cgroups": [c for c in cgs if os.path.basename(c) not in known],
+        "cgroups": sorted(set(cgs) - rt.held_cgroups()),
         "sandbox_children": sandbox_processes(rt) - len(known),
     }
 
