@@ -145,7 +145,7 @@ class Sandbox:
     @property
     def upper_path(self) -> str:
         """The sandbox's upper (diff) directory, readable by the supervisor through its fd."""
-        return f"/proc/self/fd/{self.upper_fd}/upper"
+        return f"/proc/{os.getpid()}/fd/{self.upper_fd}/upper"
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, OSError):
@@ -234,6 +234,7 @@ class Sandbox:
         self.peak_memory_bytes = max(self.peak_memory_bytes, peak)
         return ExecResult(
             sandbox_id=self.id,
+            snapshot_id=self.view.id,
             exit_code=exit_code,
             signal=sig,
             stdout=stdout.decode("utf-8", "replace"),

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import secrets
+import shutil
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from rollbox.runtime import skeleton
 from rollbox.runtime.channel import Channel
-from rollbox.runtime.errors import InvalidRequest, IsolationError, Overloaded, SandboxNotFound
+from rollbox.runtime.errors import InvalidRequest, IsolationError, Overloaded, SandboxDied, SandboxNotFound
 from rollbox.runtime.execution import Sandbox
 from rollbox.runtime.isolation import cgroups, seccomp
 from rollbox.runtime.isolation.cgroups import Backend, Group
@@ -33,12 +36,14 @@ from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, U
 MiB = 1024 * 1024
 
 
-def default_state_dir() -> Path:
-    if env := os.environ.get("ROLLBOX_STATE_DIR"):
+def default_home() -> Path:
+    """Where rollbox keeps its state and the local snapshot store: ``$ROLLBOX_HOME``, else
+    /var/lib/rollbox as root, else ~/.local/share/rollbox (the same default as the local store)."""
+    if env := os.environ.get("ROLLBOX_HOME"):
         return Path(env)
     if os.geteuid() == 0:
         return Path("/var/lib/rollbox")
-    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "rollbox"
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "rollbox"
 
 
 class RuntimeConfig(BaseModel):
@@ -46,7 +51,7 @@ class RuntimeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    state_dir: Path = Field(default_factory=default_state_dir)
+    state_dir: Path = Field(default_factory=default_home)
     layer_root: Path | None = Field(default=None, description="directory of snapshot layers (default state_dir/layers)")
     cgroup: Literal["auto", "v1", "v2", "none"] = "auto"
     cgroup_parent: str = Field(default_factory=cgroups.default_parent)
@@ -65,6 +70,8 @@ class Runtime:
         self.layer_root = self.config.layer_root or self.config.state_dir / "layers"
         self.resolver: SnapshotResolver = resolver or BuiltinResolver(str(self.layer_root))
         self.sandboxes: dict[str, Sandbox] = {}
+        self._views: dict[str, tuple[SnapshotView, float | None]] = {}
+        self._scratch: dict[str, set[str]] = {}  # fork scratch layer -> ids of the sandboxes on it
         self.usages: dict[str, Usage] = {}
         self.zygotes: dict[Any, Zygote] = {}
         self._zygote_locks: dict[Any, asyncio.Lock] = {}
@@ -126,6 +133,91 @@ class Runtime:
 
     def pool_sizes(self) -> dict[str, int]:
         return {str(k[0]): len(p.ready) for k, p in self.pools.items()}
+
+    async def resolve(self, snapshot: str) -> SnapshotView:
+        """The snapshot's view; a resolver that may download (S3) is asked off the event loop.
+        Views are cached by id (content-addressed, immutable) and by name for a few seconds."""
+        now = time.monotonic()
+        hit = self._views.get(snapshot)
+        if hit is not None and (hit[1] is None or now - hit[1] < 5.0):
+            return hit[0]
+        resolve_async = getattr(self.resolver, "resolve_async", None)
+        if resolve_async is not None:
+            view: SnapshotView = await resolve_async(snapshot)
+        else:
+            view = self.resolver.resolve(snapshot)
+        self._views[view.id] = (view, None)
+        if snapshot != view.id:
+            self._views[snapshot] = (view, now)
+        return view
+
+    def register_view(self, view: SnapshotView) -> None:
+        """Make a snapshot known without the resolver (a fork's scratch layer, say)."""
+        self._views[view.id] = (view, None)
+
+    @contextlib.asynccontextmanager
+    async def frozen(self, sandbox_id: str) -> AsyncIterator[Sandbox]:
+        """Hold a sandbox still (no exec in flight, every process but its init stopped) while its
+        upper directory — its filesystem diff, ``sandbox.upper_path`` — is read."""
+        sb = self.get(sandbox_id)
+        async with sb.lock:
+            if sb.dead is not None:
+                raise SandboxDied(f"sandbox {sandbox_id} is gone ({sb.dead})", sandbox_id=sandbox_id)
+            await sb.chan.send({"op": "freeze"})
+            if await sb.chan.recv() is None:
+                raise SandboxDied(f"sandbox {sandbox_id} died while freezing", sandbox_id=sandbox_id)
+            try:
+                yield sb
+            finally:
+                if sb.dead is None:
+                    await sb.chan.send({"op": "thaw"})
+                    await sb.chan.recv()
+                sb.last_used = time.monotonic()
+
+    async def fork(self, sandbox_id: str, count: int, metadata: dict[str, str] | None = None) -> list[SandboxInfo]:
+        """``count`` new sandboxes that see exactly the files of a live sandbox, isolated from it and
+        from each other afterwards. Its diff is copied once into a scratch layer stacked under the
+        children (same zygote, no re-warm); the layer goes when the last child does."""
+        if not 1 <= count <= 1024:
+            raise InvalidRequest(f"count must be between 1 and 1024, got {count}", sandbox_id=sandbox_id)
+        parent = self.get(sandbox_id)
+        scratch = f"scratch-{secrets.token_hex(8)}"
+        dst = self.layer_root / scratch
+        async with self.frozen(sandbox_id) as sb:
+            proc = await asyncio.create_subprocess_exec(
+                "cp", "-a", f"{sb.upper_path}/.", str(dst), stderr=asyncio.subprocess.PIPE)
+            _, err = await proc.communicate()
+        if proc.returncode != 0:
+            shutil.rmtree(dst, ignore_errors=True)
+            raise IsolationError(f"copying the sandbox's files failed: {err.decode(errors='replace')[-300:]}",
+                                 sandbox_id=sandbox_id)
+        view = dataclasses.replace(parent.view, id=f"{parent.view.id}+{scratch}", layers=(scratch, *parent.view.layers))
+        self.register_view(view)
+        self._scratch[scratch] = set()
+        results = await asyncio.gather(
+            *(self._acquire(view.id, parent.limits, metadata or parent.metadata, pooled=False) for _ in range(count)),
+            return_exceptions=True)
+        made = [r for r in results if isinstance(r, Sandbox)]
+        self._scratch[scratch].update(sb.id for sb in made)
+        if len(made) < count:
+            for child in made:
+                await self.destroy(child.id)
+            self._drop_scratch(scratch)
+            err0 = next(r for r in results if isinstance(r, BaseException))
+            raise err0
+        return [self._info(child) for child in made]
+
+    def _drop_scratch(self, scratch: str) -> None:
+        self._scratch.pop(scratch, None)
+        self._views.pop(next((k for k, v in self._views.items() if scratch in v[0].layers), ""), None)
+        asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, self.layer_root / scratch, True)
+
+    def layers_in_use(self) -> set[str]:
+        """Layer ids that a zygote or a sandbox of this runtime has mounted: never evict these."""
+        used = {layer for z in self.zygotes.values() for layer in z.view.layers}
+        used |= {layer for sb in self.sandboxes.values() for layer in sb.view.layers}
+        used |= {layer for pool in self.pools.values() for sb in pool.ready for layer in sb.view.layers}
+        return used
 
     def held_cgroups(self) -> set[str]:
         """Every cgroup directory this runtime holds: live, pooled, restoring, being emptied, reusable."""
@@ -267,7 +359,7 @@ class Runtime:
 
     async def prewarm(self, snapshot: str = "python", count: int = 1, timeout_s: float = 60.0) -> None:
         """Keep at least ``count`` ready sandboxes of a snapshot (its default limits) in the pool."""
-        view = self.resolver.resolve(snapshot)
+        view = await self.resolve(snapshot)
         pool = self._pool_for(view, view.limits)
         pool.min_size = max(pool.min_size, count)
         await self.zygote(view)
@@ -279,18 +371,19 @@ class Runtime:
         sb = await self._acquire(snapshot, limits, metadata)
         return self._info(sb)
 
-    async def _acquire(self, snapshot: str, limits: Limits | None, metadata: dict[str, str] | None) -> Sandbox:
+    async def _acquire(self, snapshot: str, limits: Limits | None, metadata: dict[str, str] | None,
+                       pooled: bool = True) -> Sandbox:
         if not self.started:
             raise IsolationError("runtime is not started")
         if len(self.sandboxes) + self._creating >= self.config.max_live:
             raise Overloaded(f"{len(self.sandboxes)} sandboxes are live (cap {self.config.max_live})",
                              retry_after_s=1.0)
-        view = self.resolver.resolve(snapshot)
+        view = await self.resolve(snapshot)
         lim = limits or view.limits
         t0 = time.perf_counter()
         self._creating += 1
         try:
-            pool = self._pool_for(view, lim) if limits is None or limits == view.limits else None
+            pool = self._pool_for(view, lim) if pooled and (limits is None or limits == view.limits) else None
             sb = pool.take() if pool else None
             pooled = sb is not None
             if sb is None:
@@ -332,6 +425,12 @@ class Runtime:
         sb = self.get(sandbox_id)
         usage = await sb.close(reason)
         self.sandboxes.pop(sandbox_id, None)
+        for scratch in sb.view.layers:
+            users = self._scratch.get(scratch)
+            if users is not None:
+                users.discard(sandbox_id)
+                if not users:
+                    self._drop_scratch(scratch)
         self.usages[sandbox_id] = usage
         while len(self.usages) > 100_000:
             self.usages.pop(next(iter(self.usages)))

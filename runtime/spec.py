@@ -91,11 +91,13 @@ class ExecRequest(_Frozen):
 
 class ExecResult(BaseModel):
     """What one exec did. ``exit_code`` follows the shell: killed by signal N = 128 + N
-    (a timeout kill is 137)."""
+    (a timeout kill is 137). ``snapshot_id`` is the snapshot the sandbox was restored from, so
+    a trajectory step can be replayed."""
 
     model_config = ConfigDict(extra="forbid")
 
     sandbox_id: str
+    snapshot_id: str = ""
     exit_code: int
     stdout: str = ""
     stderr: str = ""

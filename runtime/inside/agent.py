@@ -259,3 +259,9 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
                     kill_all()
                 elif op == "ping":
                     proto.send(sock, {"op": "pong"})
+                elif op in ("freeze", "thaw"):  # hold every other process still while the files are read
+                    try:
+                        os.kill(-1, signal.SIGSTOP if op == "freeze" else signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+                    proto.send(sock, {"op": op + "d" if op == "thaw" else "frozen"})

@@ -82,8 +82,9 @@ def build_sandbox_root(layers: list[str], host_binds: list[str], host_masks: lis
     root = f"{SANDBOX}/root"
     lower = ":".join([f"{LAYERS}/{x}" for x in layers] + [SKEL])
     opts = f"lowerdir={lower},upperdir={SANDBOX}/upper,workdir={SANDBOX}/work"
-    if rootless:
-        opts += ",userxattr"
+    # Plain copy-up only (no redirect_dir, no metacopy): an upper dir is then a self-contained layer
+    # that a checkpoint can stack under other sandboxes. userxattr (rootless) implies both off.
+    opts += ",userxattr" if rootless else ",redirect_dir=off,metacopy=off"
     mount("overlay", root, "overlay", MS_NOSUID | MS_NODEV, opts)
     for path in host_binds:
         _bind_ro(path, root + path)

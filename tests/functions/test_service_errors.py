@@ -94,7 +94,7 @@ async def test_queue_cap_is_429(small_server: ServerProc, http: httpx.AsyncClien
 
 async def test_internal_error_is_500_without_host_details(tmp_path: Path, http: httpx.AsyncClient) -> None:
     state = tmp_path / "state"
-    srv = start_server(tmp_path / "logs", env={"ROLLBOX_STATE_DIR": str(state)})
+    srv = start_server(tmp_path / "logs", env={"ROLLBOX_HOME": str(state)})
     try:
         # break the runtime's state directory under it: the next restore cannot build its root
         aside = tmp_path / "state-aside"

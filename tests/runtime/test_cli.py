@@ -14,7 +14,7 @@ ROLLBOX = [sys.executable, "-m", "rollbox.functions.cli"]
 
 
 def run(*args: str, tmp: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, ROLLBOX_STATE_DIR=str(tmp))
+    env = dict(os.environ, ROLLBOX_HOME=str(tmp))
     return subprocess.run([*ROLLBOX, *args], capture_output=True, text=True, env=env, input=stdin, timeout=120)
 
 
@@ -37,7 +37,7 @@ def test_run_timeout_exits_137_and_says_so(tmp_path: Path) -> None:
 
 
 def test_bad_env_value_is_a_clear_error(tmp_path: Path) -> None:
-    env = dict(os.environ, ROLLBOX_STATE_DIR=str(tmp_path), ROLLBOX_TIMEOUT_S="soon")
+    env = dict(os.environ, ROLLBOX_HOME=str(tmp_path), ROLLBOX_TIMEOUT_S="soon")
     p = subprocess.run([*ROLLBOX, "run", "--code", "1"], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode != 0 and "ROLLBOX_TIMEOUT_S='soon' is not a valid number" in p.stderr
 

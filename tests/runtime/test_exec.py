@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from rollbox.runtime.errors import InvalidRequest, SandboxNotFound
 from rollbox.runtime.runtime import Runtime
@@ -103,3 +105,33 @@ async def test_timeout_longer_than_lifetime_is_refused(rt: Runtime) -> None:
             await rt.exec(info.sandbox_id, ExecRequest(code="1", timeout_s=60))
     finally:
         await rt.destroy(info.sandbox_id)
+
+
+async def test_fork_children_see_the_parent_files_and_are_isolated(rt: Runtime) -> None:
+    parent = await rt.create()
+    try:
+        await rt.exec(parent.sandbox_id, ExecRequest(
+            command="echo state > s.txt; mkdir -p d/e; echo deep > d/e/f; rm -rf /tmp/*; echo t > /tmp/t; sleep 60 &"))
+        children = await rt.fork(parent.sandbox_id, 3)
+        assert len({c.sandbox_id for c in children}) == 3
+        outs = []
+        for i, c in enumerate(children):
+            r = await rt.exec(c.sandbox_id, ExecRequest(command=f"cat s.txt d/e/f /tmp/t; echo {i} > s.txt"))
+            outs.append(r.stdout)
+        assert outs == ["state\ndeep\nt\n"] * 3
+        again = await rt.exec(children[0].sandbox_id, ExecRequest(command="cat s.txt"))
+        assert again.stdout == "0\n"  # its own write, not a sibling's
+        p = await rt.exec(parent.sandbox_id, ExecRequest(command="cat s.txt; ls /tmp"))
+        assert p.stdout == "state\nt\n"  # the parent kept running (its sleep was thawed) and is untouched
+        assert all(r.snapshot_id.startswith("python+scratch-") for r in [again])
+        scratch = rt.get(children[0].sandbox_id).view.layers[0]
+        assert (rt.layer_root / scratch).is_dir()
+        for c in children:
+            await rt.destroy(c.sandbox_id)
+        for _ in range(100):
+            if not (rt.layer_root / scratch).exists():
+                break
+            await asyncio.sleep(0.02)
+        assert not (rt.layer_root / scratch).exists()  # the scratch layer goes with the last child
+    finally:
+        await rt.destroy(parent.sandbox_id)
