@@ -56,7 +56,7 @@ class Zygote:
         self.rootless = rootless
         self.proc: asyncio.subprocess.Process | None = None
         self.chan: Channel | None = None
-        self.staging = state_dir / "zygotes" / uuid.uuid4().hex[:12]
+        self.staging = state_dir / "zygotes" / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.warm_info: dict[str, Any] = {}
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}

@@ -94,8 +94,37 @@ class Runtime:
         self.layer_root.mkdir(parents=True, exist_ok=True)
         self.seccomp_bpf = await asyncio.to_thread(seccomp.build_filter)
         self.cgroup_backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup)
+        await asyncio.to_thread(self._sweep)
         self._reaper = asyncio.create_task(self._reap_loop())
         self.started = True
+
+    def _sweep(self) -> None:
+        """Remove what a supervisor that died left behind: empty sandbox cgroups (their processes died
+        with their zygote) and zygote staging directories (their mounts died with the zygote's mount
+        namespace). A cgroup that still has processes belongs to a live runtime: it is left alone."""
+        def dead_owner(name: str) -> bool:  # names start with the pid of the runtime that made them
+            head = name.split("-", 1)[0]
+            if not head.isdigit() or int(head) == os.getpid():
+                return False
+            try:
+                os.kill(int(head), 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+            return False
+
+        if self.cgroup_backend:
+            for path in self.cgroup_backend.leftovers():
+                if dead_owner(os.path.basename(path)):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(path)
+        staging = self.config.state_dir / "zygotes"
+        if staging.is_dir():
+            for d in staging.iterdir():
+                if dead_owner(d.name):
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
 
     async def close(self) -> None:
         if self._reaper:
@@ -268,7 +297,8 @@ class Runtime:
             group = self.free_groups.pop()
             group.configure(limits.memory_max_bytes, limits.pids_max, limits.cpu_max_cores)
         elif self.cgroup_backend:
-            group = self.cgroup_backend.prepare(sid, limits.memory_max_bytes, limits.pids_max, limits.cpu_max_cores)
+            group = self.cgroup_backend.prepare(f"{os.getpid()}-{sid}", limits.memory_max_bytes, limits.pids_max,
+                                                limits.cpu_max_cores)
         params: dict[str, Any] = {
             "layers": list(view.layers),
             "disk_bytes": limits.disk_max_bytes,

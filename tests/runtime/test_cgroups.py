@@ -80,3 +80,26 @@ def test_v2_group_attach_kill_and_remove() -> None:
 def test_select_reports_why() -> None:
     backend, why = cgroups.select("rollbox-none", prefer="none")
     assert backend is None and why == "disabled"
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_start_sweeps_what_a_dead_supervisor_left(tmp_path: Path) -> None:
+    from rollbox.runtime.runtime import Runtime, RuntimeConfig
+
+    parent = f"rollbox-t4-{os.getpid()}"
+    backend, _ = cgroups.select(parent, "auto")
+    assert backend is not None
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = backend.prepare(f"{dead.pid}-sb-stale", 64 * MiB, 8, 1.0)  # a dead runtime's cgroup
+    (tmp_path / "zygotes" / f"{dead.pid}-abc").mkdir(parents=True)
+    alive = (tmp_path / "zygotes" / "1-def")  # pid 1 is alive: never swept
+    alive.mkdir()
+    rt = Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=parent))
+    await rt.start()
+    try:
+        assert not any(Path(p).exists() for p in stale.paths())
+        assert not (tmp_path / "zygotes" / f"{dead.pid}-abc").exists() and alive.exists()
+    finally:
+        await rt.close()
