@@ -15,7 +15,7 @@ Exceptions (one root; each carries ``sandbox_id`` when there is one):
     │   ├── NotFoundError           404: no such sandbox or snapshot
     │   ├── SandboxDiedError        410
     │   ├── OverloadedError         429, 503 (after the retries): ``retry_after_s``
-    │   └── InternalError           500 and anything else
+    │   └── InternalError           500 and anything else (502: the snapshot store failed)
     └── CommandExitError        ``check=True`` and the command failed; it is also the result
                                 (``exit_code``, ``stdout``, ``stderr``, ``result``)
 
@@ -43,9 +43,15 @@ from rollbox.functions.contract import (
     SANDBOX_DESTROY,
     SANDBOX_DESTROYED,
     SANDBOX_EXEC,
+    SANDBOX_FORK,
+    SANDBOX_FORKED,
     SANDBOX_RESULT,
     SANDBOX_RUN,
+    SANDBOX_SNAPSHOT,
+    SANDBOX_SNAPSHOTTED,
     ErrorData,
+    ForkRecord,
+    SnapshotRecord,
 )
 from rollbox.runtime.spec import ExecResult, Limits, SandboxInfo, Usage
 
@@ -333,6 +339,50 @@ class Client:
         )
         return Sandbox(self, info, owns_client=False)
 
+    async def fork(
+        self,
+        sandbox_id: str | None = None,
+        *,
+        snapshot: str | None = None,
+        count: int = 1,
+        limits: Limits | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> list[Sandbox]:
+        """``count`` new sandboxes from exactly one of a live sandbox (they see its files as they
+        are now and keep its limits) or a snapshot (name or id). All of them, or an error."""
+        data: dict[str, Any] = {"count": count}
+        if sandbox_id is not None:
+            data["sandbox_id"] = sandbox_id
+        if snapshot is not None:
+            data["snapshot"] = snapshot
+        if limits is not None:
+            data["limits"] = limits.model_dump(exclude_unset=True)
+        if metadata:
+            data["metadata"] = dict(metadata)
+        record = await self.send(
+            SANDBOX_FORK,
+            data,
+            expect=SANDBOX_FORKED,
+            model=ForkRecord,
+            read_timeout_s=self.reply_margin_s,
+            sandbox_id=sandbox_id,
+        )
+        return [Sandbox(self, info, owns_client=False) for info in record.sandboxes]
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotRecord:
+        """Checkpoint a live sandbox's files into the service's store; create or fork from the id."""
+        data: dict[str, Any] = {"sandbox_id": sandbox_id}
+        if name is not None:
+            data["name"] = name
+        return await self.send(
+            SANDBOX_SNAPSHOT,
+            data,
+            expect=SANDBOX_SNAPSHOTTED,
+            model=SnapshotRecord,
+            read_timeout_s=self.reply_margin_s,
+            sandbox_id=sandbox_id,
+        )
+
 
 class Sandbox:
     """A live sandbox. ``async with`` kills it on exit; ``kill()`` may be called any number of times."""
@@ -403,6 +453,19 @@ class Sandbox:
         if check and result.exit_code != 0:
             raise CommandExitError(result)
         return result
+
+    async def snapshot(self, name: str | None = None) -> SnapshotRecord:
+        """Checkpoint this sandbox's files (it keeps running); ``.snapshot_id`` restores them anywhere
+        the store reaches."""
+        if self._killed:
+            raise ClientError(f"sandbox {self.id} was killed; create a new one", sandbox_id=self.id)
+        return await self.client.snapshot(self.id, name)
+
+    async def fork(self, n: int = 1, *, metadata: Mapping[str, str] | None = None) -> list[Sandbox]:
+        """``n`` new sandboxes seeing this one's files as they are now; each is killed on its own."""
+        if self._killed:
+            raise ClientError(f"sandbox {self.id} was killed; create a new one", sandbox_id=self.id)
+        return await self.client.fork(self.id, count=n, metadata=metadata)
 
     async def kill(self) -> Usage | None:
         """Destroy the sandbox; its usage record, or None if the service no longer knew it."""

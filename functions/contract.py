@@ -10,6 +10,8 @@ runtime cannot drift apart.
     dev.rollbox.sandbox.exec        ExecData         dev.rollbox.sandbox.result     ExecResult
     dev.rollbox.sandbox.run         RunData          dev.rollbox.sandbox.result     ExecResult
     dev.rollbox.sandbox.destroy     DestroyData      dev.rollbox.sandbox.destroyed  Usage
+    dev.rollbox.sandbox.snapshot    SnapshotData     dev.rollbox.sandbox.snapshotted SnapshotRecord
+    dev.rollbox.sandbox.fork        ForkData         dev.rollbox.sandbox.forked     ForkRecord
     (any, on failure)                                dev.rollbox.error              ErrorData
 """
 
@@ -24,13 +26,18 @@ __all__ = [
     "CONTRACT",
     "ERROR",
     "EVENT_SOURCE",
+    "MAX_FORK",
     "SANDBOX_CREATE",
     "SANDBOX_CREATED",
     "SANDBOX_DESTROY",
     "SANDBOX_DESTROYED",
     "SANDBOX_EXEC",
+    "SANDBOX_FORK",
+    "SANDBOX_FORKED",
     "SANDBOX_RESULT",
     "SANDBOX_RUN",
+    "SANDBOX_SNAPSHOT",
+    "SANDBOX_SNAPSHOTTED",
     "CreateData",
     "DestroyData",
     "ErrorCode",
@@ -39,9 +46,13 @@ __all__ = [
     "ExecData",
     "ExecRequest",
     "ExecResult",
+    "ForkData",
+    "ForkRecord",
     "Limits",
     "RunData",
     "SandboxInfo",
+    "SnapshotData",
+    "SnapshotRecord",
     "Usage",
 ]
 
@@ -53,6 +64,10 @@ SANDBOX_RUN: Final = "dev.rollbox.sandbox.run"
 SANDBOX_RESULT: Final = "dev.rollbox.sandbox.result"
 SANDBOX_DESTROY: Final = "dev.rollbox.sandbox.destroy"
 SANDBOX_DESTROYED: Final = "dev.rollbox.sandbox.destroyed"
+SANDBOX_SNAPSHOT: Final = "dev.rollbox.sandbox.snapshot"
+SANDBOX_SNAPSHOTTED: Final = "dev.rollbox.sandbox.snapshotted"
+SANDBOX_FORK: Final = "dev.rollbox.sandbox.fork"
+SANDBOX_FORKED: Final = "dev.rollbox.sandbox.forked"
 ERROR: Final = "dev.rollbox.error"
 
 # The `source` attribute of every reply this service sends (a URI-reference, as CloudEvents asks).
@@ -64,7 +79,11 @@ SandboxId = Annotated[
 SnapshotRef = Annotated[
     str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@/+-]*$")
 ]
+SnapshotName = Annotated[
+    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
+]
 MAX_METADATA_ITEMS: Final = 32
+MAX_FORK: Final = 64
 
 
 class _Data(BaseModel):
@@ -138,6 +157,69 @@ class DestroyData(_Data):
     sandbox_id: SandboxId
 
 
+class SnapshotData(_Data):
+    """``dev.rollbox.sandbox.snapshot``: checkpoint the live sandbox ``sandbox_id`` (its filesystem diff
+    becomes a layer over its snapshot's layers) into the service's store, under ``name`` if given."""
+
+    sandbox_id: SandboxId
+    name: SnapshotName | None = Field(
+        default=None, description="also point this name at the new snapshot ([a-z0-9._-], not an id)"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _not_an_id(cls, v: str | None) -> str | None:
+        if v is not None and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
+            raise ValueError("a name must not be 64 hex digits (that is a snapshot id)")
+        return v
+
+
+class SnapshotRecord(_Data):
+    """``dev.rollbox.sandbox.snapshotted``: the new snapshot, a child of ``parent_id`` in the tree."""
+
+    snapshot_id: str = Field(description="sha256 of the new manifest; create or fork from it anywhere")
+    parent_id: str | None = Field(description="the snapshot the sandbox was restored from (None: built-in)")
+    sandbox_id: str
+    name: str | None = None
+    layer_id: str = Field(description="sha256 of the layer holding the sandbox's diff")
+    layer_bytes: int = Field(description="size of that layer's tar")
+    size_bytes: int = Field(description="size of all the snapshot's layers")
+    env_version: dict[str, Any] = Field(description="the VERSION block, the parent's")
+    store: str = Field(description="where it was stored: the local store, or the S3 URL it was pushed to")
+    checkpoint_ms: float = Field(description="time the sandbox was held still while its diff was read")
+    total_ms: float
+
+
+class ForkData(_Data):
+    """``dev.rollbox.sandbox.fork``: ``count`` new sandboxes from exactly one of a live sandbox
+    (``sandbox_id``: they see its files as they are now and inherit its limits) or a snapshot."""
+
+    sandbox_id: SandboxId | None = None
+    snapshot: SnapshotRef | None = None
+    count: Annotated[int, Field(ge=1, le=MAX_FORK)] = 1
+    limits: Limits | None = Field(default=None, description="only with snapshot; a live fork keeps its parent's")
+    metadata: dict[str, str] = Field(default_factory=dict, description="default: the parent's, for a live fork")
+
+    _metadata = field_validator("metadata")(_check_metadata)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ForkData:
+        if (self.sandbox_id is None) == (self.snapshot is None):
+            raise ValueError("give exactly one of 'sandbox_id' (a live sandbox) or 'snapshot' (a name or id)")
+        if self.sandbox_id is not None and self.limits is not None:
+            raise ValueError("'limits' apply to a fork from a snapshot; the forks of a live sandbox keep its limits")
+        return self
+
+
+class ForkRecord(_Data):
+    """``dev.rollbox.sandbox.forked``: the new sandboxes, in no particular order."""
+
+    sandbox_id: str | None = Field(description="the live sandbox forked, if any")
+    snapshot_id: str = Field(description="the snapshot the forks were restored from (a live fork: its parent's)")
+    sandboxes: list[SandboxInfo]
+    fork_ms: float
+
+
 class ErrorCode:
     """The ``code`` of an error reply, with the HTTP status it is sent with."""
 
@@ -156,6 +238,8 @@ class ErrorCode:
     INTERNAL: Final = "internal"  # 500, no host details
     SHUTTING_DOWN: Final = "shutting_down"  # 503, with Retry-After
     STORE_UNAVAILABLE: Final = "store_unavailable"  # 503, with Retry-After: snapshot store outage
+    STORE_CORRUPT: Final = "store_corrupt"  # 502: an object failed its sha256 check; it was not used
+    STORE_ERROR: Final = "store_error"  # 502: the store refused (credentials, missing bucket, ...)
 
 
 class ErrorData(_Data):
@@ -182,4 +266,8 @@ CONTRACT: Final[tuple[EventSpec, ...]] = (
     EventSpec(request_type=SANDBOX_EXEC, data=ExecData, reply_type=SANDBOX_RESULT, reply=ExecResult),
     EventSpec(request_type=SANDBOX_RUN, data=RunData, reply_type=SANDBOX_RESULT, reply=ExecResult),
     EventSpec(request_type=SANDBOX_DESTROY, data=DestroyData, reply_type=SANDBOX_DESTROYED, reply=Usage),
+    EventSpec(
+        request_type=SANDBOX_SNAPSHOT, data=SnapshotData, reply_type=SANDBOX_SNAPSHOTTED, reply=SnapshotRecord
+    ),
+    EventSpec(request_type=SANDBOX_FORK, data=ForkData, reply_type=SANDBOX_FORKED, reply=ForkRecord),
 )

@@ -16,13 +16,16 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
-from rollbox.functions import logs
+from rollbox.functions import logs, sandbox, snapshot
 from rollbox.functions.logs import lifecycle, logger
 from rollbox.functions.service import Service, ServiceConfig
+from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_store
+from rollbox.runtime.errors import RollboxError
 
 __all__ = ["ConfigError", "ServeConfig", "add_parser", "resolve", "serve"]
 
@@ -58,6 +61,12 @@ def _host(raw: str) -> str:
     if not raw.strip():
         raise ValueError("must not be empty")
     return raw.strip()
+
+
+def _path(raw: str) -> Path:
+    if not raw.strip():
+        raise ValueError("must not be empty")
+    return Path(raw.strip())
 
 
 def _level(raw: str) -> str:
@@ -138,6 +147,48 @@ OPTIONS: tuple[_Option, ...] = (
         "on SIGTERM, how long in-flight events may take to finish",
     ),
     _Option("log_level", "--log-level", "ROLLBOX_LOG_LEVEL", _level, "info", "debug, info, warning or error"),
+    _Option(
+        "home",
+        "--home",
+        "ROLLBOX_HOME",
+        _path,
+        None,
+        "state directory and local snapshot store (unset: /var/lib/rollbox as root, else ~/.local/share/rollbox)",
+    ),
+    _Option(
+        "store",
+        "--store",
+        "ROLLBOX_STORE",
+        check_store_url,
+        None,
+        "snapshot store: a directory or s3://bucket/prefix (unset: the local store in --home)",
+    ),
+    _Option(
+        "cache_dir",
+        "--cache-dir",
+        "ROLLBOX_CACHE_DIR",
+        _path,
+        None,
+        "with an S3 store: the local cache of its snapshots (unset: --home)",
+    ),
+    _Option(
+        "cache_max_bytes",
+        "--cache-max-bytes",
+        "ROLLBOX_CACHE_MAX_BYTES",
+        _int(1),
+        None,
+        "cap on the layers pulled into the cache, least recently used evicted first (unset: no cap)",
+    ),
+    _Option("s3_endpoint_url", "--s3-endpoint-url", "AWS_ENDPOINT_URL", _host, None, "S3 endpoint URL"),
+    _Option("s3_region", "--s3-region", "AWS_REGION", _host, None, "S3 region"),
+    _Option(
+        "s3_max_attempts",
+        "--s3-max-attempts",
+        "ROLLBOX_S3_MAX_ATTEMPTS",
+        _int(1),
+        5,
+        "attempts per S3 request (exponential backoff between them) before a store error",
+    ),
 )
 
 
@@ -148,6 +199,7 @@ class ServeConfig:
     grace_s: float
     log_level: str
     service: ServiceConfig
+    store: StoreConfig = field(default_factory=StoreConfig)
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeConfig:
@@ -167,7 +219,8 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeConfig
         except ValueError as exc:
             raise ConfigError(f"{origin}: {exc}") from None
     svc = ServiceConfig(**{k: values.pop(k) for k in list(values) if k in ServiceConfig.__dataclass_fields__})
-    return ServeConfig(service=svc, **values)
+    store = StoreConfig(**{k: values.pop(k) for k in list(values) if k in StoreConfig.__dataclass_fields__})
+    return ServeConfig(service=svc, store=store, **values)
 
 
 def add_parser(sub: Any) -> None:
@@ -206,7 +259,7 @@ class _Server(uvicorn.Server):
 
 
 async def serve(cfg: ServeConfig) -> int:
-    from rollbox.runtime.runtime import Runtime, RuntimeConfig
+    from rollbox.runtime.runtime import Runtime, RuntimeConfig, default_home
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -224,11 +277,21 @@ async def serve(cfg: ServeConfig) -> int:
         logger.error(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}")
         return 1
     port = sock.getsockname()[1]
-    rt = Runtime(RuntimeConfig(max_live=cfg.service.max_live))
+    try:
+        resolver = open_store(cfg.store)
+    except (RollboxError, OSError) as exc:
+        sock.close()
+        logger.error(f"cannot open the snapshot store: {exc}")
+        return 1
+    layer_root = Path(resolver.layer_root)
+    home = cfg.store.home or default_home()
+    rt = Runtime(RuntimeConfig(max_live=cfg.service.max_live, state_dir=home, layer_root=layer_root), resolver=resolver)
+    resolver.cache.in_use = in_use_of(rt.layers_in_use)
     await rt.start()
     rc = 0
     try:
-        service = Service(rt, cfg.service)
+        snapshots = snapshot.Snapshots(rt, resolver.cache)
+        service = Service(rt, cfg.service, routes=(*sandbox.ROUTES, *snapshot.routes(snapshots)))
         server = _Server(
             uvicorn.Config(
                 service.asgi_app(),
@@ -249,7 +312,15 @@ async def serve(cfg: ServeConfig) -> int:
         service.ready = True
         lifecycle.info(
             "listening",
-            extra={"fields": {"host": cfg.host, "port": port, "pid": os.getpid(), "isolation": _isolation(rt)}},
+            extra={
+                "fields": {
+                    "host": cfg.host,
+                    "port": port,
+                    "pid": os.getpid(),
+                    "isolation": _isolation(rt),
+                    "store": snapshots.store_url,
+                }
+            },
         )
         await stop.wait()
         t0 = loop.time()

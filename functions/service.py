@@ -101,12 +101,27 @@ def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
         return ReplyError(
             503,
             ErrorCode.STORE_UNAVAILABLE,
-            "the snapshot store is unreachable; retry later",
+            f"the snapshot store is unavailable; retry later: {exc.message}",
             retry_after_s=5.0,
+            details=_store_details(exc),
         )
+    if isinstance(exc, rterr.IntegrityError):
+        return ReplyError(
+            502,
+            ErrorCode.STORE_CORRUPT,
+            f"the snapshot store returned corrupt data, which was not used: {exc.message}",
+            details=_store_details(exc),
+        )
+    if isinstance(exc, rterr.StoreError):
+        return ReplyError(502, ErrorCode.STORE_ERROR, f"snapshot store error: {exc.message}",
+                          details=_store_details(exc))
     if isinstance(exc, rterr.Overloaded):
         return ReplyError(429, ErrorCode.OVERLOADED, exc.message, retry_after_s=exc.retry_after_s)
     return ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details")
+
+
+def _store_details(exc: rterr.StoreError) -> dict[str, Any]:
+    return {k: v for k, v in (("snapshot_id", exc.snapshot_id), ("layer_id", exc.layer_id)) if v is not None}
 
 
 class Service:
@@ -307,7 +322,7 @@ class Service:
                 logger.error(
                     "runtime error", exc_info=True, extra={"fields": {**fields, "sandbox_id": exc.sandbox_id}}
                 )
-            return _error(err, cacheable=err.status not in (429, 503))
+            return _error(err, cacheable=err.status not in (429, 502, 503))
         except Exception:
             logger.exception("handler failed", extra={"fields": fields})
             return _error(

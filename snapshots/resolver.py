@@ -10,15 +10,17 @@ one their packages were built for. An unknown ``python`` falls back to the runti
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 
-from rollbox.runtime.errors import InvalidRequest, SnapshotNotFound
+from rollbox.runtime.errors import InvalidRequest, SnapshotNotFound, StoreUnavailable
 from rollbox.runtime.snapshot import SnapshotView, WarmRecipe, host_python_view
 from rollbox.snapshots.cache import LayerCache
 from rollbox.snapshots.manifest import Manifest
 from rollbox.snapshots.store_local import LocalStore
 
 BUILTIN = "python"
+log = logging.getLogger(__name__)
 
 
 class StoreResolver:
@@ -32,8 +34,10 @@ class StoreResolver:
     def resolve(self, name_or_id: str) -> SnapshotView:
         try:
             manifest = self.cache.manifest(name_or_id)
-        except SnapshotNotFound:
-            if name_or_id == BUILTIN:
+        except (SnapshotNotFound, StoreUnavailable) as exc:
+            if name_or_id == BUILTIN:  # not in the store, or the store is down: the built-in one
+                if isinstance(exc, StoreUnavailable):
+                    log.warning("using the built-in %r snapshot: %s", BUILTIN, exc.message)
                 return host_python_view(self.layer_root)
             raise
         self.cache.ensure([ref.id for ref in manifest.layers],

@@ -1,0 +1,191 @@
+"""The snapshot event family: snapshot (checkpoint a live sandbox) and fork (N sandboxes at once).
+
+    snapshot  hold the sandbox still (``Runtime.frozen``) -> commit its overlay upper directory as a
+              layer over its parent (``snapshots.checkpoint``) in the local store -> let it run again
+              -> push the snapshot and its ancestors to S3 when the store is S3
+    fork      of a live sandbox: ``Runtime.fork`` (its diff copied once, under every child);
+              of a snapshot: ``Runtime.create`` N times, concurrently. All or nothing either way.
+
+These handlers need the snapshot store as well as the runtime, so this module exports
+``routes(snapshots)`` rather than a fixed ``ROUTES``: the server binds them to its ``Snapshots``.
+Errors are the runtime's and the stores' own (``rollbox.runtime.errors``); the service maps them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+from rollbox.functions.contract import (
+    SANDBOX_FORK,
+    SANDBOX_SNAPSHOT,
+    ForkData,
+    ForkRecord,
+    SandboxInfo,
+    SnapshotData,
+    SnapshotRecord,
+)
+from rollbox.functions.logs import logger
+from rollbox.functions.routing import Route, SandboxRuntime, route
+from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreError
+from rollbox.runtime.snapshot import ROLLBOX_VERSION, SnapshotView
+from rollbox.runtime.spec import DEFAULT_LIMITS, Limits
+from rollbox.snapshots.cache import LayerCache
+from rollbox.snapshots.checkpoint import checkpoint
+from rollbox.snapshots.manifest import Manifest, Version, Warm
+from rollbox.snapshots.resolver import BUILTIN
+from rollbox.snapshots.store import copy_snapshot
+
+__all__ = ["SnapshotRuntime", "Snapshots", "builtin_manifest", "routes"]
+
+SCRATCH_SEP = "+"  # a live fork's view id: "<parent view id>+<scratch layer>[+<scratch layer>...]"
+
+
+class SnapshotRuntime(SandboxRuntime, Protocol):
+    """What these handlers need of ``rollbox.runtime.runtime.Runtime`` beyond the sandbox family."""
+
+    layer_root: Path
+
+    def get(self, sandbox_id: str) -> Any: ...
+
+    def frozen(self, sandbox_id: str) -> AbstractAsyncContextManager[Any]: ...
+
+    async def fork(
+        self, sandbox_id: str, count: int, metadata: dict[str, str] | None = ...
+    ) -> list[SandboxInfo]: ...
+
+    async def resolve(self, snapshot: str) -> SnapshotView: ...
+
+
+def builtin_manifest(view: SnapshotView) -> Manifest:
+    """The built-in ``python`` snapshot as a manifest (no layers, the host's Python), so that a
+    sandbox restored from it can be checkpointed: its children restore from the same zygote."""
+    python = str(view.version.get("python", sys.version.split()[0]))
+    return Manifest(
+        base="host",
+        layers=(),
+        warm_layers=0,
+        warm=Warm(),
+        env=dict(view.env),
+        limits=DEFAULT_LIMITS,
+        version=Version(base="host", python=python, packages={}, rollbox=ROLLBOX_VERSION),
+    )
+
+
+class Snapshots:
+    """The runtime plus the store its snapshots live in: ``cache.local`` (where checkpoints are
+    committed; its ``layers/`` is the runtime's layer root) and ``cache.remote`` (S3, or None)."""
+
+    def __init__(self, runtime: SnapshotRuntime, cache: LayerCache):
+        self.rt = runtime
+        self.cache = cache
+
+    @property
+    def store_url(self) -> str:
+        return (self.cache.remote or self.cache.local).url
+
+    # ------------------------------------------------------------------------------ snapshot
+    async def snapshot(self, data: SnapshotData) -> SnapshotRecord:
+        t0 = time.perf_counter()
+        view: SnapshotView = self.rt.get(data.sandbox_id).view
+        base_id, *scratches = view.id.split(SCRATCH_SEP)
+        # the parent, and a live fork's scratch layers (immutable) as intermediate snapshots
+        parent = await asyncio.to_thread(self._parent, view, base_id, scratches)
+        t1 = time.perf_counter()
+        async with self.rt.frozen(data.sandbox_id) as sb:
+            t_frozen = time.perf_counter()
+            child = await asyncio.to_thread(checkpoint, self.cache.local, parent, sb.upper_path, name=data.name)
+            checkpoint_ms = (time.perf_counter() - t_frozen) * 1000
+        if self.cache.remote is not None:
+            await asyncio.to_thread(self._push, child, data.name)
+        top = child.layers[-1]
+        logger.debug(
+            "snapshot",
+            extra={"fields": {"sandbox_id": data.sandbox_id, "snapshot_id": child.id,
+                              "parent_ms": round((t1 - t0) * 1000, 3)}},
+        )
+        return SnapshotRecord(
+            snapshot_id=child.id,
+            parent_id=child.parent,
+            sandbox_id=data.sandbox_id,
+            name=data.name,
+            layer_id=top.id,
+            layer_bytes=top.size_bytes,
+            size_bytes=child.size_bytes,
+            env_version=child.version.model_dump(mode="json"),
+            store=self.store_url,
+            checkpoint_ms=round(checkpoint_ms, 3),
+            total_ms=round((time.perf_counter() - t0) * 1000, 3),
+        )
+
+    def _parent(self, view: SnapshotView, base_id: str, scratches: list[str]) -> Manifest:
+        # an id: the local copy the sandbox was restored from
+        parent = builtin_manifest(view) if base_id == BUILTIN else self.cache.manifest(base_id)
+        for scratch in scratches:
+            parent = checkpoint(self.cache.local, parent, self.rt.layer_root / scratch)
+        return parent
+
+    def _push(self, child: Manifest, name: str | None) -> None:
+        """Copy the snapshot and the ancestors S3 lacks (so its tree resolves there too), then the name."""
+        remote = self.cache.remote
+        assert remote is not None
+        sid: str | None = child.id
+        while sid is not None and not remote.has_manifest(sid):
+            try:
+                manifest = copy_snapshot(self.cache.local, remote, sid, tmp_dir=str(self.cache.local.root / "tmp"))
+            except SnapshotNotFound:
+                break  # an ancestor known only to the store it came from
+            except StoreError as exc:
+                raise type(exc)(
+                    f"snapshot {child.id} was committed locally but not pushed to {remote.url}: "
+                    f"{exc.message}", snapshot_id=child.id, layer_id=exc.layer_id) from exc
+            sid = manifest.parent
+        if name is not None:
+            remote.set_name(name, child.id)
+
+    # ---------------------------------------------------------------------------------- fork
+    async def fork(self, data: ForkData) -> ForkRecord:
+        t0 = time.perf_counter()
+        if data.sandbox_id is not None:
+            parent_view: SnapshotView = self.rt.get(data.sandbox_id).view
+            infos = await self.rt.fork(data.sandbox_id, data.count, metadata=data.metadata or None)
+            return ForkRecord(sandbox_id=data.sandbox_id, snapshot_id=parent_view.id, sandboxes=infos,
+                              fork_ms=round((time.perf_counter() - t0) * 1000, 3))
+        assert data.snapshot is not None
+        view = await self.rt.resolve(data.snapshot)  # once: one 404 or one pull, not N
+        infos = await self._create_all(view.id, data.count, data.limits, data.metadata)
+        return ForkRecord(sandbox_id=None, snapshot_id=view.id, sandboxes=infos,
+                          fork_ms=round((time.perf_counter() - t0) * 1000, 3))
+
+    async def _create_all(self, snapshot: str, count: int, limits: Limits | None,
+                          metadata: dict[str, str]) -> list[SandboxInfo]:
+        results = await asyncio.gather(
+            *(self.rt.create(snapshot, limits, metadata) for _ in range(count)), return_exceptions=True
+        )
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        if len(made) == count:
+            return made
+        for info in made:  # all or nothing
+            with contextlib.suppress(RollboxError):
+                await self.rt.destroy(info.sandbox_id)
+        raise next(r for r in results if isinstance(r, BaseException))
+
+
+def routes(snapshots: Snapshots) -> tuple[Route, ...]:
+    """The family's routes, bound to ``snapshots`` (the runtime the service passes is the same one)."""
+
+    async def snapshot(_rt: SandboxRuntime, data: SnapshotData) -> SnapshotRecord:
+        return await snapshots.snapshot(data)
+
+    async def fork(_rt: SandboxRuntime, data: ForkData) -> ForkRecord:
+        return await snapshots.fork(data)
+
+    return (
+        route(SANDBOX_SNAPSHOT, snapshot),
+        route(SANDBOX_FORK, fork, creates_sandbox=True),
+    )

@@ -1,0 +1,78 @@
+"""Where ``rollbox serve`` keeps snapshots: the store, the local cache in front of it, the resolver.
+
+    --store unset            the local store in --home (the embedded default)
+    --store DIR              the local store in DIR
+    --store s3://bucket/p    S3, through a local cache (--cache-dir, default --home) capped at
+                             --cache-max-bytes (LRU; never a layer a live sandbox or zygote uses)
+
+In every case the runtime's ``layer_root`` is the local store's ``layers/``: checkpoints are
+committed there and pulled layers are unpacked there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollbox.runtime.errors import StoreError
+from rollbox.snapshots.cache import LayerCache
+from rollbox.snapshots.resolver import StoreResolver
+from rollbox.snapshots.store_local import LocalStore
+from rollbox.snapshots.store_s3 import S3Store, parse_s3_url
+
+__all__ = ["StoreConfig", "check_store_url", "in_use_of", "open_store"]
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The snapshot-store flags of ``rollbox serve`` (each has an environment variable)."""
+
+    home: Path | None = None
+    store: str | None = None
+    cache_dir: Path | None = None
+    cache_max_bytes: int | None = None
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_max_attempts: int = 5
+
+
+def check_store_url(raw: str) -> str:
+    """A directory or ``s3://bucket[/prefix]``; raises ``ValueError`` naming what is wrong."""
+    url = raw.strip()
+    if not url:
+        raise ValueError("must not be empty: a directory or s3://bucket/prefix")
+    if "://" in url:
+        try:
+            parse_s3_url(url)
+        except StoreError as exc:
+            raise ValueError(exc.message) from None
+    return url
+
+
+def open_store(cfg: StoreConfig) -> StoreResolver:
+    """The resolver over the configured store (S3 is not contacted here: a server may start during
+    an S3 outage and serve what its cache holds)."""
+    if cfg.store is None or not cfg.store.startswith("s3://"):
+        local = LocalStore(cfg.store or cfg.home)
+        return StoreResolver(LayerCache(local))
+    remote = S3Store(cfg.store, endpoint_url=cfg.s3_endpoint_url, region=cfg.s3_region,
+                     max_attempts=cfg.s3_max_attempts)
+    local = LocalStore(cfg.cache_dir or cfg.home)
+    return StoreResolver(LayerCache(local, remote, max_bytes=cfg.cache_max_bytes))
+
+
+def in_use_of(layers_in_use: Callable[[], set[str]]) -> Callable[[str], bool]:
+    """``LayerCache.in_use`` from ``Runtime.layers_in_use``. The cache asks from a worker thread while
+    the event loop may be changing the runtime's tables: a read that races is retried, and a layer is
+    reported in use (kept) if the tables never hold still."""
+
+    def in_use(layer_id: str) -> bool:
+        for _ in range(5):
+            try:
+                return layer_id in layers_in_use()
+            except RuntimeError:  # "dictionary changed size during iteration"
+                continue
+        return True
+
+    return in_use
