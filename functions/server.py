@@ -146,6 +146,14 @@ OPTIONS: tuple[_Option, ...] = (
         30.0,
         "on SIGTERM, how long in-flight events may take to finish",
     ),
+    _Option(
+        "keep_alive_s",
+        "--keep-alive-s",
+        "ROLLBOX_KEEP_ALIVE_S",
+        _seconds,
+        75.0,
+        "how long an idle keep-alive connection stays open (keep it above the clients' idle timeout)",
+    ),
     _Option("log_level", "--log-level", "ROLLBOX_LOG_LEVEL", _level, "info", "debug, info, warning or error"),
     _Option(
         "home",
@@ -197,6 +205,7 @@ class ServeConfig:
     host: str
     port: int
     grace_s: float
+    keep_alive_s: float
     log_level: str
     service: ServiceConfig
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -299,6 +308,9 @@ async def serve(cfg: ServeConfig) -> int:
                 log_config=None,
                 access_log=False,
                 timeout_graceful_shutdown=max(1, math.ceil(cfg.grace_s)),
+                # longer than clients' and proxies' idle timeouts (httpx: 5 s, like uvicorn's default):
+                # equal timeouts race, and a request sent as the server closes the connection is lost
+                timeout_keep_alive=max(1, math.ceil(cfg.keep_alive_s)),
                 limit_concurrency=None,
                 backlog=4096,
             )

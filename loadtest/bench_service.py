@@ -122,6 +122,10 @@ def main() -> int:
             for c in levels:
                 n = args.requests or min(2000, max(200, 50 * c))
                 rows.append(asyncio.run(level(url, c, n)))
+        except Exception:
+            tail = (Path(tmp) / "serve.log").read_text(errors="replace").splitlines()[-20:]
+            print("server log (last lines):", *tail, sep="\n", file=sys.stderr)
+            raise
         finally:
             rc = stop(proc)
     print(f"{'concurrency':>11} {'requests':>8} {'runs/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
