@@ -134,19 +134,20 @@ class Snapshots:
         """Copy the snapshot and the ancestors S3 lacks (so its tree resolves there too), then the name."""
         remote = self.cache.remote
         assert remote is not None
-        sid: str | None = child.id
-        while sid is not None and not remote.has_manifest(sid):
-            try:
-                manifest = copy_snapshot(self.cache.local, remote, sid, tmp_dir=str(self.cache.local.root / "tmp"))
-            except SnapshotNotFound:
-                break  # an ancestor known only to the store it came from
-            except StoreError as exc:
-                raise type(exc)(
-                    f"snapshot {child.id} was committed locally but not pushed to {remote.url}: "
-                    f"{exc.message}", snapshot_id=child.id, layer_id=exc.layer_id) from exc
-            sid = manifest.parent
-        if name is not None:
-            remote.set_name(name, child.id)
+        try:
+            sid: str | None = child.id
+            while sid is not None and not remote.has_manifest(sid):
+                try:
+                    manifest = copy_snapshot(self.cache.local, remote, sid, tmp_dir=str(self.cache.local.root / "tmp"))
+                except SnapshotNotFound:
+                    break  # an ancestor known only to the store it came from
+                sid = manifest.parent
+            if name is not None:
+                remote.set_name(name, child.id)
+        except StoreError as exc:
+            raise type(exc)(
+                f"snapshot {child.id} was committed locally but not pushed to {remote.url}: {exc.message}",
+                snapshot_id=child.id, layer_id=exc.layer_id) from exc
 
     # ---------------------------------------------------------------------------------- fork
     async def fork(self, data: ForkData) -> ForkRecord:

@@ -1,25 +1,10 @@
-"""Fixtures for the snapshot tests: a session-wide real S3 server (SeaweedFS) and a bucket per test."""
+"""Fixtures for the snapshot tests: a bucket per test on the session's S3 server (tests/conftest.py)."""
 
 from __future__ import annotations
-
-import shutil
-from collections.abc import Iterator
 
 import pytest
 
 from .s3server import S3Factory, SeaweedS3, store_factory
-
-
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
-    base = tmp_path_factory.mktemp("seaweedfs")
-    server = SeaweedS3(base)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture
