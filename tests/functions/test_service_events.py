@@ -243,3 +243,14 @@ async def test_http_paths_and_methods(server: ServerProc, http: httpx.AsyncClien
     r = parse(await http.get(server.url))
     assert (r.status, r.type, r.data["code"]) == (405, ERROR, "method_not_allowed")
     assert r.headers["allow"] == "POST"
+
+
+async def test_sandbox_past_its_lifetime_is_destroyed(server: ServerProc, http: httpx.AsyncClient) -> None:
+    r = await send(http, server.url, ce(SANDBOX_CREATE, {"timeout_s": 1}))
+    sid = r.data["sandbox_id"]
+    assert r.data["limits"]["lifetime_s"] == 1
+    await asyncio.sleep(2.5)  # the runtime reaps it; nobody asked
+    r = await send(http, server.url, ce(SANDBOX_EXEC, {"sandbox_id": sid, "code": "print(1)", "timeout_s": 1}))
+    assert (r.status, r.data["code"]) == (404, "sandbox_not_found")
+    r = await send(http, server.url, ce(SANDBOX_DESTROY, {"sandbox_id": sid}))
+    assert (r.status, r.type) == (200, SANDBOX_DESTROYED) and r.data["reason"] == "lifetime"
