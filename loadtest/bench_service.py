@@ -21,6 +21,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -81,7 +82,7 @@ async def one(http: httpx.AsyncClient, url: str) -> float:
     return dt
 
 
-async def level(url: str, concurrency: int, requests: int) -> dict[str, float]:
+async def level(url: str, concurrency: int, requests: int) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         for _ in range(min(concurrency, 8)):  # warm connections and the zygote
@@ -96,6 +97,36 @@ async def level(url: str, concurrency: int, requests: int) -> dict[str, float]:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+    return summary(concurrency, latencies, wall)
+
+
+async def level_inprocess(concurrency: int, requests: int) -> dict[str, Any]:
+    """The same work on an embedded Runtime in this process, no HTTP: what the service adds."""
+    from rollbox.runtime.runtime import Runtime
+    from rollbox.runtime.spec import ExecRequest
+
+    req = ExecRequest(code="print(1)")
+    async with Runtime() as rt:
+        for _ in range(min(concurrency, 8)):
+            await rt.run(req)
+        latencies: list[float] = []
+        todo = iter(range(requests))
+
+        async def worker() -> None:
+            for _ in todo:
+                t0 = time.perf_counter()
+                r = await rt.run(req)
+                latencies.append(time.perf_counter() - t0)
+                if r.exit_code != 0 or r.stdout != "1\n":
+                    raise RuntimeError(f"wrong result: {r}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return summary(concurrency, latencies, wall)
+
+
+def summary(concurrency: int, latencies: list[float], wall: float) -> dict[str, Any]:
     qs = statistics.quantiles(latencies, n=100, method="inclusive")
     return {
         "concurrency": concurrency,
@@ -110,34 +141,46 @@ async def level(url: str, concurrency: int, requests: int) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-c", "--concurrency", type=int, action="append", help="repeatable; default 1, 16, 64")
-    p.add_argument("-n", "--requests", type=int, help="requests per level (default 200 x concurrency, max 2000)")
+    p.add_argument("-n", "--requests", type=int, help="requests per level (default 50 x concurrency, 200..2000)")
     p.add_argument("--log-level", default="warning", help="server log level (default warning)")
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run the same work on an embedded Runtime without HTTP, for comparison",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines too")
     args = p.parse_args()
     levels = args.concurrency or [1, 16, 64]
+
+    def count(c: int) -> int:
+        return int(args.requests or min(2000, max(200, 50 * c)))
+
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rollbox-bench-") as tmp:
         proc, url = start(Path(tmp) / "serve.log", ["--log-level", args.log_level, "--max-queued", "4096"])
-        rows = []
         try:
             for c in levels:
-                n = args.requests or min(2000, max(200, 50 * c))
-                rows.append(asyncio.run(level(url, c, n)))
+                rows.append({"path": "http", **asyncio.run(level(url, c, count(c)))})
         except Exception:
             tail = (Path(tmp) / "serve.log").read_text(errors="replace").splitlines()[-20:]
             print("server log (last lines):", *tail, sep="\n", file=sys.stderr)
             raise
         finally:
             rc = stop(proc)
-    print(f"{'concurrency':>11} {'requests':>8} {'runs/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    if args.baseline:
+        for c in levels:
+            rows.append({"path": "in-process", **asyncio.run(level_inprocess(c, count(c)))})
+    print(f"{'path':>10} {'concurrency':>11} {'requests':>8} {'runs/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         print(
-            f"{r['concurrency']:>11} {r['requests']:>8} {r['runs_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f}"
+            f"{r['path']:>10} {r['concurrency']:>11} {r['requests']:>8} {r['runs_per_s']:>8.1f} "
+            f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f}"
         )
         if args.json:
             print(json.dumps(r))
     print(
-        f"(server: rollbox serve --log-level {args.log_level}, exit status {rc}; client: httpx in one process, "
-        f"{os.cpu_count()} cores shared)"
+        f"(server: rollbox serve --log-level {args.log_level}, exit status {rc}; client: httpx in this "
+        f"process; {os.cpu_count()} cores shared; load average {os.getloadavg()[0]:.1f} at the end)"
     )
     return 0 if rc == 0 else 1
 

@@ -75,5 +75,5 @@ def test_bench_service_runs(tmp_path: Path) -> None:
     )
     assert p.returncode == 0, p.stdout + p.stderr
     header, row = p.stdout.splitlines()[:2]
-    assert header.split()[:2] == ["concurrency", "requests"] and row.split()[:2] == ["2", "10"]
-    assert float(row.split()[2]) > 0
+    assert header.split()[:3] == ["path", "concurrency", "requests"] and row.split()[:3] == ["http", "2", "10"]
+    assert float(row.split()[3]) > 0
