@@ -6,6 +6,7 @@ what A checkpoints, B restores.
 
 from __future__ import annotations
 
+import argparse
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,6 +23,8 @@ from rollbox.functions.contract import (
     ForkRecord,
     SnapshotRecord,
 )
+from rollbox.functions.server import OPTIONS, ConfigError, resolve
+from rollbox.functions.stores import StoreConfig
 from svc_testkit import ServerProc, event, send, start_server
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
@@ -29,6 +32,23 @@ from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
 PREFIX = "rollbox"
 WRITE = "mkdir -p work/deep && echo alpha > a.txt && echo beta > work/deep/b.txt && chmod 640 a.txt"
 READ = "cat a.txt work/deep/b.txt && stat -c '%a %U' a.txt"
+
+
+def test_store_flags_mirror_env_and_are_cast_strictly() -> None:
+    none = argparse.Namespace(**{o.dest: None for o in OPTIONS})
+    assert resolve(none, {}).store == StoreConfig()  # the local store in the home
+    env = {"ROLLBOX_STORE": "s3://bkt/p", "AWS_ENDPOINT_URL": "http://127.0.0.1:1", "ROLLBOX_CACHE_MAX_BYTES": "1024",
+           "ROLLBOX_HOME": "/h", "ROLLBOX_S3_MAX_ATTEMPTS": "2"}
+    cfg = resolve(none, env).store
+    assert (cfg.store, cfg.s3_endpoint_url, cfg.cache_max_bytes, str(cfg.home), cfg.s3_max_attempts) == (
+        "s3://bkt/p", "http://127.0.0.1:1", 1024, "/h", 2)
+    flags = argparse.Namespace(**{**vars(none), "store": "/srv/snaps"})
+    assert resolve(flags, env).store.store == "/srv/snaps"  # the flag wins
+    for bad, needle in (({"ROLLBOX_STORE": "s3://"}, "ROLLBOX_STORE: invalid S3 store URL"),
+                        ({"ROLLBOX_CACHE_MAX_BYTES": "1G"}, "ROLLBOX_CACHE_MAX_BYTES: not a valid integer"),
+                        ({"ROLLBOX_S3_MAX_ATTEMPTS": "0"}, "ROLLBOX_S3_MAX_ATTEMPTS: must be >= 1")):
+        with pytest.raises(ConfigError, match=needle):
+            resolve(none, bad)
 
 
 class Pair:
@@ -45,14 +65,23 @@ def pair(seaweed: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     store = f"s3://{bucket}/{PREFIX}"
     a = start_server(
         base / "a",
-        "--home", str(base / "a-home"),
+        "--home",
+        str(base / "a-home"),
         env={**creds, "ROLLBOX_STORE": store, "AWS_ENDPOINT_URL": seaweed.endpoint, "ROLLBOX_S3_MAX_ATTEMPTS": "2"},
     )
     try:
         b = start_server(
             base / "b",
-            "--store", store, "--s3-endpoint-url", seaweed.endpoint, "--s3-max-attempts", "2",
-            "--cache-dir", str(base / "b-cache"), "--cache-max-bytes", str(1 << 30),
+            "--store",
+            store,
+            "--s3-endpoint-url",
+            seaweed.endpoint,
+            "--s3-max-attempts",
+            "2",
+            "--cache-dir",
+            str(base / "b-cache"),
+            "--cache-max-bytes",
+            str(1 << 30),
             env={**creds, "ROLLBOX_HOME": str(base / "b-home")},
         )
     except BaseException:
@@ -83,7 +112,8 @@ async def kill_all(*sandboxes: Sandbox) -> None:
 
 
 async def test_a_snapshot_taken_on_one_server_restores_on_another_with_an_empty_cache(
-        pair: Pair, clients: tuple[Client, Client]) -> None:
+    pair: Pair, clients: tuple[Client, Client]
+) -> None:
     ca, cb = clients
     sb = await ca.create(metadata={"episode": "portable"})
     try:
@@ -155,7 +185,8 @@ async def test_snapshots_form_a_tree_and_restore_on_the_same_server(clients: tup
 
 
 async def test_forks_of_a_live_sandbox_see_its_files_and_are_isolated_afterwards(
-        clients: tuple[Client, Client]) -> None:
+    clients: tuple[Client, Client],
+) -> None:
     ca, _ = clients
     parent = await ca.create(metadata={"experiment": "grpo"})
     await parent.exec(command="echo shared > s.txt")
@@ -228,7 +259,8 @@ def _layer_key(layer_id: str) -> str:
 
 
 async def test_a_corrupted_object_in_s3_is_refused_through_the_service(
-        pair: Pair, seaweed: SeaweedS3, clients: tuple[Client, Client], http: httpx.AsyncClient) -> None:
+    pair: Pair, seaweed: SeaweedS3, clients: tuple[Client, Client], http: httpx.AsyncClient
+) -> None:
     ca, cb = clients
     sb = await ca.create()
     try:
@@ -256,7 +288,8 @@ async def test_a_corrupted_object_in_s3_is_refused_through_the_service(
 
 
 async def test_an_s3_outage_gives_a_clear_error_and_the_next_request_after_restart_succeeds(
-        pair: Pair, seaweed: SeaweedS3, clients: tuple[Client, Client], http: httpx.AsyncClient) -> None:
+    pair: Pair, seaweed: SeaweedS3, clients: tuple[Client, Client], http: httpx.AsyncClient
+) -> None:
     ca, cb = clients
     sb = await ca.create()
     try:
