@@ -23,22 +23,26 @@ async def rt(tmp_path_factory) -> AsyncIterator[Runtime]:  # type: ignore[no-unt
     assert host_state(runtime) == {"cgroups": [], "sandbox_children": 0}
 
 
-def _children() -> dict[int, list[int]]:
+def _children(zombies: bool = False) -> dict[int, list[int]]:
+    """Parent pid -> child pids, from /proc. Zombies are left out unless asked for: a destroyed
+    sandbox's init is a zombie until its zygote reaps it, a moment later."""
     children: dict[int, list[int]] = {}
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+                state, ppid = fields[0], int(fields[1])
             except (OSError, IndexError, ValueError):
                 continue
-            children.setdefault(ppid, []).append(int(p.name))
+            if state != "Z" or zombies:
+                children.setdefault(ppid, []).append(int(p.name))
     return children
 
 
-def sandbox_processes(rt: Runtime) -> int:
+def sandbox_processes(rt: Runtime, zombies: bool = False) -> int:
     """Sandbox inits alive on the host: the children of our zygotes (rootless, a zygote runs under a
     holder process that stays outside its pid namespace)."""
-    children = _children()
+    children = _children(zombies)
     zygotes = [z.proc.pid for z in rt.zygotes.values() if z.proc]
     if rt.config.rootless:
         zygotes = [c for h in zygotes for c in children.get(h, [])]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from rollbox.runtime.runtime import Runtime
 from rollbox.runtime.spec import ExecRequest
 
-from .conftest import host_mounts, host_state, open_fds
+from .conftest import host_mounts, host_state, open_fds, sandbox_processes
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -24,5 +26,10 @@ async def test_thousand_sandboxes_leave_nothing_behind(rt: Runtime) -> None:
         await pool.close()
     rt.pools.clear()
     assert host_state(rt) == {"cgroups": [], "sandbox_children": 0}
+    for _ in range(100):  # and the zygotes reaped every one of them: no zombie piles up
+        if sandbox_processes(rt, zombies=True) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert sandbox_processes(rt, zombies=True) == 0
     assert host_mounts() == mounts
     assert open_fds() <= fds
