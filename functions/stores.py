@@ -62,17 +62,11 @@ def open_store(cfg: StoreConfig) -> StoreResolver:
     return StoreResolver(LayerCache(local, remote, max_bytes=cfg.cache_max_bytes))
 
 
-def in_use_of(layers_in_use: Callable[[], set[str]]) -> Callable[[str], bool]:
-    """``LayerCache.in_use`` from ``Runtime.layers_in_use``. The cache asks from a worker thread while
-    the event loop may be changing the runtime's tables: a read that races is retried, and a layer is
-    reported in use (kept) if the tables never hold still."""
+def in_use_of(layers_in_use: Callable[[], frozenset[str]]) -> Callable[[str], bool]:
+    """``LayerCache.in_use`` from ``Runtime.layers_in_use`` (a set the event loop replaces whole, so
+    the cache's worker threads may read it at any time)."""
 
     def in_use(layer_id: str) -> bool:
-        for _ in range(5):
-            try:
-                return layer_id in layers_in_use()
-            except RuntimeError:  # "dictionary changed size during iteration"
-                continue
-        return True
+        return layer_id in layers_in_use()
 
     return in_use

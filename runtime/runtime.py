@@ -72,6 +72,7 @@ class Runtime:
         self.sandboxes: dict[str, Sandbox] = {}
         self._views: dict[str, tuple[SnapshotView, float | None]] = {}
         self._scratch: dict[str, set[str]] = {}  # fork scratch layer -> ids of the sandboxes on it
+        self._layers_in_use: frozenset[str] = frozenset()
         self.usages: dict[str, Usage] = {}
         self.zygotes: dict[Any, Zygote] = {}
         self._zygote_locks: dict[Any, asyncio.Lock] = {}
@@ -241,12 +242,19 @@ class Runtime:
         self._views.pop(next((k for k, v in self._views.items() if scratch in v[0].layers), ""), None)
         asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, self.layer_root / scratch, True)
 
-    def layers_in_use(self) -> set[str]:
-        """Layer ids that a zygote or a sandbox of this runtime has mounted: never evict these."""
+    def layers_in_use(self) -> frozenset[str]:
+        """Layer ids that a zygote or a sandbox of this runtime has mounted (or is about to): never
+        evict these. Safe to call from any thread: it reads a set the event loop replaces whole."""
+        return self._layers_in_use
+
+    def _note_layers(self, view: SnapshotView | None = None) -> None:
+        """On the event loop: recompute the layers in use (plus ``view``'s, about to be mounted)."""
         used = {layer for z in self.zygotes.values() for layer in z.view.layers}
         used |= {layer for sb in self.sandboxes.values() for layer in sb.view.layers}
         used |= {layer for pool in self.pools.values() for sb in pool.ready for layer in sb.view.layers}
-        return used
+        if view is not None:
+            used |= set(view.layers)
+        self._layers_in_use = frozenset(used)
 
     def held_cgroups(self) -> set[str]:
         """Every cgroup directory this runtime holds: live, pooled, restoring, being emptied, reusable."""
@@ -290,6 +298,8 @@ class Runtime:
 
     async def restore(self, view: SnapshotView, limits: Limits, zygote: Zygote | None = None) -> Sandbox:
         """Fork one sandbox from the snapshot's zygote and contain it (no pool)."""
+        if not set(view.layers) <= self._layers_in_use:
+            self._note_layers(view)
         z = zygote or await self.zygote(view)
         sid = "sb-" + secrets.token_hex(8)
         group = None
@@ -478,6 +488,7 @@ class Runtime:
     async def _reap_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.reaper_interval_s)
+            self._note_layers()
             now = time.monotonic()
             for sid, sb in list(self.sandboxes.items()):
                 reason = None
