@@ -83,20 +83,24 @@ async def one(http: httpx.AsyncClient, url: str) -> float:
 
 
 async def level(url: str, concurrency: int, requests: int) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-        for _ in range(min(concurrency, 8)):  # warm connections and the zygote
-            await one(http, url)
+    # One connection per worker, each in its own httpx client: a single pool shared by 64 workers costs
+    # the client several ms of CPU per request (measured), which this 2-core box cannot spare.
+    clients = [httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1)) for _ in range(concurrency)]
+    try:
+        await asyncio.gather(*(one(http, url) for http in clients))  # warm connections and the zygote
         latencies: list[float] = []
         todo = iter(range(requests))
 
-        async def worker() -> None:
+        async def worker(http: httpx.AsyncClient) -> None:
             for _ in todo:
                 latencies.append(await one(http, url))
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(http) for http in clients))
         wall = time.perf_counter() - t0
+    finally:
+        for http in clients:
+            await http.aclose()
     return summary(concurrency, latencies, wall)
 
 
