@@ -26,6 +26,7 @@ idempotency guarantees it runs at most once.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import uuid
 from collections.abc import Mapping
@@ -192,17 +193,29 @@ class Client:
         retries: int = 3,
         connect_timeout_s: float = 10.0,
         reply_margin_s: float = 60.0,
+        pools: int = 16,
         http: httpx.AsyncClient | None = None,
     ):
+        """``pools``: requests are spread round-robin over this many httpx clients. One connection pool
+        shared by dozens of concurrent requests costs ~10 ms of CPU per request in its bookkeeping
+        (measured at 64); small pools keep it near 1 ms. Ignored when ``http`` is given."""
         self.url = url.rstrip("/") + "/"
         self.source = source
         self.retries = retries
         self.reply_margin_s = reply_margin_s
         self._own_http = http is None
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self._http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(connect_timeout_s, read=None, write=60.0, pool=None), limits=limits
-        )
+        timeout = httpx.Timeout(connect_timeout_s, read=None, write=60.0, pool=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+        self._pools = [http] if http else [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(pools)]
+        self._turn = itertools.count()
+
+    @property
+    def closed(self) -> bool:
+        return all(http.is_closed for http in self._pools)
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        return self._pools[next(self._turn) % len(self._pools)]
 
     async def __aenter__(self) -> Client:
         return self
@@ -212,7 +225,8 @@ class Client:
 
     async def aclose(self) -> None:
         if self._own_http:
-            await self._http.aclose()
+            for http in self._pools:
+                await http.aclose()
 
     async def send(
         self,
@@ -236,16 +250,15 @@ class Client:
             dict(data),
         )
         headers, body = to_binary(event)
-        timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout_s, write=60.0, pool=None)
+        http = self._http
+        timeout = httpx.Timeout(http.timeout.connect, read=read_timeout_s, write=60.0, pool=None)
         attempt = 0
         while True:
             try:
-                resp = await self._http.post(self.url, headers=headers, content=body, timeout=timeout)
+                resp = await http.post(self.url, headers=headers, content=body, timeout=timeout)
             except httpx.TransportError as exc:
                 if attempt >= self.retries:
-                    raise TransportError(
-                        f"{event_type} to {self.url}: {exc!r}", sandbox_id=sandbox_id
-                    ) from exc
+                    raise TransportError(f"{event_type} to {self.url}: {exc!r}", sandbox_id=sandbox_id) from exc
                 attempt += 1
                 await asyncio.sleep(0.1 * 2**attempt)
                 continue

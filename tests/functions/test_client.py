@@ -85,7 +85,7 @@ async def test_concurrent_episodes_share_one_client(server: ServerProc) -> None:
                 return int(r.stdout)
 
         assert await asyncio.gather(*(episode(i) for i in range(8))) == [i * 2 for i in range(8)]
-        assert not client._http.is_closed  # sandboxes created through a shared client leave it open
+        assert not client.closed  # sandboxes created through a shared client leave it open
 
 
 async def test_unreachable_service_is_a_transport_error() -> None:
@@ -95,3 +95,4 @@ async def test_unreachable_service_is_a_transport_error() -> None:
         async with Client(f"http://127.0.0.1:{port}", retries=1) as client:
             with pytest.raises(TransportError):
                 await client.run(code="print(1)")
+        assert client.closed
