@@ -80,24 +80,38 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-async def bench_fork(rt: Runtime, name: str, n: int, count: int = 16) -> dict[str, float]:
+SMALL_DIFF = "for i in range(5): open(f'f{i}.py', 'w').write('x = %d\\n' % i)"  # a few source files
+BIG_DIFF = ("import os; os.makedirs('small', exist_ok=True); open('big.bin', 'wb').write(os.urandom(1 << 20))\n"
+            "for i in range(100): open(f'small/f{i}.txt', 'w').write(str(i))")
+
+
+async def bench_fork(rt: Runtime, name: str, n: int, count: int = 16, pooled: bool = False,
+                     small: bool = False) -> dict[str, float]:
+    """Fork ``count`` children of a live sandbox ``n`` times. ``pooled``: the warm pool is refilled
+    between forks (as it is while a trainer's episodes run), so children come ready from it and
+    the parent's diff is applied in them; else every child is restored (pool disabled)."""
     parent = await rt.create(name)
-    write = ("import os; os.makedirs('small', exist_ok=True); open('big.bin', 'wb').write(os.urandom(1 << 20))\n"
-             "for i in range(100): open(f'small/f{i}.txt', 'w').write(str(i))")
+    pool = rt.pools.get((name, rt.get(parent.sandbox_id).limits)) if pooled else None
+    write = SMALL_DIFF if small else BIG_DIFF
     assert (await rt.exec(parent.sandbox_id, ExecRequest(code=write))).exit_code == 0
+    check = "cat f4.py" if small else "cat small/f99.txt"
+    expect = "x = 4\n" if small else "99"
     totals = []
-    for _ in range(n + 2):  # the first two warm the cgroup free list
+    for _ in range(n + 2):  # the first two warm the cgroup free list (and teach the pool the burst size)
+        if pool is not None:
+            await pool.wait_ready(count)
         t = time.perf_counter()
         kids = await rt.fork(parent.sandbox_id, count)
         totals.append(time.perf_counter() - t)
-        res = await rt.exec(kids[-1].sandbox_id, ExecRequest(command="cat small/f99.txt"))
-        assert res.stdout == "99", res
+        res = await rt.exec(kids[-1].sandbox_id, ExecRequest(command=check))
+        assert res.stdout == expect, res
         for kid in kids:
             await rt.destroy(kid.sandbox_id)
     await rt.destroy(parent.sandbox_id)
     totals = totals[2:]
-    return {"fork16_ms_p50": pct(totals, 0.5) * 1000, "fork16_ms_p99": pct(totals, 0.99) * 1000,
-            "fork16_per_child_ms_p50": pct(totals, 0.5) * 1000 / count}
+    key = ("pooled" if pooled else "restored") + ("_small" if small else "")
+    return {f"fork16_{key}_ms_p50": pct(totals, 0.5) * 1000, f"fork16_{key}_ms_p99": pct(totals, 0.99) * 1000,
+            f"fork16_{key}_per_child_ms_p50": pct(totals, 0.5) * 1000 / count}
 
 
 async def bench_restore(work: Path, s3: S3Store, n: int) -> dict[str, float]:
@@ -121,6 +135,10 @@ async def bench_restore(work: Path, s3: S3Store, n: int) -> dict[str, float]:
             warm = [await restore_once(rt, resolver, "bench-numpy") for _ in range(n)]
             if i == 2:
                 fork = await bench_fork(rt, "bench-numpy", n)
+    config = RuntimeConfig(state_dir=work / "state-pooled", layer_root=Path(cache.layer_root), pool_max=32)
+    async with Runtime(config, resolver=resolver) as rt:
+        fork |= await bench_fork(rt, "bench-numpy", n, pooled=True, small=True)
+        fork |= await bench_fork(rt, "bench-numpy", n, pooled=True)
     return {"layer_mb": layer.size_bytes / MiB, "cold_pull_restore_s": statistics.median(cold),
             "warm_restore_ms_p50": statistics.median(warm) * 1000, **fork}
 
@@ -166,8 +184,11 @@ def main() -> None:
         print(f"\nnumpy snapshot, {r['layer_mb']:.0f} MB layer ({args.n} rounds each):")
         print(f"  {'cold: pull from S3 + zygote + restore + exec':<52} {r['cold_pull_restore_s'] * 1000:>9.1f} ms (median of 3)")
         print(f"  {'warm: cached layers, zygote up, restore + exec':<52} {r['warm_restore_ms_p50']:>9.1f} ms p50")
-        print(f"  {'fork-16 of a live sandbox (all 16 ready)':<52} {r['fork16_ms_p50']:>9.1f} ms p50, "
-              f"{r['fork16_ms_p99']:.1f} ms p99, {r['fork16_per_child_ms_p50']:.2f} ms per child")
+        for key, what in (("pooled_small", "5-file diff, children from the warm pool"),
+                          ("pooled", "1 MB + 100-file diff, children from the pool"),
+                          ("restored", "1 MB + 100-file diff, children restored")):
+            print(f"  {'fork-16, ' + what:<52} {r[f'fork16_{key}_ms_p50']:>9.1f} ms p50, "
+                  f"{r[f'fork16_{key}_ms_p99']:.1f} ms p99, {r[f'fork16_{key}_per_child_ms_p50']:.2f} ms per child")
     finally:
         if server is not None:
             server.stop()

@@ -9,13 +9,14 @@ import contextlib
 import math
 import os
 import signal
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollbox.runtime.channel import Channel
-from rollbox.runtime.errors import SandboxDied
+from rollbox.runtime.errors import IsolationError, SandboxDied
 from rollbox.runtime.isolation.cgroups import Group
 from rollbox.runtime.snapshot import SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, Usage
@@ -87,6 +88,56 @@ async def _feed(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
+def pack_upper(upper: str, max_bytes: int) -> dict[str, Any] | None:
+    """An overlay upper directory as a diff a sandbox's agent can apply: its entries (directories,
+    files, symlinks, hard links, in walk order, with modes and mtimes), the file contents one after
+    another in a memfd (each child copies its files from it in the kernel), the whiteouts (deleted
+    paths) and the opaque directories. None if the files exceed ``max_bytes``."""
+    entries: list[dict[str, Any]] = []
+    whiteouts: list[str] = []
+    opaque: list[str] = []
+    seen: dict[tuple[int, int], str] = {}
+    fd = os.memfd_create("rollbox-fork-diff", os.MFD_CLOEXEC)
+    offset = 0
+    try:
+        stack = [""]
+        while stack:
+            rel = stack.pop()
+            with os.scandir(os.path.join(upper, rel) if rel else upper) as it:
+                found = sorted(it, key=lambda e: e.name)
+            for e in found:
+                path = f"/{rel}/{e.name}" if rel else f"/{e.name}"
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                    whiteouts.append(path)
+                elif stat.S_ISDIR(st.st_mode):
+                    for attr in ("trusted.overlay.opaque", "user.overlay.opaque"):
+                        with contextlib.suppress(OSError):
+                            if os.getxattr(e.path, attr, follow_symlinks=False) == b"y":
+                                opaque.append(path)
+                    entries.append({"p": path, "t": "d", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime})
+                    stack.append(path.lstrip("/"))
+                elif stat.S_ISLNK(st.st_mode):
+                    entries.append({"p": path, "t": "l", "l": os.readlink(e.path)})
+                elif stat.S_ISREG(st.st_mode):
+                    if st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
+                        entries.append({"p": path, "t": "h", "l": seen[(st.st_dev, st.st_ino)]})
+                        continue
+                    seen[(st.st_dev, st.st_ino)] = path
+                    if offset + st.st_size > max_bytes:
+                        os.close(fd)
+                        return None
+                    with open(e.path, "rb") as src:
+                        n = os.sendfile(fd, src.fileno(), 0, st.st_size) if st.st_size else 0
+                    entries.append({"p": path, "t": "f", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime,
+                                    "o": offset, "n": n})
+                    offset += n
+    except BaseException:
+        os.close(fd)
+        raise
+    return {"fd": fd, "entries": entries, "whiteouts": whiteouts, "opaque": opaque}
+
+
 def _exit_code(status: int) -> tuple[int, str | None]:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -117,6 +168,7 @@ class Sandbox:
     created_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     execs: int = 0
+    forked_from: str | None = None
     pooled: bool = False
     create_ms: float = 0.0
     cpu_s: float = 0.0
@@ -235,6 +287,7 @@ class Sandbox:
         return ExecResult(
             sandbox_id=self.id,
             snapshot_id=self.view.id,
+            forked_from=self.forked_from,
             exit_code=exit_code,
             signal=sig,
             stdout=stdout.decode("utf-8", "replace"),
@@ -250,6 +303,18 @@ class Sandbox:
             files=files,
             sandbox_alive=alive,
         )
+
+    async def inject(self, diff: dict[str, Any]) -> None:
+        """Apply a forked parent's filesystem diff (see ``pack_upper``) inside this sandbox."""
+        async with self.lock:
+            if self.dead is not None:
+                raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
+            msg = {"op": "inject", "entries": diff["entries"], "whiteouts": diff["whiteouts"], "opaque": diff["opaque"]}
+            await self.chan.send(msg, [diff["fd"]])
+            reply = await self.chan.recv()
+            if reply is None or reply.get("error"):
+                raise IsolationError(f"could not copy the parent's files: {reply.get('error') if reply else 'died'}",
+                                     sandbox_id=self.id)
 
     async def _kill_step(self) -> dict[str, Any] | None:
         """Timeout: the agent kills every process but itself; if it cannot, the sandbox goes."""

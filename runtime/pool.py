@@ -1,9 +1,9 @@
 """The warm pool: ready sandboxes per hot (snapshot, limits), sized by demand, drained when idle.
 
 Target size follows Little's law: N = Q x T_task / T_limit, where Q is the number of acquisitions in
-the last window of T_limit seconds and T_task the measured time to restore one sandbox; clamped to
-[min, max]. After ``idle_s`` without an acquisition the target falls to ``min`` (0 by default):
-scale-to-zero on one box.
+the last window of T_limit seconds and T_task the measured time to restore one sandbox; at least the
+largest burst (a fork of N at once) seen in that window; clamped to [min, max]. After ``idle_s``
+without an acquisition the target falls to ``min`` (0 by default): scale-to-zero on one box.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from rollbox.runtime.execution import Sandbox
 
 
 class Pool:
+    REFILL_DELAY_S = 0.02
+
     def __init__(self, key: Any, make: Callable[[], Awaitable[Sandbox]], *, min_size: int, max_size: int,
                  window_s: float, idle_s: float, build_concurrency: int = 2):
         self.key = key
@@ -30,6 +32,7 @@ class Pool:
         self.idle_s = idle_s
         self.ready: collections.deque[Sandbox] = collections.deque()
         self.acquired: collections.deque[float] = collections.deque()
+        self.bursts: collections.deque[tuple[float, int]] = collections.deque()
         self.t_task_s = 0.010
         self.building = 0
         self.build_concurrency = build_concurrency
@@ -50,9 +53,17 @@ class Pool:
             self.acquired.popleft()
         if now - self.last_acquire > self.idle_s:
             return self.min_size
+        while self.bursts and self.bursts[0][0] < now - self.window_s:
+            self.bursts.popleft()
         q = len(self.acquired)
         n = math.ceil(q * self.t_task_s / self.window_s) + (1 if q else 0)
+        n = max([n, *(size for _, size in self.bursts)])
         return max(self.min_size, min(self.max_size, n))
+
+    def note_burst(self, size: int) -> None:
+        """``size`` sandboxes were asked for at once (a fork): keep that many ready while it recurs."""
+        self.bursts.append((time.monotonic(), size))
+        self._wake.set()
 
     def take(self) -> Sandbox | None:
         """A ready sandbox, or None (the caller restores one directly)."""
@@ -95,6 +106,10 @@ class Pool:
 
     async def _run(self) -> None:
         while not self.closed:
+            # A burst (a fork of 16, say) is still being served: let it have the CPU, refill after.
+            quiet = self.last_acquire + self.REFILL_DELAY_S - time.monotonic()
+            if quiet > 0:
+                await asyncio.sleep(quiet)
             target = self.target()
             have = len(self.ready) + self.building
             while have < target and self.building < self.build_concurrency:

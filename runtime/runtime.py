@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollbox.runtime import skeleton
 from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import InvalidRequest, IsolationError, Overloaded, SandboxDied, SandboxNotFound
-from rollbox.runtime.execution import Sandbox
+from rollbox.runtime.execution import Sandbox, pack_upper
 from rollbox.runtime.isolation import cgroups, seccomp
 from rollbox.runtime.isolation.cgroups import Backend, Group
 from rollbox.runtime.pool import Pool
@@ -62,6 +62,8 @@ class RuntimeConfig(BaseModel):
     pool_window_s: Annotated[float, Field(gt=0)] = 10.0
     pool_idle_s: Annotated[float, Field(gt=0)] = 30.0
     reaper_interval_s: Annotated[float, Field(gt=0)] = 0.5
+    fork_inject_max_bytes: Annotated[int, Field(ge=0)] = Field(
+        default=8 * 1024 * 1024, description="fork diffs up to this size are applied inside pooled sandboxes")
 
 
 class Runtime:
@@ -206,36 +208,61 @@ class Runtime:
 
     async def fork(self, sandbox_id: str, count: int, metadata: dict[str, str] | None = None) -> list[SandboxInfo]:
         """``count`` new sandboxes that see exactly the files of a live sandbox, isolated from it and
-        from each other afterwards. Its diff is copied once into a scratch layer stacked under the
-        children (same zygote, no re-warm); the layer goes when the last child does."""
+        from each other afterwards.
+
+        A small diff (up to ``fork_inject_max_bytes``) is read once and applied inside sandboxes of
+        the parent's snapshot — taken from the warm pool, so a fork costs no restore on its path. A
+        larger one is copied once into a scratch layer stacked under fresh children (same zygote);
+        that layer goes with the last child."""
         if not 1 <= count <= 1024:
             raise InvalidRequest(f"count must be between 1 and 1024, got {count}", sandbox_id=sandbox_id)
         parent = self.get(sandbox_id)
         scratch = f"scratch-{secrets.token_hex(8)}"
         dst = self.layer_root / scratch
         async with self.frozen(sandbox_id) as sb:
-            proc = await asyncio.create_subprocess_exec(
-                "cp", "-a", f"{sb.upper_path}/.", str(dst), stderr=asyncio.subprocess.PIPE)
-            _, err = await proc.communicate()
-        if proc.returncode != 0:
-            shutil.rmtree(dst, ignore_errors=True)
-            raise IsolationError(f"copying the sandbox's files failed: {err.decode(errors='replace')[-300:]}",
-                                 sandbox_id=sandbox_id)
-        view = dataclasses.replace(parent.view, id=f"{parent.view.id}+{scratch}", layers=(scratch, *parent.view.layers))
-        self.register_view(view)
-        self._scratch[scratch] = set()
-        results = await asyncio.gather(
-            *(self._acquire(view.id, parent.limits, metadata or parent.metadata, pooled=False) for _ in range(count)),
-            return_exceptions=True)
+            diff = await asyncio.to_thread(pack_upper, sb.upper_path, self.config.fork_inject_max_bytes)
+            if diff is None:
+                proc = await asyncio.create_subprocess_exec(
+                    "cp", "-a", f"{sb.upper_path}/.", str(dst), stderr=asyncio.subprocess.PIPE)
+                _, err = await proc.communicate()
+                if proc.returncode != 0:
+                    shutil.rmtree(dst, ignore_errors=True)
+                    raise IsolationError(f"copying the sandbox's files failed: {err.decode(errors='replace')[-300:]}",
+                                         sandbox_id=sandbox_id)
+        meta = metadata if metadata is not None else parent.metadata
+        if diff is not None:
+            view = parent.view
+        else:
+            view = dataclasses.replace(parent.view, id=f"{parent.view.id}+{scratch}",
+                                       layers=(scratch, *parent.view.layers))
+            self.register_view(view)
+            self._scratch[scratch] = set()
+
+        if diff is not None and parent.limits == view.limits:
+            self._pool_for(view, view.limits).note_burst(count)
+
+        async def child() -> Sandbox:
+            sb = await self._acquire(view.id, parent.limits, meta, pooled=diff is not None)
+            sb.forked_from = sandbox_id
+            if diff is not None:
+                await sb.inject(diff)
+            return sb
+
+        try:
+            results = await asyncio.gather(*(child() for _ in range(count)), return_exceptions=True)
+        finally:
+            if diff is not None:
+                os.close(diff["fd"])
         made = [r for r in results if isinstance(r, Sandbox)]
-        self._scratch[scratch].update(sb.id for sb in made)
+        if diff is None:
+            self._scratch[scratch].update(sb.id for sb in made)
         if len(made) < count:
-            for child in made:
-                await self.destroy(child.id)
-            self._drop_scratch(scratch)
-            err0 = next(r for r in results if isinstance(r, BaseException))
-            raise err0
-        return [self._info(child) for child in made]
+            for sb in made:
+                await self.destroy(sb.id)
+            if diff is None:
+                self._drop_scratch(scratch)
+            raise next(r for r in results if isinstance(r, BaseException))
+        return [self._info(sb) for sb in made]
 
     def _drop_scratch(self, scratch: str) -> None:
         self._scratch.pop(scratch, None)
@@ -442,7 +469,7 @@ class Runtime:
     def _info(self, sb: Sandbox) -> SandboxInfo:
         return SandboxInfo(
             sandbox_id=sb.id, snapshot_id=sb.view.id, env_version=dict(sb.view.version), limits=sb.limits,
-            metadata=sb.metadata, pooled=sb.pooled, create_ms=round(sb.create_ms, 3),
+            metadata=sb.metadata, forked_from=sb.forked_from, pooled=sb.pooled, create_ms=round(sb.create_ms, 3),
             isolation=self.isolation_report(),
         )
 

@@ -98,6 +98,7 @@ class ExecResult(BaseModel):
 
     sandbox_id: str
     snapshot_id: str = ""
+    forked_from: str | None = Field(default=None, description="the live sandbox this one was forked from")
     exit_code: int
     stdout: str = ""
     stderr: str = ""
@@ -124,6 +125,7 @@ class SandboxInfo(BaseModel):
     env_version: dict[str, Any]
     limits: Limits
     metadata: dict[str, str] = Field(default_factory=dict)
+    forked_from: str | None = Field(default=None, description="the live sandbox this one was forked from")
     pooled: bool
     create_ms: float
     isolation: dict[str, str] = Field(default_factory=dict, description="layer -> how it is applied")

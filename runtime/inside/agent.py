@@ -12,6 +12,7 @@ import atexit
 import builtins
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -120,6 +121,66 @@ def _read_files(paths: list[str]) -> dict[str, str | None]:
         except OSError:
             out[path] = None
     return out
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _inject(msg: dict[str, Any], fds: list[int]) -> None:
+    """Make this sandbox's files those of a forked parent: apply its overlay diff (opaque dirs
+    emptied, whiteouts deleted, then its entries recreated, file contents copied in the kernel from
+    the passed memfd), as the sandbox user. Metadata the user may not set (on a root-owned
+    directory such as /tmp) is left as it is."""
+    src = fds[0] if fds else -1
+    try:
+        for path in msg.get("opaque") or []:
+            if os.path.isdir(path):
+                for name in os.listdir(path):
+                    _remove(os.path.join(path, name))
+        for path in msg.get("whiteouts") or []:
+            _remove(path)
+        dirs = []
+        for e in msg.get("entries") or []:
+            path, kind = e["p"], e["t"]
+            if kind == "d":
+                if not os.path.isdir(path):
+                    if os.path.lexists(path):
+                        _remove(path)
+                    os.mkdir(path, 0o700)
+                dirs.append(e)
+                continue
+            if os.path.lexists(path):
+                _remove(path)
+            if kind == "l":
+                os.symlink(e["l"], path)
+            elif kind == "h":
+                os.link(e["l"], path)
+            else:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    done, n = 0, e["n"]
+                    while done < n:
+                        sent = os.sendfile(fd, src, e["o"] + done, n - done)
+                        if sent == 0:
+                            raise OSError(f"short diff for {path}")
+                        done += sent
+                    os.fchmod(fd, e["m"])
+                    os.utime(fd, (e["mt"], e["mt"]))
+                finally:
+                    os.close(fd)
+        for e in reversed(dirs):  # modes and mtimes last: creating the files changed them
+            try:
+                os.chmod(e["p"], e["m"])
+                os.utime(e["p"], (e["mt"], e["mt"]))
+            except PermissionError:
+                pass
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _spare_main(chan: socket.socket, env: dict[str, str]) -> None:
@@ -259,6 +320,12 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
                     kill_all()
                 elif op == "ping":
                     proto.send(sock, {"op": "pong"})
+                elif op == "inject":
+                    try:
+                        _inject(msg, reader.take_fds())
+                        proto.send(sock, {"op": "injected"})
+                    except Exception as exc:
+                        proto.send(sock, {"op": "injected", "error": f"{type(exc).__name__}: {exc}"})
                 elif op in ("freeze", "thaw"):  # hold every other process still while the files are read
                     try:
                         os.kill(-1, signal.SIGSTOP if op == "freeze" else signal.SIGCONT)

@@ -107,23 +107,52 @@ async def test_timeout_longer_than_lifetime_is_refused(rt: Runtime) -> None:
         await rt.destroy(info.sandbox_id)
 
 
-async def test_fork_children_see_the_parent_files_and_are_isolated(rt: Runtime) -> None:
-    parent = await rt.create()
+@pytest.mark.parametrize("inject_max", [8 * 1024 * 1024, 0], ids=["applied-in-pooled", "scratch-layer"])
+async def test_fork_children_see_the_parent_files_and_are_isolated(rt: Runtime, inject_max: int) -> None:
+    import dataclasses
+    import os
+
+    saved = rt.config
+    rt.config = rt.config.model_copy(update={"fork_inject_max_bytes": inject_max})
+    # a snapshot with files of the sandbox user in a layer, so the parent can delete some (whiteouts)
+    # and replace a directory (opaque)
+    layer = rt.layer_root / f"test-layer-{inject_max}"
+    (layer / "home/sandbox/olddir").mkdir(parents=True, exist_ok=True)
+    (layer / "home/sandbox/old.txt").write_text("old\n")
+    (layer / "home/sandbox/olddir/x").write_text("x\n")
+    for p in [layer / "home/sandbox", layer / "home/sandbox/olddir", layer / "home/sandbox/old.txt",
+              layer / "home/sandbox/olddir/x"]:
+        os.chown(p, 1000, 1000) if os.geteuid() == 0 else None
+    base = rt.resolver.resolve("python")
+    rt.resolver.register(dataclasses.replace(base, id=f"with-files-{inject_max}", layers=(layer.name,)))
+    parent = await rt.create(f"with-files-{inject_max}")
     try:
+        r = await rt.exec(parent.sandbox_id, ExecRequest(
+            command="rm old.txt && rm -rf olddir && mkdir olddir && echo y > olddir/y && ls -a olddir"))
+        assert r.stdout.split() == [".", "..", "y"], r
         await rt.exec(parent.sandbox_id, ExecRequest(
-            command="echo state > s.txt; mkdir -p d/e; echo deep > d/e/f; rm -rf /tmp/*; echo t > /tmp/t; sleep 60 &"))
+            command="echo state > s.txt; mkdir -p d/e; echo deep > d/e/f; ln -s d/e/f link; chmod 700 d;"
+                    " rm -rf /tmp/*; echo t > /tmp/t; rm /etc/hostname 2>/dev/null; sleep 60 &"))
         children = await rt.fork(parent.sandbox_id, 3)
+        assert all(c.forked_from == parent.sandbox_id for c in children)
         assert len({c.sandbox_id for c in children}) == 3
         outs = []
         for i, c in enumerate(children):
-            r = await rt.exec(c.sandbox_id, ExecRequest(command=f"cat s.txt d/e/f /tmp/t; echo {i} > s.txt"))
+            r = await rt.exec(c.sandbox_id, ExecRequest(
+                command=f"cat s.txt link /tmp/t; stat -c %a d; ls /tmp; ls olddir; ls old.txt; echo {i} > s.txt"))
             outs.append(r.stdout)
-        assert outs == ["state\ndeep\nt\n"] * 3
+        assert outs == ["state\ndeep\nt\n700\nt\ny\n"] * 3  # old.txt deleted, olddir replaced
         again = await rt.exec(children[0].sandbox_id, ExecRequest(command="cat s.txt"))
         assert again.stdout == "0\n"  # its own write, not a sibling's
         p = await rt.exec(parent.sandbox_id, ExecRequest(command="cat s.txt; ls /tmp"))
         assert p.stdout == "state\nt\n"  # the parent kept running (its sleep was thawed) and is untouched
-        assert all(r.snapshot_id.startswith("python+scratch-") for r in [again])
+        assert again.forked_from == parent.sandbox_id
+        if inject_max:
+            assert again.snapshot_id == f"with-files-{inject_max}"  # the parent's snapshot, diff applied
+            for c in children:
+                await rt.destroy(c.sandbox_id)
+            return
+        assert again.snapshot_id.startswith(f"with-files-{inject_max}+scratch-")
         scratch = rt.get(children[0].sandbox_id).view.layers[0]
         assert (rt.layer_root / scratch).is_dir()
         for c in children:
@@ -134,4 +163,5 @@ async def test_fork_children_see_the_parent_files_and_are_isolated(rt: Runtime) 
             await asyncio.sleep(0.02)
         assert not (rt.layer_root / scratch).exists()  # the scratch layer goes with the last child
     finally:
+        rt.config = saved
         await rt.destroy(parent.sandbox_id)

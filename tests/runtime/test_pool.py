@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from rollbox.runtime.execution import Sandbox
@@ -27,6 +28,10 @@ async def test_target_follows_demand_and_falls_to_min_when_idle() -> None:
     pool.acquired.extend([now - 1] * 1000)
     assert pool.target(now) == 8  # clamped to max
     assert pool.target(now + 6) == 0  # idle past idle_s: back to min (scale to zero)
+    burst = Pool("k", _never, min_size=0, max_size=32, window_s=10.0, idle_s=5.0)
+    burst.note_burst(16)  # a fork of 16: keep 16 ready while forks recur
+    burst.last_acquire = time.monotonic()
+    assert burst.target() == 16
     pool.min_size = 2
     assert pool.target(now + 60) == 2
 
