@@ -4,6 +4,7 @@ A bounded, expiring cache of replies. The first event with a key runs; concurren
 for it; later duplicates get the stored reply. A reply marked not ``cacheable`` (work refused
 before it started: overload, shutdown) is handed to the waiters and then forgotten, so a retry runs.
 A duplicate whose content differs from the first (same key, other type or data) is refused.
+Bounded twice: by entries and by the bytes of the replies kept (outputs can be megabytes each).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class _Entry(Generic[R]):
     fingerprint: str
     future: asyncio.Future[R]
     expires_at: float = field(default=float("inf"))
+    size: int = 0
 
 
 class IdempotencyCache(Generic[R]):
@@ -38,12 +40,17 @@ class IdempotencyCache(Generic[R]):
         ttl_s: float,
         *,
         cacheable: Callable[[R], bool],
+        max_bytes: int | None = None,
+        size_of: Callable[[R], int] = lambda _: 0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        if max_entries < 1 or ttl_s <= 0:
-            raise ValueError("max_entries must be >= 1 and ttl_s > 0")
+        if max_entries < 1 or ttl_s <= 0 or (max_bytes is not None and max_bytes < 1):
+            raise ValueError("max_entries and max_bytes must be >= 1 and ttl_s > 0")
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self.bytes = 0
+        self._size_of = size_of
         self._cacheable = cacheable
         self._clock = clock
         self._entries: OrderedDict[tuple[str, str], _Entry[R]] = OrderedDict()
@@ -51,14 +58,15 @@ class IdempotencyCache(Generic[R]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def run(
-        self, key: tuple[str, str], fingerprint: str, fn: Callable[[], Awaitable[R]]
-    ) -> tuple[R, bool]:
+    def _drop(self, key: tuple[str, str]) -> None:
+        self.bytes -= self._entries.pop(key).size
+
+    async def run(self, key: tuple[str, str], fingerprint: str, fn: Callable[[], Awaitable[R]]) -> tuple[R, bool]:
         """The reply for ``key``: ``fn()``'s on first sight, else the first one. Returns (reply, replayed)."""
         while True:
             entry = self._entries.get(key)
             if entry is not None and entry.future.done() and entry.expires_at <= self._clock():
-                del self._entries[key]
+                self._drop(key)
                 entry = None
             if entry is None:
                 break
@@ -81,31 +89,38 @@ class IdempotencyCache(Generic[R]):
             reply = await fn()
         except BaseException:
             if self._entries.get(key) is entry:
-                del self._entries[key]
+                self._drop(key)
             entry.future.cancel()
             raise
         entry.future.set_result(reply)
+        if self._entries.get(key) is not entry:
+            return reply, False
         if self._cacheable(reply):
             entry.expires_at = self._clock() + self.ttl_s
+            entry.size = self._size_of(reply)
+            self.bytes += entry.size
             self._entries.move_to_end(key)
-        elif self._entries.get(key) is entry:
+            self._evict()
+        else:
             del self._entries[key]
         return reply, False
 
     def _evict(self) -> None:
-        """Drop expired entries, then the oldest finished ones while over the bound. Entries still
-        running are never dropped (that would let a duplicate run twice)."""
+        """Drop expired entries, then the oldest finished ones while over either bound (entries, bytes).
+        Entries still running are never dropped (that would let a duplicate run twice)."""
         now = self._clock()
         while self._entries:
             key, e = next(iter(self._entries.items()))
             if not (e.future.done() and e.expires_at <= now):
                 break
-            del self._entries[key]
+            self._drop(key)
         skipped = 0
-        while len(self._entries) > self.max_entries and skipped < len(self._entries):
+        while (
+            len(self._entries) > self.max_entries or (self.max_bytes is not None and self.bytes > self.max_bytes)
+        ) and skipped < len(self._entries):
             key, e = next(iter(self._entries.items()))
             if e.future.done():
-                del self._entries[key]
+                self._drop(key)
             else:
                 self._entries.move_to_end(key)
                 skipped += 1

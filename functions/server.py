@@ -131,6 +131,14 @@ OPTIONS: tuple[_Option, ...] = (
         "how long a reply is kept for duplicates",
     ),
     _Option(
+        "idempotency_max_bytes",
+        "--idempotency-max-bytes",
+        "ROLLBOX_IDEMPOTENCY_MAX_BYTES",
+        _int(1024),
+        _D.idempotency_max_bytes,
+        "memory for kept replies (their outputs); the oldest go first",
+    ),
+    _Option(
         "retry_after_s",
         "--retry-after-s",
         "ROLLBOX_RETRY_AFTER_S",

@@ -53,6 +53,7 @@ class ServiceConfig:
     max_body_bytes: int = 8 * MiB
     idempotency_entries: int = 100_000
     idempotency_ttl_s: float = 600.0
+    idempotency_max_bytes: int = 256 * MiB
     retry_after_s: float = 1.0
 
 
@@ -63,6 +64,17 @@ class _Reply:
     retry_after_s: float | None = None
     cacheable: bool = True
     code: str | None = None
+
+
+def _approx_bytes(value: Any) -> int:
+    """Roughly what a reply's data holds in memory: its strings, plus a little per item."""
+    if isinstance(value, str | bytes):
+        return len(value) + 50
+    if isinstance(value, dict):
+        return sum(_approx_bytes(k) + _approx_bytes(v) for k, v in value.items()) + 64
+    if isinstance(value, list | tuple):
+        return sum(_approx_bytes(v) for v in value) + 56
+    return 24
 
 
 def _error(err: ReplyError, *, cacheable: bool = True) -> _Reply:
@@ -86,17 +98,11 @@ def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
     if isinstance(exc, rterr.InvalidRequest):
         return ReplyError(400, ErrorCode.INVALID_DATA, exc.message, sandbox_id=sid)
     if isinstance(exc, rterr.SandboxNotFound):
-        return ReplyError(
-            404, ErrorCode.SANDBOX_NOT_FOUND, exc.message, sandbox_id=sid, details={"sandbox_id": sid}
-        )
+        return ReplyError(404, ErrorCode.SANDBOX_NOT_FOUND, exc.message, sandbox_id=sid, details={"sandbox_id": sid})
     if isinstance(exc, rterr.SnapshotNotFound):
-        return ReplyError(
-            404, ErrorCode.SNAPSHOT_NOT_FOUND, exc.message, details={"snapshot_id": exc.snapshot_id}
-        )
+        return ReplyError(404, ErrorCode.SNAPSHOT_NOT_FOUND, exc.message, details={"snapshot_id": exc.snapshot_id})
     if isinstance(exc, rterr.SandboxDied):
-        return ReplyError(
-            410, ErrorCode.SANDBOX_DIED, exc.message, sandbox_id=sid, details={"sandbox_id": sid}
-        )
+        return ReplyError(410, ErrorCode.SANDBOX_DIED, exc.message, sandbox_id=sid, details={"sandbox_id": sid})
     if isinstance(exc, rterr.StoreUnavailable):
         return ReplyError(
             503,
@@ -113,8 +119,9 @@ def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
             details=_store_details(exc),
         )
     if isinstance(exc, rterr.StoreError):
-        return ReplyError(502, ErrorCode.STORE_ERROR, f"snapshot store error: {exc.message}",
-                          details=_store_details(exc))
+        return ReplyError(
+            502, ErrorCode.STORE_ERROR, f"snapshot store error: {exc.message}", details=_store_details(exc)
+        )
     if isinstance(exc, rterr.Overloaded):
         return ReplyError(429, ErrorCode.OVERLOADED, exc.message, retry_after_s=exc.retry_after_s)
     return ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details")
@@ -150,7 +157,11 @@ class Service:
             inflight=lambda: self.admission.inflight,
         )
         self.cache: IdempotencyCache[_Reply] = IdempotencyCache(
-            cfg.idempotency_entries, cfg.idempotency_ttl_s, cacheable=lambda r: r.cacheable
+            cfg.idempotency_entries,
+            cfg.idempotency_ttl_s,
+            cacheable=lambda r: r.cacheable,
+            max_bytes=cfg.idempotency_max_bytes,
+            size_of=lambda r: _approx_bytes(r.event.data),
         )
         self.ready = False
         self._labels: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
@@ -183,14 +194,10 @@ class Service:
             with contextlib.suppress(ReplyError):
                 await self._read_body(request)
         if path != "/":
-            err = ReplyError(
-                404, ErrorCode.NOT_FOUND, f"no endpoint at {path[:100]!r}: POST CloudEvents to '/'"
-            )
+            err = ReplyError(404, ErrorCode.NOT_FOUND, f"no endpoint at {path[:100]!r}: POST CloudEvents to '/'")
             return self._respond(request, _error(err), {})
         if method != "POST":
-            err = ReplyError(
-                405, ErrorCode.METHOD_NOT_ALLOWED, f"{method} is not allowed: POST CloudEvents to '/'"
-            )
+            err = ReplyError(405, ErrorCode.METHOD_NOT_ALLOWED, f"{method} is not allowed: POST CloudEvents to '/'")
             return self._respond(request, _error(err), {}, allow="POST")
         return await self._handle_event(request)
 
@@ -216,9 +223,7 @@ class Service:
             route = self.routes.get(etype)
             if route is None:
                 known = ", ".join(sorted(self.routes))
-                raise ReplyError(
-                    400, ErrorCode.UNKNOWN_TYPE, f"unknown event type {etype[:200]!r}; known: {known}"
-                )
+                raise ReplyError(400, ErrorCode.UNKNOWN_TYPE, f"unknown event type {etype[:200]!r}; known: {known}")
             data = self._validate(route, event.data)
             self._label_fields(data, fields)
             fingerprint = hashlib.sha256(
@@ -239,9 +244,7 @@ class Service:
         etype_label = fields.get("type") if fields.get("type") in self.routes else "invalid"
         self.metrics.requests.labels(etype_label, str(reply.status)).inc()
         self.metrics.request_seconds.labels(etype_label).observe(seconds)
-        fields.update(
-            status=reply.status, code=reply.code, ms=round(seconds * 1000, 3), replayed=replayed or None
-        )
+        fields.update(status=reply.status, code=reply.code, ms=round(seconds * 1000, 3), replayed=replayed or None)
         logger.log(40 if reply.status >= 500 else 20, "event", extra={"fields": fields})
         return self._respond(request, reply, fields)
 
@@ -308,26 +311,18 @@ class Service:
                 result = await route.handler(self.runtime, data)
         except Rejected as rej:
             self.metrics.rejects.labels(rej.reason).inc()
-            status, code = (
-                (503, ErrorCode.SHUTTING_DOWN) if rej.reason == "draining" else (429, ErrorCode.OVERLOADED)
-            )
-            return _error(
-                ReplyError(status, code, rej.message, retry_after_s=rej.retry_after_s), cacheable=False
-            )
+            status, code = (503, ErrorCode.SHUTTING_DOWN) if rej.reason == "draining" else (429, ErrorCode.OVERLOADED)
+            return _error(ReplyError(status, code, rej.message, retry_after_s=rej.retry_after_s), cacheable=False)
         except rterr.RollboxError as exc:
             err = _runtime_error(exc)
             if err.status == 429:
                 self.metrics.rejects.labels("runtime").inc()
             if err.status >= 500:
-                logger.error(
-                    "runtime error", exc_info=True, extra={"fields": {**fields, "sandbox_id": exc.sandbox_id}}
-                )
+                logger.error("runtime error", exc_info=True, extra={"fields": {**fields, "sandbox_id": exc.sandbox_id}})
             return _error(err, cacheable=err.status not in (429, 502, 503))
         except Exception:
             logger.exception("handler failed", extra={"fields": fields})
-            return _error(
-                ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details")
-            )
+            return _error(ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details"))
         self.metrics.record_reply(route.spec.request_type, result)
         subject = getattr(result, "sandbox_id", None)
         return _Reply(200, reply_event(route.spec.reply_type, result, subject))

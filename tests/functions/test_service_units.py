@@ -127,3 +127,15 @@ async def test_cache_waiters_take_over_when_the_first_is_cancelled() -> None:
     await asyncio.sleep(0.01)
     first.cancel()
     assert await waiter == ("second", False) and runs == 2
+
+
+async def test_cache_is_bounded_by_bytes() -> None:
+    async def big() -> str:
+        return "x" * 400
+
+    cache: IdempotencyCache[str] = IdempotencyCache(100, 60, cacheable=lambda r: True, max_bytes=1000, size_of=len)
+    for key in "abcd":
+        await cache.run(("s", key), "fp", big)
+    assert cache.bytes <= 1000 and len(cache) == 2  # a and b went to make room
+    assert (await cache.run(("s", "d"), "fp", big))[1] is True
+    assert (await cache.run(("s", "a"), "fp", big))[1] is False
