@@ -352,6 +352,8 @@ async def serve(cfg: ServeConfig) -> int:
                 "grace period over; cancelling in-flight events",
                 extra={"fields": {"inflight": service.admission.inflight}},
             )
+            service.abort()  # each gets a 503 event, not a dropped connection
+            await service.admission.wait_idle(5.0)
         server.config.timeout_graceful_shutdown = max(1, math.ceil(cfg.grace_s - (loop.time() - t0)))
         server.should_exit = True
         await serving

@@ -11,6 +11,7 @@ Also ``GET /healthz`` (the process is up), ``/readyz`` (it takes work) and ``/me
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -164,6 +165,8 @@ class Service:
             size_of=lambda r: _approx_bytes(r.event.data),
         )
         self.ready = False
+        self.aborting = False
+        self._working: set[asyncio.Task[Any]] = set()
         self._labels: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
 
     # -- the ASGI app ------------------------------------------------------------------------------
@@ -306,9 +309,23 @@ class Service:
             ) from None
 
     async def _execute(self, route: Route, data: BaseModel, fields: dict[str, Any]) -> _Reply:
+        task = asyncio.current_task()
         try:
             with self.admission.admit(creates_sandbox=route.creates_sandbox):
-                result = await route.handler(self.runtime, data)
+                if task is not None:
+                    self._working.add(task)
+                try:
+                    result = await route.handler(self.runtime, data)
+                finally:
+                    if task is not None:
+                        self._working.discard(task)
+        except asyncio.CancelledError:
+            if not self.aborting or task is None:
+                raise
+            task.uncancel()
+            err = ReplyError(503, ErrorCode.SHUTTING_DOWN, "the server shut down before this event finished "
+                             "(grace period over); retry it elsewhere", retry_after_s=self.config.retry_after_s)
+            return _error(err, cacheable=False)
         except Rejected as rej:
             self.metrics.rejects.labels(rej.reason).inc()
             status, code = (503, ErrorCode.SHUTTING_DOWN) if rej.reason == "draining" else (429, ErrorCode.OVERLOADED)
@@ -326,6 +343,14 @@ class Service:
         self.metrics.record_reply(route.spec.request_type, result)
         subject = getattr(result, "sandbox_id", None)
         return _Reply(200, reply_event(route.spec.reply_type, result, subject))
+
+    def abort(self) -> int:
+        """Grace period over: stop the runtime calls still running; their events get a 503 reply (not
+        kept for replay, so a retry runs elsewhere). Returns how many were stopped."""
+        self.aborting = True
+        for task in self._working:
+            task.cancel()
+        return len(self._working)
 
     # -- log correlation: experiment / episode of a sandbox ------------------------------------------
 

@@ -56,3 +56,28 @@ async def test_sigterm_drains_in_flight_work(tmp_path: Path) -> None:
     finally:
         rc = srv.stop()
     assert rc == 0
+
+
+async def test_sigterm_grace_is_a_bound(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, "--grace-s", "1")
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=60)) as http:
+            stuck = asyncio.create_task(send(http, srv.url, ce(SANDBOX_RUN, {"code": "import time; time.sleep(60)",
+                                                                             "timeout_s": 120})))
+            deadline = time.monotonic() + 30
+            while inflight((await http.get(srv.url + "metrics")).text) < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            t0 = time.monotonic()
+            os.kill(srv.pid, signal.SIGTERM)
+            await asyncio.to_thread(srv.proc.wait, 30)
+            took = time.monotonic() - t0
+            # the grace is over long before the sandbox would have finished: cancelled, destroyed, exit 0
+            assert srv.proc.returncode == 0 and took < 15, took
+            r = await stuck  # answered, not dropped: a 503 event saying to retry elsewhere
+            assert (r.status, r.type, r.data["code"]) == (503, ERROR, "shutting_down")
+            assert "grace period" in r.data["message"] and int(r.headers["retry-after"]) >= 1
+        msgs = [x.get("msg") for x in srv.log_records()]
+        assert "grace period over; cancelling in-flight events" in msgs and msgs[-1] == "stopped"
+    finally:
+        srv.stop()
