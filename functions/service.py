@@ -239,6 +239,9 @@ class Service:
             reply = _error(err)
         except Conflict as exc:
             reply = _error(ReplyError(409, ErrorCode.IDEMPOTENCY_CONFLICT, str(exc)))
+        except Exception:  # a bug here still answers with an error event, never a bare 500 page
+            logger.exception("event handling failed", extra={"fields": fields})
+            reply = _error(ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details"))
         if replayed:
             self.metrics.replays.inc()
         fields.setdefault("sandbox_id", reply.event.get("subject"))
