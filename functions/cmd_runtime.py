@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
-from rollbox.functions.envflags import env_default, env_float, env_int
+from rollbox.functions.options import ConfigError, Option, add_options, integer, resolve_options, seconds, text
 
 MiB = 1024 * 1024
+RUN_OPTIONS: tuple[Option, ...] = (
+    Option("snapshot", "--snapshot", "ROLLBOX_SNAPSHOT", text, "python", "snapshot name or id"),
+    Option("timeout_s", "--timeout-s", "ROLLBOX_TIMEOUT_S", seconds, 30.0, "wall-clock limit for the run"),
+    Option("memory_mb", "--memory-mb", "ROLLBOX_MEMORY_MB", integer(16), 512, "memory limit in MiB"),
+)
 
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("run", help="run code or a command in one fresh sandbox and pass its output through")
-    p.add_argument("--snapshot", default=env_default("ROLLBOX_SNAPSHOT", "python"),
-                   help="snapshot name or id (env ROLLBOX_SNAPSHOT; default python)")
-    p.add_argument("--timeout-s", type=float, default=env_float("ROLLBOX_TIMEOUT_S", 30.0),
-                   help="wall-clock limit for the run (env ROLLBOX_TIMEOUT_S; default 30)")
-    p.add_argument("--memory-mb", type=int, default=env_int("ROLLBOX_MEMORY_MB", 512),
-                   help="memory limit in MiB (env ROLLBOX_MEMORY_MB; default 512)")
+    add_options(p, RUN_OPTIONS)
     p.add_argument("--json", action="store_true", help="print the whole result record as JSON")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--code", help="Python source, run as __main__ in the warm interpreter")
@@ -36,21 +38,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rollbox.runtime.runtime import Runtime
     from rollbox.runtime.spec import ExecRequest, ExecResult, Limits
 
+    try:
+        opts = resolve_options(RUN_OPTIONS, args, os.environ)
+    except ConfigError as exc:
+        print(f"rollbox run: {exc}", file=sys.stderr)
+        return 2
     if args.file is not None:
         with sys.stdin if args.file == "-" else open(args.file) as f:
             code: str | None = f.read()
     else:
         code = args.code
     try:
-        req = ExecRequest(code=code, command=args.command if code is None else None, timeout_s=args.timeout_s)
-        limits = Limits(memory_max_bytes=args.memory_mb * MiB, lifetime_s=max(900.0, args.timeout_s + 60))
+        req = ExecRequest(code=code, command=args.command if code is None else None, timeout_s=opts['timeout_s'])
+        limits = Limits(memory_max_bytes=opts['memory_mb'] * MiB, lifetime_s=max(900.0, opts['timeout_s'] + 60))
     except ValueError as exc:
         print(f"rollbox run: {exc}", file=sys.stderr)
         return 2
 
+    from rollbox.functions.stores import StoreConfig, open_store
+    from rollbox.runtime.runtime import RuntimeConfig
+
     async def go() -> ExecResult:
-        async with Runtime() as rt:
-            return await rt.run(req, snapshot=args.snapshot, limits=limits)
+        resolver = open_store(StoreConfig(home=Path(os.environ["ROLLBOX_HOME"]) if os.environ.get("ROLLBOX_HOME")
+                                          else None))
+        async with Runtime(RuntimeConfig(layer_root=Path(resolver.layer_root)), resolver=resolver) as rt:
+            return await rt.run(req, snapshot=opts['snapshot'], limits=limits)
 
     try:
         res = asyncio.run(go())
@@ -65,7 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stderr.write(res.stderr)
         notes = []
         if res.timed_out:
-            notes.append(f"timed out after {args.timeout_s} s")
+            notes.append(f"timed out after {opts['timeout_s']} s")
         if res.oom_killed:
             notes.append("killed: out of memory")
         if res.pids_limit_hit:

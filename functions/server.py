@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,17 @@ from typing import Any
 import uvicorn
 from rollbox.functions import logs, sandbox, snapshot
 from rollbox.functions.logs import lifecycle, logger
+from rollbox.functions.options import (
+    ConfigError,
+    Option,
+    add_options,
+    integer,
+    level,
+    path,
+    resolve_options,
+    seconds,
+    text,
+)
 from rollbox.functions.service import Service, ServiceConfig
 from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_store
 from rollbox.runtime.errors import RollboxError
@@ -30,148 +41,93 @@ from rollbox.runtime.errors import RollboxError
 __all__ = ["ConfigError", "ServeConfig", "add_parser", "resolve", "serve"]
 
 
-class ConfigError(ValueError):
-    """A flag or environment variable with a value that cannot be used; the message names it."""
-
-
-def _int(minimum: int) -> Callable[[str], int]:
-    def cast(raw: str) -> int:
-        s = raw.strip()
-        if not s.isdigit():
-            raise ValueError(f"not a valid integer: {raw!r}")
-        v = int(s)
-        if v < minimum:
-            raise ValueError(f"must be >= {minimum}, got {v}")
-        return v
-
-    return cast
-
-
-def _seconds(raw: str) -> float:
-    try:
-        v = float(raw.strip())
-    except ValueError:
-        raise ValueError(f"not a valid number of seconds: {raw!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"must be a finite number > 0, got {raw!r}")
-    return v
-
-
-def _host(raw: str) -> str:
-    if not raw.strip():
-        raise ValueError("must not be empty")
-    return raw.strip()
-
-
-def _path(raw: str) -> Path:
-    if not raw.strip():
-        raise ValueError("must not be empty")
-    return Path(raw.strip())
-
-
-def _level(raw: str) -> str:
-    v = raw.strip().lower()
-    if v not in ("debug", "info", "warning", "error"):
-        raise ValueError(f"not a log level (debug, info, warning, error): {raw!r}")
-    return v
-
-
-@dataclass(frozen=True)
-class _Option:
-    dest: str
-    flag: str
-    env: str
-    cast: Callable[[str], Any]
-    default: Any
-    help: str
-
 
 _D = ServiceConfig()
-OPTIONS: tuple[_Option, ...] = (
-    _Option("host", "--host", "HOST", _host, "127.0.0.1", "address to listen on"),
-    _Option("port", "--port", "PORT", _int(0), 8080, "port to listen on (0: any free port, logged)"),
-    _Option(
+OPTIONS: tuple[Option, ...] = (
+    Option("host", "--host", "HOST", text, "127.0.0.1", "address to listen on"),
+    Option("port", "--port", "PORT", integer(0), 8080, "port to listen on (0: any free port, logged)"),
+    Option(
         "max_live",
         "--max-live",
         "ROLLBOX_MAX_LIVE",
-        _int(1),
+        integer(1),
         _D.max_live,
         "cap on live sandboxes; creates beyond it get 429",
     ),
-    _Option(
+    Option(
         "max_queued",
         "--max-queued",
         "ROLLBOX_MAX_QUEUED",
-        _int(1),
+        integer(1),
         _D.max_queued,
         "cap on requests admitted and not yet answered; more get 429",
     ),
-    _Option(
+    Option(
         "max_body_bytes",
         "--max-body-bytes",
         "ROLLBOX_MAX_BODY_BYTES",
-        _int(1024),
+        integer(1024),
         _D.max_body_bytes,
         "largest request body; larger get 413",
     ),
-    _Option(
+    Option(
         "idempotency_entries",
         "--idempotency-entries",
         "ROLLBOX_IDEMPOTENCY_ENTRIES",
-        _int(1),
+        integer(1),
         _D.idempotency_entries,
         "replies kept for duplicate events (same source and id)",
     ),
-    _Option(
+    Option(
         "idempotency_ttl_s",
         "--idempotency-ttl-s",
         "ROLLBOX_IDEMPOTENCY_TTL_S",
-        _seconds,
+        seconds,
         _D.idempotency_ttl_s,
         "how long a reply is kept for duplicates",
     ),
-    _Option(
+    Option(
         "idempotency_max_bytes",
         "--idempotency-max-bytes",
         "ROLLBOX_IDEMPOTENCY_MAX_BYTES",
-        _int(1024),
+        integer(1024),
         _D.idempotency_max_bytes,
         "memory for kept replies (their outputs); the oldest go first",
     ),
-    _Option(
+    Option(
         "retry_after_s",
         "--retry-after-s",
         "ROLLBOX_RETRY_AFTER_S",
-        _seconds,
+        seconds,
         _D.retry_after_s,
         "Retry-After sent with 429 and 503",
     ),
-    _Option(
+    Option(
         "grace_s",
         "--grace-s",
         "ROLLBOX_GRACE_S",
-        _seconds,
+        seconds,
         30.0,
         "on SIGTERM, how long in-flight events may take to finish",
     ),
-    _Option(
+    Option(
         "keep_alive_s",
         "--keep-alive-s",
         "ROLLBOX_KEEP_ALIVE_S",
-        _seconds,
+        seconds,
         75.0,
         "how long an idle keep-alive connection stays open (keep it above the clients' idle timeout)",
     ),
-    _Option("log_level", "--log-level", "ROLLBOX_LOG_LEVEL", _level, "info", "debug, info, warning or error"),
-    _Option(
+    Option("log_level", "--log-level", "ROLLBOX_LOG_LEVEL", level, "info", "debug, info, warning or error"),
+    Option(
         "home",
         "--home",
         "ROLLBOX_HOME",
-        _path,
+        path,
         None,
         "state directory and local snapshot store (unset: /var/lib/rollbox as root, else ~/.local/share/rollbox)",
     ),
-    _Option(
+    Option(
         "store",
         "--store",
         "ROLLBOX_STORE",
@@ -179,29 +135,29 @@ OPTIONS: tuple[_Option, ...] = (
         None,
         "snapshot store: a directory or s3://bucket/prefix (unset: the local store in --home)",
     ),
-    _Option(
+    Option(
         "cache_dir",
         "--cache-dir",
         "ROLLBOX_CACHE_DIR",
-        _path,
+        path,
         None,
         "with an S3 store: the local cache of its snapshots (unset: --home)",
     ),
-    _Option(
+    Option(
         "cache_max_bytes",
         "--cache-max-bytes",
         "ROLLBOX_CACHE_MAX_BYTES",
-        _int(1),
+        integer(1),
         None,
         "cap on the layers pulled into the cache, least recently used evicted first (unset: no cap)",
     ),
-    _Option("s3_endpoint_url", "--s3-endpoint-url", "AWS_ENDPOINT_URL", _host, None, "S3 endpoint URL"),
-    _Option("s3_region", "--s3-region", "AWS_REGION", _host, None, "S3 region"),
-    _Option(
+    Option("s3_endpoint_url", "--s3-endpoint-url", "AWS_ENDPOINT_URL", text, None, "S3 endpoint URL"),
+    Option("s3_region", "--s3-region", "AWS_REGION", text, None, "S3 region"),
+    Option(
         "s3_max_attempts",
         "--s3-max-attempts",
         "ROLLBOX_S3_MAX_ATTEMPTS",
-        _int(1),
+        integer(1),
         5,
         "attempts per S3 request (exponential backoff between them) before a store error",
     ),
@@ -221,20 +177,7 @@ class ServeConfig:
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeConfig:
     """Flag, else environment variable, else default; each cast strictly. Raises ``ConfigError``."""
-    values: dict[str, Any] = {}
-    for opt in OPTIONS:
-        given = getattr(args, opt.dest, None)
-        if given is not None:
-            raw, origin = given, opt.flag
-        elif environ.get(opt.env) is not None:
-            raw, origin = environ[opt.env], opt.env
-        else:
-            values[opt.dest] = opt.default
-            continue
-        try:
-            values[opt.dest] = opt.cast(raw)
-        except ValueError as exc:
-            raise ConfigError(f"{origin}: {exc}") from None
+    values = resolve_options(OPTIONS, args, environ)
     svc = ServiceConfig(**{k: values.pop(k) for k in list(values) if k in ServiceConfig.__dataclass_fields__})
     store = StoreConfig(**{k: values.pop(k) for k in list(values) if k in StoreConfig.__dataclass_fields__})
     return ServeConfig(service=svc, store=store, **values)
@@ -247,13 +190,7 @@ def add_parser(sub: Any) -> None:
         description="Serve rollbox's CloudEvent functions over HTTP with the embedded runtime. Every flag "
         "has an environment variable; a flag wins over its variable.",
     )
-    for opt in OPTIONS:
-        p.add_argument(
-            opt.flag,
-            dest=opt.dest,
-            default=None,
-            help=f"{opt.help} (env {opt.env}, default {opt.default})",
-        )
+    add_options(p, OPTIONS)
     p.set_defaults(func=_main)
 
 

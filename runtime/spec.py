@@ -30,6 +30,14 @@ def check_sandbox_path(path: str) -> str:
     return norm
 
 
+def check_env(env: dict[str, str]) -> dict[str, str]:
+    """Environment variables a process can actually receive: a name without '=' or NUL, a value without NUL."""
+    for k, val in env.items():
+        if not k or "=" in k or "\x00" in k or "\x00" in val:
+            raise ValueError(f"invalid environment variable name or value: {k!r}")
+    return env
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -83,10 +91,7 @@ class ExecRequest(_Frozen):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for k, val in v.items():
-            if not k or "=" in k or "\x00" in k or "\x00" in val:
-                raise ValueError(f"invalid environment variable name or value: {k!r}")
-        return v
+        return check_env(v)
 
 
 class ExecResult(BaseModel):

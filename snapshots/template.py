@@ -25,7 +25,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rollbox.runtime.errors import InvalidRequest
-from rollbox.runtime.spec import Limits
+from rollbox.runtime.spec import Limits, check_env
 from rollbox.snapshots.manifest import check_name
 
 PACKAGES_PREFIX = "/opt/rollbox/site-packages"
@@ -145,10 +145,7 @@ class Template(_Frozen):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for k, val in v.items():
-            if not k or "=" in k or "\x00" in k or "\x00" in val:
-                raise ValueError(f"invalid environment variable name or value: {k!r}")
-        return v
+        return check_env(v)
 
     @model_validator(mode="after")
     def _python_for_base(self) -> Template:

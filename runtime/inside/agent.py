@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import builtins
 import os
-import select
 import shutil
 import signal
 import socket
@@ -292,18 +291,10 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
     while True:
         if attached and spare is None and worker is None and not pending.get("last"):
             fork_spare()
-        try:
-            ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
-        except InterruptedError:
-            continue
-        if wake_r in ready:
-            try:
-                while os.read(wake_r, 512):
-                    pass
-            except BlockingIOError:
-                pass
+        readable, exited = proto.wait(sock, wake_r)
+        if exited:
             reap()
-        if sock.fileno() in ready:
+        if readable:
             data, anc, _f, _a = sock.recvmsg(1 << 16, proto.ANC_SPACE)
             if not data:
                 kill_all()

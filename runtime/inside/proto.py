@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import array
 import json
+import os
+import select
 import socket
 import struct
 from typing import Any
@@ -99,3 +101,21 @@ def recv(sock: socket.socket, reader: Reader) -> dict[str, Any] | None:
 
 
 ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4) + socket.CMSG_SPACE(12)
+
+
+def wait(sock: socket.socket, wake_r: int) -> tuple[bool, bool]:
+    """Block until ``sock`` is readable or a child exited (SIGCHLD wrote to ``wake_r``, the
+    signal wakeup pipe). Returns (sock readable, children to reap); the wakeup pipe is drained."""
+    while True:
+        try:
+            ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
+            break
+        except InterruptedError:
+            continue
+    if wake_r in ready:
+        try:
+            while os.read(wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+    return sock.fileno() in ready, wake_r in ready

@@ -12,7 +12,6 @@ import base64
 import gc
 import importlib
 import os
-import select
 import signal
 import socket
 import sys
@@ -104,16 +103,8 @@ def main(ctl_fd: int) -> None:
     proto.send(ctl, {"op": "warm", "python": sys.version.split()[0], "modules": versions, "pid": os.getpid()})
 
     while True:
-        try:
-            ready, _, _ = select.select([ctl.fileno(), wake_r], [], [])
-        except InterruptedError:
-            continue
-        if wake_r in ready:
-            try:
-                while os.read(wake_r, 512):
-                    pass
-            except BlockingIOError:
-                pass
+        readable, exited = proto.wait(ctl, wake_r)
+        if exited:
             while True:
                 try:
                     pid, _status = os.waitpid(-1, os.WNOHANG)
@@ -122,7 +113,7 @@ def main(ctl_fd: int) -> None:
                 if pid == 0:
                     break
                 children.discard(pid)
-        if ctl.fileno() not in ready:
+        if not readable:
             continue
         data, anc, _f, _a = ctl.recvmsg(1 << 16, proto.ANC_SPACE)
         if not data:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 
@@ -31,6 +32,24 @@ class Backend(Protocol):
     def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> Group: ...
     def leftovers(self) -> list[str]: ...
     def close(self) -> None: ...
+
+
+def write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def read_kv(path: Path) -> dict[str, int]:
+    """A cgroup 'key value' file (memory.events, pids.events, cpu.stat ...) as ints; {} if unreadable."""
+    out: dict[str, int] = {}
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if v.strip().lstrip("-").isdigit():
+                out[k] = int(v)
+    except OSError:
+        pass
+    return out
 
 
 def mounts_of(fstype: str) -> dict[str, str]:

@@ -7,25 +7,10 @@ import time
 from pathlib import Path
 
 from rollbox.runtime.isolation.cgroups import CgroupStats, mounts_of
+from rollbox.runtime.isolation.cgroups import read_kv as _read_kv
+from rollbox.runtime.isolation.cgroups import write as _write
 
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
-
-
-def _write(path: Path, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
-
-
-def _read_kv(path: Path) -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        for line in path.read_text().splitlines():
-            k, _, v = line.partition(" ")
-            if v.strip().lstrip("-").isdigit():
-                out[k] = int(v)
-    except OSError:
-        pass
-    return out
 
 
 class V1Group:

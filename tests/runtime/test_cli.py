@@ -39,7 +39,7 @@ def test_run_timeout_exits_137_and_says_so(tmp_path: Path) -> None:
 def test_bad_env_value_is_a_clear_error(tmp_path: Path) -> None:
     env = dict(os.environ, ROLLBOX_HOME=str(tmp_path), ROLLBOX_TIMEOUT_S="soon")
     p = subprocess.run([*ROLLBOX, "run", "--code", "1"], capture_output=True, text=True, env=env, timeout=60)
-    assert p.returncode != 0 and "ROLLBOX_TIMEOUT_S='soon' is not a valid number" in p.stderr
+    assert p.returncode != 0 and "ROLLBOX_TIMEOUT_S: not a valid number of seconds: 'soon'" in p.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the layer list differs rootless; covered by test_rootless")
