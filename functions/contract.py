@@ -122,11 +122,12 @@ class CreateData(_Data):
             raise ValueError("give the lifetime once: 'timeout_s' or 'limits.lifetime_s', not both")
         return self
 
-    def effective_limits(self) -> Limits | None:
-        if self.timeout_s is None:
-            return self.limits
-        base = self.limits or Limits()
-        return base.model_copy(update={"lifetime_s": self.timeout_s})
+    def effective_limits(self) -> dict[str, Any] | None:
+        """The limits given, as changes to the snapshot's defaults (fields not given keep those)."""
+        given = self.limits.model_dump(exclude_unset=True) if self.limits is not None else {}
+        if self.timeout_s is not None:
+            given["lifetime_s"] = self.timeout_s
+        return given or None
 
 
 class ExecData(ExecRequest):

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 from rollbox.functions.contract import CONTRACT, EventSpec
-from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
+from rollbox.runtime.runtime import LimitsArg
+from rollbox.runtime.spec import ExecRequest, ExecResult, SandboxInfo, Usage
 
 __all__ = ["Route", "SandboxRuntime", "route"]
 
@@ -22,7 +23,7 @@ class SandboxRuntime(Protocol):
     """What the service needs of ``rollbox.runtime.runtime.Runtime``."""
 
     async def create(
-        self, snapshot: str = ..., limits: Limits | None = ..., metadata: dict[str, str] | None = ...
+        self, snapshot: str = ..., limits: LimitsArg = ..., metadata: dict[str, str] | None = ...
     ) -> SandboxInfo: ...
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult: ...
@@ -31,7 +32,7 @@ class SandboxRuntime(Protocol):
         self,
         request: ExecRequest,
         snapshot: str = ...,
-        limits: Limits | None = ...,
+        limits: LimitsArg = ...,
         metadata: dict[str, str] | None = ...,
     ) -> ExecResult: ...
 

@@ -32,7 +32,8 @@ async def exec_(rt: SandboxRuntime, data: ExecData) -> ExecResult:
 
 async def run(rt: SandboxRuntime, data: RunData) -> ExecResult:
     return await rt.run(
-        data.exec_request(), snapshot=data.snapshot, limits=data.limits, metadata=data.metadata
+        data.exec_request(), snapshot=data.snapshot,
+        limits=data.limits.model_dump(exclude_unset=True) if data.limits is not None else None, metadata=data.metadata
     )
 
 

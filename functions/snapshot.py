@@ -34,7 +34,7 @@ from rollbox.functions.logs import logger
 from rollbox.functions.routing import Route, SandboxRuntime, route
 from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreError
 from rollbox.runtime.snapshot import ROLLBOX_VERSION, SnapshotView
-from rollbox.runtime.spec import DEFAULT_LIMITS, Limits
+from rollbox.runtime.spec import DEFAULT_LIMITS
 from rollbox.snapshots.cache import LayerCache
 from rollbox.snapshots.checkpoint import checkpoint
 from rollbox.snapshots.manifest import Manifest, Version, Warm
@@ -159,11 +159,12 @@ class Snapshots:
                               fork_ms=round((time.perf_counter() - t0) * 1000, 3))
         assert data.snapshot is not None
         view = await self.rt.resolve(data.snapshot)  # once: one 404 or one pull, not N
-        infos = await self._create_all(view.id, data.count, data.limits, data.metadata)
+        overrides = data.limits.model_dump(exclude_unset=True) if data.limits is not None else None
+        infos = await self._create_all(view.id, data.count, overrides, data.metadata)
         return ForkRecord(sandbox_id=None, snapshot_id=view.id, sandboxes=infos,
                           fork_ms=round((time.perf_counter() - t0) * 1000, 3))
 
-    async def _create_all(self, snapshot: str, count: int, limits: Limits | None,
+    async def _create_all(self, snapshot: str, count: int, limits: dict[str, Any] | None,
                           metadata: dict[str, str]) -> list[SandboxInfo]:
         results = await asyncio.gather(
             *(self.rt.create(snapshot, limits, metadata) for _ in range(count)), return_exceptions=True

@@ -17,11 +17,11 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rollbox.runtime import skeleton
 from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import InvalidRequest, IsolationError, Overloaded, SandboxDied, SandboxNotFound
@@ -44,6 +44,23 @@ def default_home() -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/rollbox")
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "rollbox"
+
+
+LimitsArg = Limits | Mapping[str, Any] | None
+
+
+def effective_limits(view: SnapshotView, limits: LimitsArg) -> Limits:
+    """The limits a sandbox gets: the snapshot's defaults, or those with the given fields changed."""
+    if limits is None:
+        return view.limits
+    if isinstance(limits, Limits):
+        return limits
+    try:
+        return Limits.model_validate({**view.limits.model_dump(), **limits})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise InvalidRequest(f"limits.{where}: {first['msg']}", snapshot_id=view.id) from None
 
 
 class RuntimeConfig(BaseModel):
@@ -433,12 +450,14 @@ class Runtime:
         await pool.wait_ready(count, timeout_s)
 
     # ----------------------------------------------------------------- the API
-    async def create(self, snapshot: str = "python", limits: Limits | None = None,
+    async def create(self, snapshot: str = "python", limits: LimitsArg = None,
                      metadata: dict[str, str] | None = None) -> SandboxInfo:
+        """A sandbox restored from ``snapshot``. ``limits``: a full ``Limits``, or a mapping of the
+        fields to change from the snapshot's default limits, or None for those defaults."""
         sb = await self._acquire(snapshot, limits, metadata)
         return self._info(sb)
 
-    async def _acquire(self, snapshot: str, limits: Limits | None, metadata: dict[str, str] | None,
+    async def _acquire(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
                        pooled: bool = True) -> Sandbox:
         if not self.started:
             raise IsolationError("runtime is not started")
@@ -446,11 +465,11 @@ class Runtime:
             raise Overloaded(f"{len(self.sandboxes)} sandboxes are live (cap {self.config.max_live})",
                              retry_after_s=1.0)
         view = await self.resolve(snapshot)
-        lim = limits or view.limits
+        lim = effective_limits(view, limits)
         t0 = time.perf_counter()
         self._creating += 1
         try:
-            pool = self._pool_for(view, lim) if pooled and (limits is None or limits == view.limits) else None
+            pool = self._pool_for(view, lim) if pooled and lim == view.limits else None
             sb = pool.take() if pool else None
             pooled = sb is not None
             if sb is None:
@@ -503,7 +522,7 @@ class Runtime:
             self.usages.pop(next(iter(self.usages)))
         return usage
 
-    async def run(self, request: ExecRequest, snapshot: str = "python", limits: Limits | None = None,
+    async def run(self, request: ExecRequest, snapshot: str = "python", limits: LimitsArg = None,
                   metadata: dict[str, str] | None = None) -> ExecResult:
         sb = await self._acquire(snapshot, limits, metadata)
         try:

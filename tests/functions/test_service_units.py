@@ -58,7 +58,8 @@ def test_config_is_cast_strictly(env: dict[str, str], needle: str) -> None:
 
 
 def test_contract_models() -> None:
-    assert CreateData(timeout_s=60).effective_limits() == Limits(lifetime_s=60)
+    assert CreateData(timeout_s=60).effective_limits() == {"lifetime_s": 60}  # changes to the snapshot's defaults
+    assert CreateData(limits={"pids_max": 9}, timeout_s=5).effective_limits() == {"pids_max": 9, "lifetime_s": 5}
     assert CreateData().effective_limits() is None  # the snapshot's defaults
     with pytest.raises(ValueError, match="lifetime"):
         CreateData(timeout_s=60, limits=Limits(lifetime_s=30))

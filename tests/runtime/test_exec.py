@@ -165,3 +165,16 @@ async def test_fork_children_see_the_parent_files_and_are_isolated(rt: Runtime, 
     finally:
         rt.config = saved
         await rt.destroy(parent.sandbox_id)
+
+
+async def test_partial_limits_change_only_what_they_name(rt: Runtime) -> None:
+    from rollbox.runtime.errors import InvalidRequest
+
+    info = await rt.create(limits={"pids_max": 50})
+    try:
+        assert info.limits.pids_max == 50
+        assert info.limits.memory_max_bytes == rt.resolver.resolve("python").limits.memory_max_bytes
+    finally:
+        await rt.destroy(info.sandbox_id)
+    with pytest.raises(InvalidRequest, match="limits.pids_max"):
+        await rt.create(limits={"pids_max": 0})
