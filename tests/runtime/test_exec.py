@@ -176,5 +176,5 @@ async def test_partial_limits_change_only_what_they_name(rt: Runtime) -> None:
         assert info.limits.memory_max_bytes == rt.resolver.resolve("python").limits.memory_max_bytes
     finally:
         await rt.destroy(info.sandbox_id)
-    with pytest.raises(InvalidRequest, match="limits.pids_max"):
+    with pytest.raises(InvalidRequest, match=r"limits\.pids_max"):
         await rt.create(limits={"pids_max": 0})
