@@ -79,7 +79,7 @@ def main(ctl_fd: int) -> None:
         cfg["staging"], cfg["skel"], cfg["layer_root"], cfg["warm_layers"], cfg["host_binds"],
         cfg["host_masks"],
     )
-    cfg["seccomp"] = base64.b64decode(cfg["seccomp"])
+    cfg["seccomp"] = libc.SeccompProgram(base64.b64decode(cfg["seccomp"]))
     os.environ.clear()
     os.environ.update(cfg["env"])
     # Leave the supervisor's package path out of what sandboxes see.

@@ -104,10 +104,13 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
+_CapData2 = _CapData * 2  # made once, at import: creating a ctypes type after a fork costs every sandbox
+
+
 def drop_all_capabilities() -> None:
     """capset(2) with empty effective, permitted and inheritable sets."""
     hdr = _CapHeader(0x20080522, 0)
-    data = (_CapData * 2)()
+    data = _CapData2()
     _check(_libc.syscall(_SYS_capset, ctypes.byref(hdr), ctypes.byref(data)), "capset")
 
 
@@ -115,12 +118,20 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def load_seccomp_bpf(bpf: bytes) -> None:
-    """Install a precompiled classic-BPF seccomp program (8 bytes per instruction)."""
-    if not bpf or len(bpf) % 8:
-        raise OSError(22, "seccomp: program must be a non-empty multiple of 8 bytes")
-    buf = ctypes.create_string_buffer(bpf, len(bpf))
-    prog = _SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+class SeccompProgram:
+    """A compiled classic-BPF seccomp program (8 bytes per instruction), its ctypes buffer made once
+    (in the zygote) so that loading it after a fork is one prctl."""
+
+    def __init__(self, bpf: bytes):
+        if not bpf or len(bpf) % 8:
+            raise OSError(22, "seccomp: program must be a non-empty multiple of 8 bytes")
+        self.buf = ctypes.create_string_buffer(bpf, len(bpf))
+        self.prog = _SockFprog(len(bpf) // 8, ctypes.cast(self.buf, ctypes.c_void_p))
+
+
+def load_seccomp_bpf(program: SeccompProgram) -> None:
+    """Install a precompiled seccomp program in this process (and every child it forks)."""
+    prog = program.prog
     _check(
         _libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog),
                     ctypes.c_ulong(0), ctypes.c_ulong(0)),

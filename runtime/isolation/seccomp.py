@@ -60,10 +60,12 @@ def _bits(mask: int) -> list[int]:
     return [1 << i for i in range(64) if mask & (1 << i)]
 
 
-def apply(bpf: bytes) -> None:
+def apply(program: libc.SeccompProgram | bytes) -> None:
     """Load the compiled filter into this process (and every child it forks). Needs no_new_privs."""
+    if isinstance(program, bytes):
+        program = libc.SeccompProgram(program)
     libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1)
-    libc.load_seccomp_bpf(bpf)
+    libc.load_seccomp_bpf(program)
 
 
 __all__ = ["DENIED_SOCKET_FAMILIES", "DENIED_SYSCALLS", "apply", "build_filter"]
