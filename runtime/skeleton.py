@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from rollbox.runtime.isolation import mounts
@@ -27,7 +28,7 @@ ETC_COPIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "loca
 
 
 def build(state_dir: Path, host_binds: tuple[str, ...], rootless: bool) -> Path:
-    recipe = {"v": 4, "binds": host_binds, "uid": SANDBOX_UID, "rootless": rootless,
+    recipe = {"v": 5, "binds": host_binds, "uid": SANDBOX_UID, "rootless": rootless,
               "etc": [os.path.exists(f"/etc/{n}") for n in ETC_COPIES]}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     skel = state_dir / f"skel-{key}"
@@ -52,6 +53,12 @@ def build(state_dir: Path, host_binds: tuple[str, ...], rootless: bool) -> Path:
         (tmp / bind.lstrip("/")).mkdir(parents=True, exist_ok=True)
     for sub in ("layers", "skel", "dev", "proc", "sb"):
         (tmp / mounts.RB.lstrip("/") / sub).mkdir(parents=True, exist_ok=True)
+    if not rootless:  # /dev's nodes live here as root (the sandbox root overlay allows devices then)
+        for name in mounts.DEVICES:
+            st = os.stat(f"/dev/{name}")
+            os.mknod(tmp / "dev" / name, stat.S_IFCHR | 0o666, st.st_rdev)
+            os.chmod(tmp / "dev" / name, 0o666)
+        mounts.make_dev_links(str(tmp / "dev"))
     etc = tmp / "etc"
     (etc / "passwd").write_text(PASSWD)
     (etc / "group").write_text(GROUP)

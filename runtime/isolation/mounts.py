@@ -72,6 +72,15 @@ def prepare_zygote_view(staging: str, skel: str, layer_root: str, warm_layers: l
     os.chdir("/")
 
 
+def make_dev_links(dev: str) -> None:
+    """The /dev symlinks and a world-writable /dev/shm (for POSIX semaphores, multiprocessing)."""
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{dev}/{name}")
+    os.mkdir(f"{dev}/shm")
+    os.chmod(f"{dev}/shm", 0o1777)
+
+
 def build_sandbox_root(layers: list[str], host_binds: list[str], host_masks: list[str], disk_bytes: int,
                        rootless: bool) -> int:
     """In the sandbox's new mount namespace (as pid 1 of its pid namespace): make its root and pivot
@@ -85,22 +94,23 @@ def build_sandbox_root(layers: list[str], host_binds: list[str], host_masks: lis
     # Plain copy-up only (no redirect_dir, no metacopy): an upper dir is then a self-contained layer
     # that a checkpoint can stack under other sandboxes. userxattr (rootless) implies both off.
     opts += ",userxattr" if rootless else ",redirect_dir=off,metacopy=off"
-    mount("overlay", root, "overlay", MS_NOSUID | MS_NODEV, opts)
+    # As root the skeleton already holds /dev's nodes (see skeleton.py), so the root overlay allows
+    # device nodes (nothing below it can hold others: layers refuse them, the sandbox cannot mknod)
+    # and /dev needs no mounts of its own. Rootless, a user namespace forces nodev: /dev is a tmpfs
+    # with the host's nodes bound in.
+    mount("overlay", root, "overlay", MS_NOSUID | (MS_NODEV if rootless else 0), opts)
     for path in host_binds:
         _bind_ro(path, root + path)
     for path in host_masks:
         _mask(root + path)
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    dev = root + "/dev"
-    mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64m,mode=755")
-    for name in DEVICES:
-        open(f"{dev}/{name}", "w").close()
-        mount(f"{HOSTDEV}/{name}", f"{dev}/{name}", None, MS_BIND)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, f"{dev}/{name}")
-    os.mkdir(f"{dev}/shm")
-    os.chmod(f"{dev}/shm", 0o1777)
+    if rootless:
+        dev = root + "/dev"
+        mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64m,mode=755")
+        for name in DEVICES:
+            open(f"{dev}/{name}", "w").close()
+            mount(f"{HOSTDEV}/{name}", f"{dev}/{name}", None, MS_BIND)
+        make_dev_links(dev)
     upper_fd = os.open(SANDBOX, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     os.chdir(root)
     libc.pivot_root(".", ".")

@@ -80,6 +80,9 @@ CASES = [
          lambda r: r.exit_code == 0 and r.stdout.strip() == "-1 1",
          code="import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
               "print(libc.ptrace(0, 0, 0, 0), ctypes.get_errno())"),
+    Case("device nodes cannot be made (the root allows the skeleton's /dev only)",
+         lambda r: r.exit_code != 0 and "ok" not in r.stdout,
+         command="mknod /tmp/mem c 1 1 && echo ok"),
     Case("unshare fails (no new namespaces from inside)",
          lambda r: r.exit_code != 0,
          command="unshare -U true"),
