@@ -1,0 +1,374 @@
+"""knative/ manifests: they parse, compose like kustomize, validate against the real Knative CRD schemas
+(../shared/reference/knative), use documented autoscaling keys, and cover every request type."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes.client
+import pytest
+import yaml
+from rollbox.functions.contract import (
+    CONTRACT,
+    ERROR,
+    SANDBOX_CREATE,
+    SANDBOX_DESTROY,
+    SANDBOX_EXEC,
+    SANDBOX_FORK,
+    SANDBOX_RUN,
+    SANDBOX_SNAPSHOT,
+)
+from rollbox.functions.options import resolve_options
+from rollbox.functions.server import OPTIONS as SERVE_OPTIONS
+
+REPO = Path(__file__).resolve().parents[2]
+KNATIVE = REPO / "knative"
+REFERENCE = REPO.parent / "shared" / "reference" / "knative"
+OVERLAYS = sorted(p.parent for p in (KNATIVE / "overlays").glob("*/kustomization.yaml"))
+ALL_YAML = sorted(KNATIVE.rglob("*.yaml"))
+CRDS = {
+    ("serving.knative.dev/v1", "Service"): "serving/service.yaml",
+    ("eventing.knative.dev/v1", "Broker"): "eventing/broker.yaml",
+    ("eventing.knative.dev/v1", "Trigger"): "eventing/trigger.yaml",
+}
+AUTOSCALING = "autoscaling.knative.dev/"
+# Per-revision annotation -> the cluster-wide key in config-autoscaler that documents it.
+ANNOTATION_TO_CONFIG = {
+    "min-scale": "min-scale",
+    "max-scale": "max-scale",
+    "initial-scale": "initial-scale",
+    "scale-down-delay": "scale-down-delay",
+    "window": "stable-window",
+    "target": "container-concurrency-target-default",
+    "target-utilization-percentage": "container-concurrency-target-percentage",
+    "target-burst-capacity": "target-burst-capacity",
+    "panic-window-percentage": "panic-window-percentage",
+    "panic-threshold-percentage": "panic-threshold-percentage",
+    "class": "pod-autoscaler-class",
+}
+METRICS = {"concurrency", "rps", "cpu", "memory"}  # autoscaling.knative.dev/metric has no config key
+
+
+def docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def key(doc: dict[str, Any]) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]
+
+
+def merge(base: Any, patch: Any) -> Any:
+    """Strategic-merge for the maps used in the overlays (maps merge, everything else replaces)."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = merge(base.get(k), v) if k in base else v
+        return out
+    return copy.deepcopy(patch)
+
+
+def build(directory: Path) -> list[dict[str, Any]]:
+    """What `kubectl apply -k directory` would apply (resources, then patches by kind and name)."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    out: list[dict[str, Any]] = []
+    for res in kustomization.get("resources", []):
+        target = (directory / res).resolve()
+        out += build(target) if target.is_dir() else docs(target)
+    for patch in kustomization.get("patches", []):
+        for p in docs(directory / patch["path"]):
+            idx = [i for i, d in enumerate(out) if key(d) == key(p)]
+            assert len(idx) == 1, f"{directory}/{patch['path']}: patch targets {key(p)}, found {len(idx)} resources"
+            out[idx[0]] = merge(out[idx[0]], p)
+    return out
+
+
+def strict(schema: Any) -> Any:
+    """The CRD schema with unknown fields rejected: the API server prunes them silently, so a typo in
+    a manifest would be lost without an error; here it fails."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items() if k not in ("description",)}
+    if "properties" in schema and "additionalProperties" not in schema \
+            and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_validator(rel: str) -> jsonschema.Draft7Validator:
+    crd = yaml.safe_load((REFERENCE / rel).read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1" and v["served"]]
+    schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
+    schema.setdefault("properties", {}).update(
+        apiVersion={"type": "string"}, kind={"type": "string"}, metadata={"type": "object"})
+    return jsonschema.Draft7Validator(strict(schema))
+
+
+def check_model(value: Any, type_name: str, where: str) -> None:
+    """Validate against a core Kubernetes type through the OpenAPI models of the kubernetes client
+    (RuntimeClass is a core type: it has no CRD)."""
+    if type_name in ("str", "int", "bool"):
+        assert isinstance(value, {"str": str, "int": int, "bool": bool}[type_name]), f"{where}: not {type_name}"
+    elif m := re.fullmatch(r"Dict\[str, (.+)\]", type_name):
+        assert isinstance(value, dict), f"{where}: not a map"
+        for k, v in value.items():
+            check_model(v, m.group(1), f"{where}.{k}")
+    elif m := re.fullmatch(r"List\[(.+)\]", type_name):
+        assert isinstance(value, list), f"{where}: not a list"
+        for i, v in enumerate(value):
+            check_model(v, m.group(1), f"{where}[{i}]")
+    elif type_name != "object":
+        model = getattr(kubernetes.client, type_name)
+        fields = {json: attr for attr, json in model.attribute_map.items()}
+        assert isinstance(value, dict), f"{where}: not an object"
+        unknown = set(value) - set(fields)
+        assert not unknown, f"{where}: unknown fields {sorted(unknown)} for {type_name}"
+        for k, v in value.items():
+            check_model(v, model.openapi_types[fields[k]], f"{where}.{k}")
+        model(**{fields[k]: v for k, v in value.items()})  # required fields (raises ValueError)
+
+
+def of_kind(resources: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in resources if d["kind"] == kind]
+
+
+def rollbox_service(resources: list[dict[str, Any]]) -> dict[str, Any]:
+    (svc,) = [d for d in of_kind(resources, "Service") if d["metadata"]["name"] == "rollbox"]
+    return svc
+
+
+def container_env(resources: list[dict[str, Any]]) -> dict[str, str]:
+    """The environment `rollbox serve` starts with (Knative sets PORT; Secret values stand in)."""
+    svc = rollbox_service(resources)
+    spec = svc["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    env = {"PORT": str(c["ports"][0]["containerPort"])}
+    for src in c.get("envFrom", []):
+        (cm,) = [d for d in of_kind(resources, "ConfigMap") if d["metadata"]["name"] == src["configMapRef"]["name"]]
+        env.update(cm["data"])
+    for e in c.get("env", []):
+        env[e["name"]] = e.get("value", "<from secret>")
+    return env
+
+
+# --- parsing and composition -------------------------------------------------------------------
+
+def test_knative_folder_has_the_manifests() -> None:
+    names = {p.relative_to(KNATIVE).as_posix() for p in ALL_YAML}
+    assert {"base/service.yaml", "base/runtimeclass-kata.yaml", "base/eventing.yaml", "base/kustomization.yaml",
+            "overlays/local-store/kustomization.yaml", "overlays/s3/kustomization.yaml"} <= names
+    assert [p.name for p in OVERLAYS] == ["local-store", "s3"]
+
+
+@pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.relative_to(KNATIVE).as_posix())
+def test_every_manifest_parses(path: Path) -> None:
+    parsed = docs(path)
+    assert parsed, f"{path}: empty"
+    for d in parsed:
+        assert isinstance(d, dict) and d.get("apiVersion") and d.get("kind"), f"{path}: not a Kubernetes object"
+        if d["kind"] != "Kustomization":
+            assert d["metadata"]["name"], f"{path}: {d['kind']} without a name"
+
+
+@pytest.mark.parametrize("directory", [KNATIVE / "base", *OVERLAYS], ids=lambda p: p.name)
+def test_kustomization_files_exist_and_compose(directory: Path) -> None:
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    assert kustomization["kind"] == "Kustomization"
+    listed = kustomization.get("resources", []) + [p["path"] for p in kustomization.get("patches", [])]
+    assert listed
+    for rel in listed:
+        target = directory / rel
+        assert target.is_file() or (target / "kustomization.yaml").is_file(), f"{directory.name}: {rel} missing"
+    resources = build(directory)
+    keys = [key(d) for d in resources]
+    assert len(keys) == len(set(keys)), f"duplicate resources: {keys}"
+
+
+def test_base_lists_every_base_file() -> None:
+    listed = set(yaml.safe_load((KNATIVE / "base/kustomization.yaml").read_text())["resources"])
+    on_disk = {p.name for p in (KNATIVE / "base").glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+
+
+def test_build_rejects_a_patch_without_target(tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text(
+        f"kind: Kustomization\nresources: [{KNATIVE / 'base'}]\npatches: [{{path: p.yaml}}]\n")
+    (tmp_path / "p.yaml").write_text("kind: ConfigMap\nmetadata: {name: not-there}\n")
+    with pytest.raises(AssertionError, match="not-there"):
+        build(tmp_path)
+
+
+# --- schemas -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("directory", [KNATIVE / "base", *OVERLAYS], ids=lambda p: p.name)
+def test_resources_validate_against_the_knative_crds(directory: Path) -> None:
+    resources = build(directory)
+    checked = set()
+    for d in resources:
+        crd = CRDS.get((d["apiVersion"], d["kind"]))
+        if crd is not None:
+            errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in crd_validator(crd).iter_errors(d)]
+            assert not errors, f"{key(d)}: {errors}"
+            checked.add(d["kind"])
+        elif d["kind"] == "RuntimeClass":
+            assert d["apiVersion"] == "node.k8s.io/v1"
+            check_model(d, "V1RuntimeClass", "RuntimeClass")
+            checked.add(d["kind"])
+        else:
+            assert (d["apiVersion"], d["kind"]) == ("v1", "ConfigMap"), f"unchecked resource {key(d)}"
+            check_model(d, "V1ConfigMap", "ConfigMap")
+    assert checked == {"Service", "Broker", "Trigger", "RuntimeClass"}
+
+
+def test_strict_schemas_reject_misspelled_and_mistyped_fields() -> None:
+    svc = rollbox_service(build(KNATIVE / "base"))
+    bad = copy.deepcopy(svc)
+    bad["spec"]["template"]["spec"]["containerConcurency"] = 1
+    assert not crd_validator(CRDS["serving.knative.dev/v1", "Service"]).is_valid(bad)
+    bad = copy.deepcopy(svc)
+    bad["spec"]["template"]["spec"]["timeoutSeconds"] = "300"
+    assert not crd_validator(CRDS["serving.knative.dev/v1", "Service"]).is_valid(bad)
+    with pytest.raises(AssertionError, match="handlr"):
+        check_model({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "handlr": "kata"}, "V1RuntimeClass", "rc")
+    with pytest.raises(ValueError, match="handler"):
+        check_model({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass"}, "V1RuntimeClass", "rc")
+
+
+# --- the Service -------------------------------------------------------------------------------
+
+def documented_autoscaler_keys() -> dict[str, str]:
+    cm = yaml.safe_load((REFERENCE / "serving/autoscaler.yaml").read_text())
+    example: dict[str, str] = yaml.safe_load(cm["data"]["_example"])
+    return example
+
+
+def duration_s(raw: str) -> int:
+    m = re.fullmatch(r"(\d+)(s|m|h)", raw)
+    assert m, f"not a whole Go duration: {raw!r}"
+    return int(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+@pytest.mark.parametrize("directory", [KNATIVE / "base", *OVERLAYS], ids=lambda p: p.name)
+def test_autoscaling_annotations_are_documented_and_consistent(directory: Path) -> None:
+    documented = documented_autoscaler_keys()
+    resources = build(directory)
+    for svc in of_kind(resources, "Service"):
+        ann = {k.removeprefix(AUTOSCALING): v for k, v in svc["spec"]["template"]["metadata"]["annotations"].items()
+               if k.startswith(AUTOSCALING)}
+        for name, value in ann.items():
+            if name == "metric":
+                assert value in METRICS
+                continue
+            assert name in ANNOTATION_TO_CONFIG, f"{AUTOSCALING}{name} is not a Knative autoscaling annotation"
+            default = documented[ANNOTATION_TO_CONFIG[name]]
+            if name == "class":
+                assert value in (default, "hpa.autoscaling.knative.dev")
+            elif str(default).endswith("s"):
+                duration_s(value)
+            else:
+                float(value)
+        assert int(ann["min-scale"]) <= int(ann["max-scale"])
+        if "window" in ann:
+            assert 6 <= duration_s(ann["window"]) <= 3600
+        if "scale-down-delay" in ann:
+            assert 0 <= duration_s(ann["scale-down-delay"]) <= 3600
+    svc = rollbox_service(resources)
+    spec = svc["spec"]["template"]["spec"]
+    ann = svc["spec"]["template"]["metadata"]["annotations"]
+    assert int(ann[AUTOSCALING + "target"]) <= spec["containerConcurrency"]
+    env = container_env(resources)
+    # Events Knative lets through are admitted (not 429), and draining ends before Knative kills the pod.
+    assert int(env["ROLLBOX_MAX_QUEUED"]) >= spec["containerConcurrency"]
+    assert float(env["ROLLBOX_GRACE_S"]) < spec["timeoutSeconds"]
+
+
+def test_base_scales_to_zero_and_runs_in_kata() -> None:
+    resources = build(KNATIVE / "base")
+    svc = rollbox_service(resources)
+    tmpl = svc["spec"]["template"]
+    assert tmpl["metadata"]["annotations"][AUTOSCALING + "min-scale"] == "0"
+    assert tmpl["spec"]["runtimeClassName"] == "kata"
+    assert [d["metadata"]["name"] for d in of_kind(resources, "RuntimeClass")] == ["kata"]
+    assert of_kind(resources, "RuntimeClass")[0]["handler"] == "kata"
+    (c,) = tmpl["spec"]["containers"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+
+
+def test_feature_flags_the_service_needs_are_named() -> None:
+    features = yaml.safe_load((REFERENCE / "serving/features.yaml").read_text())["data"]["_example"]
+    text = (KNATIVE / "base/service.yaml").read_text()
+    for flag in ("kubernetes.podspec-runtimeclassname", "kubernetes.containerspec-addcapabilities"):
+        assert re.search(rf"^{re.escape(flag)}:", features, re.M), flag
+        assert flag in text
+    assert "Kata VM" in text and "PRIVILEGES" in text
+
+
+@pytest.mark.parametrize("directory", OVERLAYS, ids=lambda p: p.name)
+def test_rollbox_serve_accepts_the_environment(directory: Path) -> None:
+    env = container_env(build(directory))
+    known = {o.env for o in SERVE_OPTIONS} | {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert set(env) <= known, f"not read by rollbox serve: {sorted(set(env) - known)}"
+    values = resolve_options(SERVE_OPTIONS, argparse.Namespace(), env)
+    assert values["host"] == "0.0.0.0" and values["port"] == 8080
+    if directory.name == "s3":
+        assert str(values["store"]).startswith("s3://") and values["s3_endpoint_url"].startswith("https://")
+        assert int(rollbox_service(build(directory))["spec"]["template"]["metadata"]["annotations"][
+            AUTOSCALING + "max-scale"]) > 1
+    else:
+        assert str(values["store"]).startswith("/var/lib/rollbox/")
+        ann = rollbox_service(build(directory))["spec"]["template"]["metadata"]["annotations"]
+        assert ann[AUTOSCALING + "max-scale"] == "1"  # a local store is not shared between replicas
+
+
+def test_no_literal_secrets() -> None:
+    for path in ALL_YAML:
+        for d in docs(path):
+            assert d["kind"] != "Secret", f"{path}: a Secret in the repository"
+    resources = build(KNATIVE / "overlays/s3")
+    (c,) = rollbox_service(resources)["spec"]["template"]["spec"]["containers"]
+    secretish = re.compile(r"SECRET|ACCESS_KEY|TOKEN|PASSWORD", re.I)
+    for e in c["env"]:
+        if secretish.search(e["name"]):
+            assert "value" not in e and e["valueFrom"]["secretKeyRef"]["name"] == "rollbox-s3-credentials", e
+    assert {e["name"] for e in c["env"] if "valueFrom" in e} == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    for cm in of_kind(resources, "ConfigMap"):
+        assert not [k for k in cm["data"] if secretish.search(k)], cm
+
+
+# --- eventing ----------------------------------------------------------------------------------
+
+def test_triggers_cover_every_request_type_and_no_reply_type() -> None:
+    resources = build(KNATIVE / "base")
+    triggers = of_kind(resources, "Trigger")
+    filtered = [t["spec"]["filter"]["attributes"] for t in triggers]
+    assert all(set(f) == {"type"} for f in filtered)
+    types = sorted(f["type"] for f in filtered)
+    assert types == sorted(spec.request_type for spec in CONTRACT)
+    assert set(types) == {SANDBOX_CREATE, SANDBOX_EXEC, SANDBOX_RUN, SANDBOX_DESTROY, SANDBOX_SNAPSHOT, SANDBOX_FORK}
+    replies = {spec.reply_type for spec in CONTRACT} | {ERROR}
+    assert not set(types) & replies  # replies go back into the Broker: they must not loop
+
+
+def test_triggers_deliver_to_the_service_with_retries_and_dead_letters() -> None:
+    resources = build(KNATIVE / "base")
+    names = {key(d) for d in resources}
+    (broker,) = of_kind(resources, "Broker")
+    for owner in [broker, *of_kind(resources, "Trigger")]:
+        delivery = owner["spec"]["delivery"]
+        assert delivery["retry"] >= 1
+        assert delivery["backoffPolicy"] in ("exponential", "linear")
+        assert re.fullmatch(r"PT\d+(\.\d+)?S", delivery["backoffDelay"])
+        sink = delivery["deadLetterSink"]["ref"]
+        assert (sink["kind"], sink["name"]) in names and sink["name"] != "rollbox"
+    for t in of_kind(resources, "Trigger"):
+        assert t["spec"]["broker"] == broker["metadata"]["name"]
+        ref = t["spec"]["subscriber"]["ref"]
+        assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("serving.knative.dev/v1", "Service", "rollbox")
