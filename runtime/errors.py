@@ -11,6 +11,8 @@
         ├── StoreUnavailable    the store cannot be reached now (outage); retrying later may succeed
         └── IntegrityError      content does not match its sha256 or is unsafe; it was never used
 
+(functions/knative.py adds KnativeError(RollboxError) for the Kubernetes API, converted there.)
+
 Third-party errors are converted once, at the boundary that calls them (``raise ... from exc``).
 """
 

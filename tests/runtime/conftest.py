@@ -57,7 +57,8 @@ def host_state(rt: Runtime) -> dict[str, object]:
     cgs = rt.cgroup_backend.leftovers() if rt.cgroup_backend else []
     return {
         "cgroups": sorted(set(cgs) - rt.held_cgroups()),
-        "sandbox_children": sandbox_processes(rt) - len(known),
+        # a sandbox being restored may not have its process yet: count only what nothing explains
+        "sandbox_children": max(0, sandbox_processes(rt) - len(known)),
     }
 
 
