@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import math
 import os
+import select
 import signal
 import stat
 import time
@@ -191,6 +192,18 @@ class Sandbox:
 
         loop.add_reader(self.pidfd, gone)
 
+    def alive(self) -> bool:
+        """True unless the sandbox's init has exited (asks the kernel through the pidfd, now)."""
+        if self.dead is not None:
+            return False
+        p = select.poll()
+        p.register(self.pidfd, select.POLLIN)
+        if p.poll(0):
+            self.dead = "died"
+            self.exited.set()
+            return False
+        return True
+
     def start_clock(self) -> None:
         self.created_at = self.last_used = time.monotonic()
 
@@ -241,6 +254,9 @@ class Sandbox:
         try:
             try:
                 await self.chan.send(msg, [in_r, out_w, err_w])
+            except OSError as exc:  # the agent is gone (its init died): nothing ran
+                self.dead = self.dead or "died"
+                raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id) from exc
             finally:
                 for fd in (in_r, out_w, err_w):
                     os.close(fd)

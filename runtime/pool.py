@@ -41,7 +41,7 @@ class Pool:
         self.misses = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._builds: set[asyncio.Task[None]] = set()
+        self._builds: set[asyncio.Task[Any]] = set()
         self.closed = False
 
     def start(self) -> None:
@@ -72,13 +72,20 @@ class Pool:
         self.last_acquire = now
         while self.ready:
             sb = self.ready.popleft()
-            if sb.dead is None:
+            if sb.alive():
                 self.hits += 1
                 self._wake.set()
                 return sb
+            self._discard(sb)
         self.misses += 1
         self._wake.set()
         return None
+
+    def _discard(self, sb: Sandbox) -> None:
+        """A ready sandbox that died (its zygote crashed, say): release what it holds."""
+        task = asyncio.get_running_loop().create_task(sb.close("died"))
+        self._builds.add(task)
+        task.add_done_callback(self._builds.discard)
 
     def observe_restore(self, seconds: float) -> None:
         self.t_task_s = 0.8 * self.t_task_s + 0.2 * seconds
@@ -110,6 +117,9 @@ class Pool:
             quiet = self.last_acquire + self.REFILL_DELAY_S - time.monotonic()
             if quiet > 0:
                 await asyncio.sleep(quiet)
+            for sb in [sb for sb in self.ready if not sb.alive()]:
+                self.ready.remove(sb)
+                self._discard(sb)
             target = self.target()
             have = len(self.ready) + self.building
             while have < target and self.building < self.build_concurrency:

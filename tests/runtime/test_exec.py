@@ -178,3 +178,21 @@ async def test_partial_limits_change_only_what_they_name(rt: Runtime) -> None:
         await rt.destroy(info.sandbox_id)
     with pytest.raises(InvalidRequest, match=r"limits\.pids_max"):
         await rt.create(limits={"pids_max": 0})
+
+
+async def test_a_dead_zygote_takes_its_sandboxes_and_is_restarted(rt: Runtime) -> None:
+    import os
+    import signal
+
+    from rollbox.runtime.errors import SandboxDied
+
+    info = await rt.create()
+    zygote = rt.zygotes[rt.resolver.resolve("python").zygote_key]
+    os.kill(zygote.proc.pid, signal.SIGKILL)  # a crashed zygote: its sandboxes die with it (PDEATHSIG)
+    sb = rt.get(info.sandbox_id)
+    await asyncio.wait_for(sb.exited.wait(), 5)
+    with pytest.raises(SandboxDied):
+        await rt.exec(info.sandbox_id, ExecRequest(code="print(1)"))
+    assert (await rt.destroy(info.sandbox_id)).sandbox_id == info.sandbox_id
+    r = await rt.run(ExecRequest(code="print('back')"))  # the next sandbox gets a new zygote
+    assert r.stdout == "back\n"
