@@ -1,7 +1,15 @@
-"""Restore: zygotes (one warmed interpreter per snapshot recipe) and sandboxes forked from them.
+"""Restore: where sandboxes come from.
 
-A zygote is started once per snapshot recipe (the cold path: a fresh interpreter, its imports, its
-mount view); every sandbox after that is a fork of it plus containment (the restore path).
+A ``WarmSource`` turns a snapshot into running sandboxes: started once per snapshot recipe (the cold
+path), then asked to ``spawn`` one sandbox per restore. Each spawned sandbox is a process that has
+passed the containment checklist and speaks the agent protocol (runtime/inside/agent.py) on the
+socket it is given, starting with its "ready" frame — that contract is all the rest of the runtime
+relies on.
+
+``Zygote`` is the source today: a warmed interpreter (the snapshot's warm recipe re-made on this
+host) that sandboxes are forked from. A process-memory source — CRIU restoring a checkpointed
+process image, N copies from one image, each as pid 1 of its own pid namespace — plugs in here:
+``SnapshotView.process_image`` names the image, ``Runtime.warm_source`` chooses the source.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import rollbox.runtime
 from rollbox.runtime.channel import Channel
@@ -45,8 +53,23 @@ BASE_ENV = {
 }
 
 
+class WarmSource(Protocol):
+    """What the runtime needs from a source of restored sandboxes."""
+
+    view: SnapshotView
+
+    @property
+    def alive(self) -> bool: ...
+
+    async def start(self, timeout_s: float = ...) -> None: ...
+
+    async def spawn(self, params: dict[str, Any]) -> tuple[int, socket.socket]: ...
+
+    async def close(self) -> None: ...
+
+
 class Zygote:
-    """The supervisor's handle on one zygote process."""
+    """The supervisor's handle on one zygote process (a ``WarmSource``)."""
 
     def __init__(self, view: SnapshotView, *, state_dir: Path, skel: Path, seccomp_bpf: bytes, rootless: bool):
         self.view = view

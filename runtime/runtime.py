@@ -29,7 +29,7 @@ from rollbox.runtime.execution import Sandbox, pack_upper
 from rollbox.runtime.isolation import cgroups, seccomp
 from rollbox.runtime.isolation.cgroups import Backend, Group
 from rollbox.runtime.pool import Pool
-from rollbox.runtime.restore import Zygote
+from rollbox.runtime.restore import WarmSource, Zygote
 from rollbox.runtime.snapshot import BuiltinResolver, SnapshotResolver, SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
 
@@ -93,7 +93,7 @@ class Runtime:
         self._scratch: dict[str, set[str]] = {}  # fork scratch layer -> ids of the sandboxes on it
         self._layers_in_use: frozenset[str] = frozenset()
         self.usages: dict[str, Usage] = {}
-        self.zygotes: dict[Any, Zygote] = {}
+        self.zygotes: dict[Any, WarmSource] = {}
         self._zygote_locks: dict[Any, asyncio.Lock] = {}
         self.pools: dict[Any, Pool] = {}
         self.cgroup_backend: Backend | None = None
@@ -324,7 +324,18 @@ class Runtime:
     def _skel(self, view: SnapshotView) -> Path:
         return skeleton.build(self.config.state_dir, view.host_binds, self.config.rootless)
 
-    async def zygote(self, view: SnapshotView) -> Zygote:
+    def warm_source(self, view: SnapshotView, skel: Path) -> WarmSource:
+        """The source of this snapshot's sandboxes: a zygote re-made from its warm recipe; a
+        process-image source (CRIU) is the seam's other side, not wired on this host yet."""
+        if view.process_image is not None:
+            raise IsolationError(
+                f"snapshot {view.id!r} carries a process image; restoring process images (CRIU >= 4.1) is not "
+                "wired into this runtime yet: build the snapshot with a warm recipe instead", snapshot_id=view.id)
+        return Zygote(view, state_dir=self.config.state_dir, skel=skel, seccomp_bpf=self.seccomp_bpf,
+                      rootless=self.config.rootless)
+
+    async def zygote(self, view: SnapshotView) -> WarmSource:
+        """The running source of ``view``'s sandboxes, started (the cold path) if needed."""
         key = view.zygote_key
         lock = self._zygote_locks.setdefault(key, asyncio.Lock())
         async with lock:
@@ -334,13 +345,12 @@ class Runtime:
             if z is not None:
                 await z.close()
             skel = await asyncio.to_thread(self._skel, view)
-            z = Zygote(view, state_dir=self.config.state_dir, skel=skel, seccomp_bpf=self.seccomp_bpf,
-                       rootless=self.config.rootless)
+            z = self.warm_source(view, skel)
             await z.start()
             self.zygotes[key] = z
             return z
 
-    async def restore(self, view: SnapshotView, limits: Limits, zygote: Zygote | None = None) -> Sandbox:
+    async def restore(self, view: SnapshotView, limits: Limits, zygote: WarmSource | None = None) -> Sandbox:
         """Fork one sandbox from the snapshot's zygote and contain it (no pool)."""
         if not set(view.layers) <= self._layers_in_use:
             self._note_layers(view)
@@ -368,7 +378,7 @@ class Runtime:
         finally:
             self.restoring.pop(sid, None)
 
-    async def _contain(self, view: SnapshotView, limits: Limits, z: Zygote, sid: str, group: Group | None,
+    async def _contain(self, view: SnapshotView, limits: Limits, z: WarmSource, sid: str, group: Group | None,
                        params: dict[str, Any]) -> Sandbox:
         try:
             _, sock = await z.spawn(params)

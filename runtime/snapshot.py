@@ -49,11 +49,13 @@ class SnapshotView:
     env: Mapping[str, str] = field(default_factory=dict)
     version: Mapping[str, Any] = field(default_factory=dict)
     limits: Limits = DEFAULT_LIMITS
+    process_image: str | None = None  # a checkpointed process image (CRIU) instead of the warm recipe
 
     @property
     def zygote_key(self) -> tuple[Any, ...]:
         bottom = self.layers[len(self.layers) - self.warm_layers :] if self.warm_layers else ()
-        return (self.layer_root, bottom, self.host_binds, self.host_masks, self.warm, tuple(self.env.items()))
+        return (self.layer_root, bottom, self.host_binds, self.host_masks, self.warm, tuple(self.env.items()),
+                self.process_image)
 
     @property
     def extra_layers(self) -> tuple[str, ...]:

@@ -196,3 +196,14 @@ async def test_a_dead_zygote_takes_its_sandboxes_and_is_restarted(rt: Runtime) -
     assert (await rt.destroy(info.sandbox_id)).sandbox_id == info.sandbox_id
     r = await rt.run(ExecRequest(code="print('back')"))  # the next sandbox gets a new zygote
     assert r.stdout == "back\n"
+
+
+async def test_process_image_snapshots_are_refused_clearly(rt: Runtime) -> None:
+    import dataclasses
+
+    from rollbox.runtime.errors import IsolationError
+
+    base = rt.resolver.resolve("python")
+    rt.resolver.register(dataclasses.replace(base, id="criu-image", process_image="layer-with-criu-image"))
+    with pytest.raises(IsolationError, match="process image"):
+        await rt.create("criu-image")
