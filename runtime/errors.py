@@ -38,7 +38,10 @@ class SandboxNotFound(RollboxError):
 
 
 class SandboxDied(RollboxError):
-    """The sandbox ended while it was being used (killed, lifetime over, supervisor lost it)."""
+    """The sandbox ended while it was being used (killed, lifetime over, supervisor lost it).
+    ``ran`` is False when the request never reached it (so retrying elsewhere cannot run it twice)."""
+
+    ran: bool = True
 
 
 class SnapshotNotFound(RollboxError):

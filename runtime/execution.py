@@ -178,6 +178,7 @@ class Sandbox:
     dead: str | None = None
     usage: Usage | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _closing: asyncio.Future[Usage] | None = None
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
     def watch(self) -> None:
@@ -256,7 +257,9 @@ class Sandbox:
                 await self.chan.send(msg, [in_r, out_w, err_w])
             except OSError as exc:  # the agent is gone (its init died): nothing ran
                 self.dead = self.dead or "died"
-                raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id) from exc
+                died = SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
+                died.ran = False
+                raise died from exc
             finally:
                 for fd in (in_r, out_w, err_w):
                     os.close(fd)
@@ -343,6 +346,13 @@ class Sandbox:
             return None
 
     async def close(self, reason: str) -> Usage:
+        """Kill the sandbox and release what it holds, once: concurrent and repeated calls get the
+        same usage record (a second release would hand one cgroup to two sandboxes)."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close(reason))
+        return await asyncio.shield(self._closing)
+
+    async def _close(self, reason: str) -> Usage:
         if self.usage is not None:
             return self.usage
         if self.dead is None:

@@ -172,6 +172,10 @@ class Zygote:
         self._waiting[req] = fut
         try:
             await self.chan.send({"op": "spawn", "req": req, **params}, [theirs.fileno()])
+        except BaseException:
+            self._waiting.pop(req, None)
+            ours.close()
+            raise
         finally:
             theirs.close()
         try:

@@ -402,14 +402,24 @@ class Runtime:
             why = msg.get("error") if msg else "sandbox exited during setup"
             raise IsolationError(f"sandbox setup failed: {why}", snapshot_id=view.id)
         pid = creds[0]
-        pidfd = os.pidfd_open(pid)
         fds = chan.take_fds()
-        cg_base = 0.0
-        if group:
-            group.attach(pid)
-            group.reset_peak()
-            cg_base = group.stats().cpu_s
-        await chan.send({"op": "attached"})  # only now may the agent fork
+        pidfd = -1
+        try:
+            pidfd = os.pidfd_open(pid)
+            cg_base = 0.0
+            if group:
+                group.attach(pid)
+                group.reset_peak()
+                cg_base = group.stats().cpu_s
+            await chan.send({"op": "attached"})  # only now may the agent fork
+        except (OSError, ProcessLookupError) as exc:  # it died right after "ready" (its zygote crashed)
+            chan.close()
+            for fd in (*fds, pidfd):
+                if fd >= 0:
+                    os.close(fd)
+            if group:
+                self.release_group(group)
+            raise IsolationError(f"sandbox died during setup: {exc}", snapshot_id=view.id) from exc
         sb = Sandbox(id=sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
                      upper_fd=fds[0] if fds else -1, cg_base_cpu_s=cg_base, release_group=self.release_group)
         sb.watch()
@@ -534,11 +544,18 @@ class Runtime:
 
     async def run(self, request: ExecRequest, snapshot: str = "python", limits: LimitsArg = None,
                   metadata: dict[str, str] | None = None) -> ExecResult:
-        sb = await self._acquire(snapshot, limits, metadata)
-        try:
-            return await self.exec(sb.id, request, last=True)
-        finally:
-            await self.destroy(sb.id)
+        for attempt in range(3):
+            sb = await self._acquire(snapshot, limits, metadata)
+            try:
+                return await self.exec(sb.id, request, last=True)
+            except SandboxDied as exc:
+                # a pooled sandbox that died before the request reached it (its zygote crashed): take
+                # another; nothing ran, so this cannot run the request twice
+                if exc.ran or attempt == 2:
+                    raise
+            finally:
+                await self.destroy(sb.id)
+        raise AssertionError("unreachable")
 
     # ----------------------------------------------------------------- lifetimes
     async def _reap_loop(self) -> None:

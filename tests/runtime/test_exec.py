@@ -191,6 +191,8 @@ async def test_a_dead_zygote_takes_its_sandboxes_and_is_restarted(rt: Runtime) -
     os.kill(zygote.proc.pid, signal.SIGKILL)  # a crashed zygote: its sandboxes die with it (PDEATHSIG)
     sb = rt.get(info.sandbox_id)
     await asyncio.wait_for(sb.exited.wait(), 5)
+    for pooled in [s for pool in rt.pools.values() for s in pool.ready]:  # they die too, a moment later
+        await asyncio.wait_for(pooled.exited.wait(), 5)
     with pytest.raises(SandboxDied):
         await rt.exec(info.sandbox_id, ExecRequest(code="print(1)"))
     assert (await rt.destroy(info.sandbox_id)).sandbox_id == info.sandbox_id
