@@ -67,7 +67,7 @@ class Channel:
             while True:
                 try:
                     n = self.sock.sendmsg(
-                        [data[:1]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                        [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
                     )
                     break
                 except BlockingIOError:

@@ -1,8 +1,8 @@
 """Frames between the supervisor, a zygote and a sandbox agent (stdlib only).
 
-A frame is a 4-byte big-endian length and a JSON object; file descriptors ride on the frame's first
-byte as SCM_RIGHTS. Everything a sandbox sends is untrusted: frames are size-capped and parsed as
-plain JSON only.
+A frame is a 4-byte big-endian length and a JSON object; file descriptors ride with the frame's
+bytes as SCM_RIGHTS (one sendmsg; the reader ties them to the frame those bytes belong to).
+Everything a sandbox sends is untrusted: frames are size-capped and parsed as plain JSON only.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def send(sock: socket.socket, obj: dict[str, Any], fds: list[int] | tuple[int, .
     """Blocking send of one frame (used inside zygotes and agents)."""
     data = encode(obj)
     if fds:
-        n = sock.sendmsg([data[:1]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        n = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         data = data[n:]
     sock.sendall(data)
 
