@@ -17,6 +17,7 @@ class Channel:
         self.reader = proto.Reader()
         self.loop = asyncio.get_running_loop()
         self.closed = False
+        self._send_lock = asyncio.Lock()  # a frame is sent whole before the next one starts
 
     async def _wait(self, writable: bool) -> None:
         fut: asyncio.Future[None] = self.loop.create_future()
@@ -47,7 +48,7 @@ class Channel:
             if self.closed:
                 return None
             try:
-                data, anc, _f, _a = self.sock.recvmsg(1 << 16, proto.ANC_SPACE)
+                data, anc, _f, _a = self.sock.recvmsg(1 << 16, proto.ANC_SPACE, proto.RECV_FLAGS)
             except BlockingIOError:
                 await self._wait(writable=False)
                 continue
@@ -62,6 +63,10 @@ class Channel:
         return self.reader.take_fds()
 
     async def send(self, obj: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+        async with self._send_lock:
+            await self._send(obj, fds)
+
+    async def _send(self, obj: dict[str, Any], fds: list[int] | tuple[int, ...]) -> None:
         data = proto.encode(obj)
         if fds:
             while True:
@@ -78,4 +83,5 @@ class Channel:
 
     def close(self) -> None:
         self.closed = True
+        self.reader.close()
         self.sock.close()

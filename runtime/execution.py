@@ -225,9 +225,32 @@ class Sandbox:
             self.busy = True
             try:
                 return await self._exec(req, last)
+            except asyncio.CancelledError:
+                # The caller gave up mid-step: the agent's reply would be read by the next step and
+                # every result after it would be one step late. The sandbox cannot be trusted on.
+                self.abandon("cancelled during an exec")
+                raise
             finally:
                 self.busy = False
                 self.last_used = time.monotonic()
+
+    def abandon(self, why: str) -> None:
+        """Kill the sandbox now: its control channel is out of step (or its agent misbehaved)."""
+        if self.dead is None:
+            self.dead = why
+        self.kill()
+
+    async def expect(self, *ops: str, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """The agent's next reply, which must be one of ``ops``; None if the agent is gone. Anything
+        else means the channel is out of step or the agent is compromised: the sandbox is killed."""
+        if timeout_s is None:
+            msg = await self.chan.recv()
+        else:
+            msg = await asyncio.wait_for(self.chan.recv(), timeout_s)
+        if msg is not None and msg.get("op") not in ops:
+            self.abandon(f"protocol error: expected {'/'.join(ops)}, got {str(msg.get('op'))[:40]!r}")
+            raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
+        return msg
 
     async def _exec(self, req: ExecRequest, last: bool) -> ExecResult:
         cap = self.limits.output_max_bytes
@@ -265,7 +288,7 @@ class Sandbox:
                     os.close(fd)
             remaining = req.timeout_s
             try:
-                reply = await asyncio.wait_for(self.chan.recv(), remaining)
+                reply = await self.expect("exit", timeout_s=remaining)
             except TimeoutError:
                 timed_out = True
                 reply = await self._kill_step()
@@ -330,7 +353,11 @@ class Sandbox:
                 raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
             msg = {"op": "inject", "entries": diff["entries"], "whiteouts": diff["whiteouts"], "opaque": diff["opaque"]}
             await self.chan.send(msg, [diff["fd"]])
-            reply = await self.chan.recv()
+            try:
+                reply = await self.expect("injected")
+            except asyncio.CancelledError:
+                self.abandon("cancelled during a fork")
+                raise
             if reply is None or reply.get("error"):
                 raise IsolationError(f"could not copy the parent's files: {reply.get('error') if reply else 'died'}",
                                      sandbox_id=self.id)
@@ -339,7 +366,7 @@ class Sandbox:
         """Timeout: the agent kills every process but itself; if it cannot, the sandbox goes."""
         try:
             await self.chan.send({"op": "kill"})
-            return await asyncio.wait_for(self.chan.recv(), KILL_GRACE_S)
+            return await self.expect("exit", timeout_s=KILL_GRACE_S)
         except (TimeoutError, OSError):
             self.dead = "killed: did not stop on timeout"
             self.kill()

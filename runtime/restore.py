@@ -104,7 +104,7 @@ class Zygote:
             self.proc = await asyncio.create_subprocess_exec(
                 self.view.warm.python, "-I", "-S", "-c", _BOOT, str(theirs.fileno()), RUNTIME_DIR,
                 pass_fds=[theirs.fileno()], env={"LANG": "C.UTF-8"}, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd="/",
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd="/", start_new_session=True,
             )
         finally:
             theirs.close()

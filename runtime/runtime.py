@@ -212,15 +212,23 @@ class Runtime:
         async with sb.lock:
             if sb.dead is not None:
                 raise SandboxDied(f"sandbox {sandbox_id} is gone ({sb.dead})", sandbox_id=sandbox_id)
-            await sb.chan.send({"op": "freeze"})
-            if await sb.chan.recv() is None:
-                raise SandboxDied(f"sandbox {sandbox_id} died while freezing", sandbox_id=sandbox_id)
+            try:
+                await sb.chan.send({"op": "freeze"})
+                if await sb.expect("frozen") is None:
+                    raise SandboxDied(f"sandbox {sandbox_id} died while freezing", sandbox_id=sandbox_id)
+            except asyncio.CancelledError:
+                sb.abandon("cancelled while freezing")
+                raise
             try:
                 yield sb
             finally:
                 if sb.dead is None:
-                    await sb.chan.send({"op": "thaw"})
-                    await sb.chan.recv()
+                    try:
+                        await sb.chan.send({"op": "thaw"})
+                        await sb.expect("thawed")
+                    except asyncio.CancelledError:
+                        sb.abandon("cancelled while thawing")
+                        raise
                 sb.last_used = time.monotonic()
 
     async def fork(self, sandbox_id: str, count: int, metadata: dict[str, str] | None = None) -> list[SandboxInfo]:
@@ -314,7 +322,7 @@ class Runtime:
             + (", user (rootless)" if self.config.rootless else ""),
             "filesystem": "overlayfs over read-only snapshot layers, size-capped tmpfs upper",
             "cgroups": cg,
-            "seccomp": f"BPF filter: {len(seccomp.DENIED_SYSCALLS)} syscalls and AF_INET/AF_INET6/AF_PACKET denied",
+            "seccomp": f"BPF filter: {len(seccomp.DENIED_SYSCALLS)} syscalls denied, sockets AF_UNIX only",
             "user": "uid 1000, no capabilities, no_new_privs"
             + (" (user namespace mapped to the caller)" if self.config.rootless else ""),
             "rlimits": "core 0, nofile, fsize" + ("" if self.cgroup_backend else ", nproc, address space"),
@@ -389,7 +397,12 @@ class Runtime:
         chan = Channel(sock)
         try:
             msg = await asyncio.wait_for(chan.recv(), 30)
-        except BaseException:
+        except asyncio.CancelledError:
+            chan.close()  # the child sees its socket close and exits; its cgroup is released
+            if group:
+                self.release_group(group)
+            raise
+        except (TimeoutError, OSError):
             msg = None
         creds = chan.reader.creds
         if msg is None or msg.get("op") != "ready" or creds is None:

@@ -295,7 +295,7 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
         if exited:
             reap()
         if readable:
-            data, anc, _f, _a = sock.recvmsg(1 << 16, proto.ANC_SPACE)
+            data, anc, _f, _a = sock.recvmsg(1 << 16, proto.ANC_SPACE, proto.RECV_FLAGS)
             if not data:
                 kill_all()
                 os._exit(0)
@@ -322,4 +322,4 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
                         os.kill(-1, signal.SIGSTOP if op == "freeze" else signal.SIGCONT)
                     except ProcessLookupError:
                         pass
-                    proto.send(sock, {"op": op + "d" if op == "thaw" else "frozen"})
+                    proto.send(sock, {"op": "thawed" if op == "thaw" else "frozen"})

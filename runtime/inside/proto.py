@@ -75,6 +75,7 @@ class Reader:
         start, end = self.base, self.base + 4 + n
         del self.buf[: 4 + n]
         self.base = end
+        _close_all(self.last_fds)  # fds the caller did not take are not kept (a peer could pile them up)
         self.last_fds = [fd for off, fds in self.pending if start <= off < end for fd in fds]
         self.pending = [(off, fds) for off, fds in self.pending if off >= end]
         obj = json.loads(body)
@@ -87,6 +88,20 @@ class Reader:
         fds, self.last_fds = self.last_fds, []
         return fds
 
+    def close(self) -> None:
+        """Close every received fd nobody took."""
+        _close_all(self.last_fds)
+        _close_all([fd for _, fds in self.pending for fd in fds])
+        self.last_fds, self.pending = [], []
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
 
 def recv(sock: socket.socket, reader: Reader) -> dict[str, Any] | None:
     """Blocking receive of one frame; None at EOF."""
@@ -94,13 +109,14 @@ def recv(sock: socket.socket, reader: Reader) -> dict[str, Any] | None:
         msg = reader.next()
         if msg is not None:
             return msg
-        data, anc, _flags, _addr = sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
+        data, anc, _flags, _addr = sock.recvmsg(1 << 16, ANC_SPACE, RECV_FLAGS)
         if not data:
             return None
         reader.feed(data, anc)
 
 
 ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS * 4) + socket.CMSG_SPACE(12)
+RECV_FLAGS = socket.MSG_CMSG_CLOEXEC  # received fds never cross an exec by accident
 
 
 def wait(sock: socket.socket, wake_r: int) -> tuple[bool, bool]:

@@ -115,7 +115,7 @@ def main(ctl_fd: int) -> None:
                 children.discard(pid)
         if not readable:
             continue
-        data, anc, _f, _a = ctl.recvmsg(1 << 16, proto.ANC_SPACE)
+        data, anc, _f, _a = ctl.recvmsg(1 << 16, proto.ANC_SPACE, proto.RECV_FLAGS)
         if not data:
             for pid in children:
                 try:
@@ -139,12 +139,12 @@ def main(ctl_fd: int) -> None:
                 proto.send(ctl, {"op": "error", "req": msg["req"], "error": str(exc)})
                 continue
             if pid == 0:
-                ctl.close()
-                os.close(pidns)
-                os.close(wake_r)
-                os.close(wake_w)
                 signal.set_wakeup_fd(-1)
-                _sandbox_main(cfg, msg, socket.socket(fileno=fds[0]))
+                ctl.detach()  # closed below with every other fd: nothing of the zygote's crosses over
+                keep = fds[0]
+                os.closerange(3, keep)
+                os.closerange(keep + 1, 1 << 16)
+                _sandbox_main(cfg, msg, socket.socket(fileno=keep))
             libc.setns(pidns, libc.CLONE_NEWPID)
             os.close(fds[0])
             children.add(pid)

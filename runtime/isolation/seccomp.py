@@ -22,9 +22,12 @@ DENIED_SYSCALLS = (
     "init_module", "finit_module", "delete_module", "swapon", "swapoff", "acct", "syslog",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "open_by_handle_at", "name_to_handle_at",
     "userfaultfd", "iopl", "ioperm", "quotactl", "lookup_dcookie", "vhangup", "personality",
+    # io_uring does socket(), open() and more without those syscalls (and is a large attack surface)
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
 )
-# Socket families refused at socket(2): no IP networking and no raw packets.
-DENIED_SOCKET_FAMILIES = (socket.AF_INET, socket.AF_INET6, socket.AF_PACKET)
+# The only socket family allowed: AF_UNIX (no IP, no raw packets, no netlink, no vsock — which a
+# network namespace does not confine — nor any other family a kernel module may add).
+ALLOWED_SOCKET_FAMILY = socket.AF_UNIX
 # clone(2) flags that would create namespaces; clone3 is refused with ENOSYS so libc falls back to clone.
 _NS_FLAGS = (
     libc.CLONE_NEWNS | libc.CLONE_NEWUTS | libc.CLONE_NEWIPC | libc.CLONE_NEWUSER | libc.CLONE_NEWPID
@@ -43,9 +46,8 @@ def build_filter() -> bytes:
             f.add_rule(deny, name)
         except (OSError, ValueError, RuntimeError):  # unknown on this arch: nothing to deny
             continue
-    for fam in DENIED_SOCKET_FAMILIES:
-        f.add_rule(deny, "socket", sc.Arg(0, sc.EQ, int(fam)))
-        f.add_rule(deny, "socketpair", sc.Arg(0, sc.EQ, int(fam)))
+    for call in ("socket", "socketpair"):
+        f.add_rule(deny, call, sc.Arg(0, sc.NE, int(ALLOWED_SOCKET_FAMILY)))
     for bit in _bits(_NS_FLAGS):
         f.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, bit, bit))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
@@ -68,4 +70,4 @@ def apply(program: libc.SeccompProgram | bytes) -> None:
     libc.load_seccomp_bpf(program)
 
 
-__all__ = ["DENIED_SOCKET_FAMILIES", "DENIED_SYSCALLS", "apply", "build_filter"]
+__all__ = ["ALLOWED_SOCKET_FAMILY", "DENIED_SYSCALLS", "apply", "build_filter"]

@@ -209,3 +209,43 @@ async def test_process_image_snapshots_are_refused_clearly(rt: Runtime) -> None:
     rt.resolver.register(dataclasses.replace(base, id="criu-image", process_image="layer-with-criu-image"))
     with pytest.raises(IsolationError, match="process image"):
         await rt.create("criu-image")
+
+
+async def test_an_exec_cancelled_midway_never_shifts_later_results(rt: Runtime) -> None:
+    from rollbox.runtime.errors import SandboxDied
+
+    info = await rt.create()
+    task = asyncio.create_task(rt.exec(info.sandbox_id, ExecRequest(code="import time\ntime.sleep(0.3)\nraise SystemExit(7)")))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # the reply of the cancelled step would have been read as the next step's: the sandbox is gone
+    with pytest.raises(SandboxDied, match="cancelled during an exec"):
+        await rt.exec(info.sandbox_id, ExecRequest(code="print('second')"))
+    assert (await rt.destroy(info.sandbox_id)).reason == "destroyed"
+    fresh = await rt.run(ExecRequest(code="raise SystemExit(3)"))
+    assert fresh.exit_code == 3
+
+
+async def test_fds_a_sandbox_sends_are_not_kept(rt: Runtime) -> None:
+    """A compromised agent attaching fds to its frames cannot pile them up in the supervisor."""
+    import array
+    import os
+    import socket
+
+    from rollbox.runtime.channel import Channel
+    from rollbox.runtime.inside import proto
+
+    a, b = socket.socketpair()
+    chan = Channel(a)
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(50):
+        r, w = os.pipe()
+        b.sendmsg([proto.encode({"op": "junk", "i": i})], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r, w]))])
+        os.close(r)
+        os.close(w)
+        assert (await chan.recv()) == {"op": "junk", "i": i}
+    assert len(os.listdir("/proc/self/fd")) <= before + 2
+    chan.close()
+    b.close()

@@ -73,6 +73,14 @@ CASES = [
     Case("kill -9 -1 inside kills the sandbox's other processes, not its init",
          lambda r: r.exit_code == 0 and r.stdout.split() == ["alive", "0"] and r.sandbox_alive,
          command="sleep 100 & sleep 100 & kill -9 -1; echo alive; sleep 0.2; ps -e -o comm= | grep -c sleep || true"),
+    Case("only AF_UNIX sockets: netlink, vsock, packet, inet6 refused",
+         lambda r: r.exit_code == 0 and r.stdout.split() == ["unix:ok", "16:refused", "40:refused", "17:refused", "10:refused"],
+         code="import socket\nfor fam in (1, 16, 40, 17, 10):\n    try:\n        socket.socket(fam, socket.SOCK_DGRAM).close()\n"
+              "        print('unix:ok' if fam == 1 else f'{fam}:open')\n    except OSError:\n        print(f'{fam}:refused')"),
+    Case("io_uring is refused (it would bypass the socket filter)",
+         lambda r: r.exit_code == 0 and r.stdout.split() == ["-1", "1"],
+         code="import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\np = ctypes.create_string_buffer(120)\n"
+              "print(libc.syscall(425, 4, p), ctypes.get_errno())"),
     Case("mount fails",
          lambda r: r.exit_code != 0 and "ok" not in r.stdout,
          command="mount -t tmpfs none /tmp && echo ok"),
