@@ -104,6 +104,7 @@ class Runtime:
         self.seccomp_bpf = b""
         self._reaper: asyncio.Task[None] | None = None
         self._creating = 0
+        self.closing = False
         self.restoring: dict[str, Group | None] = {}  # sandboxes being restored right now, with their cgroup
         self.started = False
 
@@ -147,6 +148,9 @@ class Runtime:
                         d.rmdir()
 
     async def close(self) -> None:
+        """Destroy every sandbox and stop every zygote; creates still under way finish first (and
+        are destroyed), new ones are refused."""
+        self.closing = True
         if self._reaper:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -154,6 +158,10 @@ class Runtime:
         for pool in list(self.pools.values()):
             await pool.close()
         self.pools.clear()
+        for _ in range(3000):  # creates in flight land in the tables before they are torn down
+            if not self._creating and not self.restoring:
+                break
+            await asyncio.sleep(0.01)
         await asyncio.gather(*(self.destroy(sid, reason="shutdown") for sid in list(self.sandboxes)),
                              return_exceptions=True)
         for z in list(self.zygotes.values()):
@@ -440,7 +448,7 @@ class Runtime:
 
     def release_group(self, group: Group) -> None:
         """Keep an emptied cgroup for the next sandbox (its counters are read as deltas), or remove it."""
-        if group.is_empty() and self.started and len(self.free_groups) < 64:
+        if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64:
             self.free_groups.append(group)
             return
         self.releasing.add(group)
@@ -454,7 +462,7 @@ class Runtime:
                 if group.is_empty():
                     break
                 await asyncio.sleep(0.01)
-            if group.is_empty() and self.started and len(self.free_groups) < 64:
+            if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64:
                 self.free_groups.append(group)
             else:
                 await asyncio.to_thread(group.close)
@@ -492,8 +500,8 @@ class Runtime:
 
     async def _acquire(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
                        pooled: bool = True) -> Sandbox:
-        if not self.started:
-            raise IsolationError("runtime is not started")
+        if not self.started or self.closing:
+            raise IsolationError("runtime is not started" if not self.started else "runtime is shutting down")
         if len(self.sandboxes) + self._creating >= self.config.max_live:
             raise Overloaded(f"{len(self.sandboxes)} sandboxes are live (cap {self.config.max_live})",
                              retry_after_s=1.0)
@@ -502,7 +510,7 @@ class Runtime:
         t0 = time.perf_counter()
         self._creating += 1
         try:
-            pool = self._pool_for(view, lim) if pooled and lim == view.limits else None
+            pool = self._pool_for(view, lim) if pooled and lim == view.limits and not self.closing else None
             sb = pool.take() if pool else None
             pooled = sb is not None
             if sb is None:

@@ -17,6 +17,7 @@ class V2Group:
     def __init__(self, path: Path, enabled: tuple[str, ...] = NEEDED):
         self.path = path
         self.enabled = enabled
+        self.reusable = True
 
     def configure(self, memory_bytes: int, pids_max: int, cpu_cores: float) -> None:
         if "memory" in self.enabled:
@@ -54,7 +55,7 @@ class V2Group:
         try:
             _write(self.path / "memory.peak", "0")  # resettable since Linux 6.12
         except OSError:
-            pass
+            self.reusable = False  # its peak would carry the last sandbox's: never hand it on
 
     def kill(self) -> None:
         try:
