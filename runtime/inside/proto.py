@@ -37,7 +37,8 @@ def send(sock: socket.socket, obj: dict[str, Any], fds: list[int] | tuple[int, .
     if fds:
         n = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         data = data[n:]
-    sock.sendall(data)
+    if data:  # sendall(b"") still calls send(): EPIPE if the peer already read the frame and left
+        sock.sendall(data)
 
 
 class Reader:

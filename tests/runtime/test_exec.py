@@ -249,3 +249,17 @@ async def test_fds_a_sandbox_sends_are_not_kept(rt: Runtime) -> None:
     assert len(os.listdir("/proc/self/fd")) <= before + 2
     chan.close()
     b.close()
+
+
+async def test_concurrent_one_shot_runs_each_execute_exactly_once(rt: Runtime) -> None:
+    """Many one-shot runs at once (pooled sandboxes, spare workers, fallbacks): every run's code runs
+    once — a step that ran twice would append twice and print twice."""
+    sem = asyncio.Semaphore(16)
+
+    async def one(i: int) -> str:
+        async with sem:
+            r = await rt.run(ExecRequest(code=f"open('log', 'a').write('x')\nprint({i}, open('log').read())"))
+            return r.stdout
+
+    outs = await asyncio.gather(*(one(i) for i in range(400)))
+    assert outs == [f"{i} x\n" for i in range(400)]
