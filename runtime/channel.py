@@ -11,10 +11,10 @@ from rollbox.runtime.inside import proto
 
 
 class Channel:
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, max_frame_bytes: int = proto.MAX_FRAME_BYTES):
         sock.setblocking(False)
         self.sock = sock
-        self.reader = proto.Reader()
+        self.reader = proto.Reader(max_frame_bytes)
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self._send_lock = asyncio.Lock()  # a frame is sent whole before the next one starts
@@ -42,7 +42,11 @@ class Channel:
     async def recv(self) -> dict[str, Any] | None:
         """The next frame, or None once the peer has hung up. Safe to cancel between frames."""
         while True:
-            msg = self.reader.next()
+            try:
+                msg = self.reader.next()
+            except (proto.ProtocolError, ValueError):  # an oversized or malformed frame: peer is lost
+                self.closed = True
+                return None
             if msg is not None:
                 return msg
             if self.closed:

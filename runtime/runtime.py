@@ -26,6 +26,7 @@ from rollbox.runtime import skeleton
 from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import InvalidRequest, IsolationError, Overloaded, SandboxDied, SandboxNotFound
 from rollbox.runtime.execution import Sandbox, pack_upper
+from rollbox.runtime.inside import proto
 from rollbox.runtime.isolation import cgroups, seccomp
 from rollbox.runtime.isolation.cgroups import Backend, Group
 from rollbox.runtime.pool import Pool
@@ -402,7 +403,7 @@ class Runtime:
             if group:
                 self.release_group(group)
             raise
-        chan = Channel(sock)
+        chan = Channel(sock, proto.SANDBOX_FRAME_BYTES)  # everything a sandbox sends is untrusted
         try:
             msg = await asyncio.wait_for(chan.recv(), 30)
         except asyncio.CancelledError:

@@ -24,6 +24,7 @@ from rollbox.runtime.inside import proto
 
 HOME = "/home/sandbox"
 MAX_READ_FILE_BYTES = 16 * 1024 * 1024
+MAX_READ_TOTAL_BYTES = 32 * 1024 * 1024  # all read-back files of one exec (the reply frame is capped)
 
 
 def _noop(_sig: int, _frame: Any) -> None:
@@ -112,13 +113,17 @@ def _write_files(files: dict[str, str]) -> None:
 
 def _read_files(paths: list[str]) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
+    budget = MAX_READ_TOTAL_BYTES
     for path in paths:
         full = path if path.startswith("/") else os.path.join(HOME, path)
         try:
             with open(full, "rb") as f:
-                out[path] = f.read(MAX_READ_FILE_BYTES).decode("utf-8", "replace")
+                data = f.read(min(MAX_READ_FILE_BYTES, budget))
         except OSError:
             out[path] = None
+            continue
+        budget -= len(data)
+        out[path] = data.decode("utf-8", "replace")
     return out
 
 

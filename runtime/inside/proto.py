@@ -16,6 +16,7 @@ import struct
 from typing import Any
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+SANDBOX_FRAME_BYTES = 48 * 1024 * 1024  # what a sandbox may send in one frame (its read-back files)
 _HDR = struct.Struct(">I")
 _MAX_FDS = 8
 
@@ -46,7 +47,8 @@ class Reader:
     (the kernel ends a read right after a message that carries fds), so frames that arrive
     together never mix up their fds."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.max_frame_bytes = max_frame_bytes
         self.buf = bytearray()
         self.base = 0  # stream offset of buf[0]
         self.pending: list[tuple[int, list[int]]] = []  # (stream offset of the carrying byte, fds)
@@ -68,7 +70,7 @@ class Reader:
         if len(self.buf) < 4:
             return None
         (n,) = _HDR.unpack_from(self.buf)
-        if n > MAX_FRAME_BYTES:
+        if n > self.max_frame_bytes:
             raise ProtocolError(f"peer announced a frame of {n} bytes")
         if len(self.buf) < 4 + n:
             return None

@@ -263,3 +263,17 @@ async def test_concurrent_one_shot_runs_each_execute_exactly_once(rt: Runtime) -
 
     outs = await asyncio.gather(*(one(i) for i in range(400)))
     assert outs == [f"{i} x\n" for i in range(400)]
+
+
+async def test_an_oversized_frame_from_a_sandbox_is_refused(rt: Runtime) -> None:
+    import socket
+
+    from rollbox.runtime.channel import Channel
+    from rollbox.runtime.inside import proto
+
+    a, b = socket.socketpair()
+    chan = Channel(a, max_frame_bytes=1024)
+    b.sendall(proto.encode({"op": "exit", "blob": "x" * 4096}))
+    assert await chan.recv() is None and chan.closed  # the peer is treated as gone, nothing buffered on
+    chan.close()
+    b.close()

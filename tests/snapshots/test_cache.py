@@ -72,7 +72,9 @@ def test_concurrent_pulls_of_one_layer_download_it_once(tmp_path: Path, s3_url: 
         t.join()
     assert errors == []
     assert s3.stats["layer_downloads"] == 2
-    assert cache.stats["waits"] > 0  # the others really waited on the one download
+    # every other ensure of a layer waited on the one download or found it done (which depends on
+    # scheduling): none downloaded it again
+    assert cache.stats["waits"] + cache.stats["hits"] == 8 * 2 - 2
 
     async def many() -> None:
         cache2 = LayerCache(LocalStore(tmp_path / "tasks"), s3)
