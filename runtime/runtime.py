@@ -233,11 +233,9 @@ class Runtime:
             finally:
                 if sb.dead is None:
                     try:
-                        await sb.chan.send({"op": "thaw"})
-                        await sb.expect("thawed")
-                    except asyncio.CancelledError:
-                        sb.abandon("cancelled while thawing")
-                        raise
+                        await sb.chan.send({"op": "thaw"})  # no reply: the next frame is served after it
+                    except OSError:
+                        sb.abandon("lost while thawing")
                 sb.last_used = time.monotonic()
 
     async def fork(self, sandbox_id: str, count: int, metadata: dict[str, str] | None = None) -> list[SandboxInfo]:

@@ -327,4 +327,5 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
                         os.kill(-1, signal.SIGSTOP if op == "freeze" else signal.SIGCONT)
                     except ProcessLookupError:
                         pass
-                    proto.send(sock, {"op": "thawed" if op == "thaw" else "frozen"})
+                    if op == "freeze":  # thaw needs no answer: frames are handled in order
+                        proto.send(sock, {"op": "frozen"})
