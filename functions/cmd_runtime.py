@@ -59,8 +59,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rollbox.runtime.runtime import RuntimeConfig
 
     async def go() -> ExecResult:
-        resolver = open_store(StoreConfig(home=Path(os.environ["ROLLBOX_HOME"]) if os.environ.get("ROLLBOX_HOME")
-                                          else None))
+        resolver = open_store(StoreConfig())  # the local store in ROLLBOX_HOME (or its default)
         async with Runtime(RuntimeConfig(layer_root=Path(resolver.layer_root)), resolver=resolver) as rt:
             return await rt.run(req, snapshot=opts['snapshot'], limits=limits)
 

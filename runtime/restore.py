@@ -86,7 +86,6 @@ class Zygote:
         self._reader: asyncio.Task[None] | None = None
         self._stderr_tail = b""
         self._stderr_task: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()
 
     @property
     def env(self) -> dict[str, str]:

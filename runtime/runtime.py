@@ -298,7 +298,8 @@ class Runtime:
 
     def _drop_scratch(self, scratch: str) -> None:
         self._scratch.pop(scratch, None)
-        self._views.pop(next((k for k, v in self._views.items() if scratch in v[0].layers), ""), None)
+        for view_id in [k for k in self._views if k.endswith("+" + scratch)]:  # the fork's view
+            del self._views[view_id]
         asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, self.layer_root / scratch, True)
 
     def layers_in_use(self) -> frozenset[str]:

@@ -29,9 +29,10 @@ from rich.progress import (
 )
 from rich.table import Table
 from rollbox.runtime.errors import InvalidRequest, RollboxError
+from rollbox.runtime.runtime import default_home
 from rollbox.snapshots.build import build
 from rollbox.snapshots.store import ByteCallback, Store, copy_snapshot
-from rollbox.snapshots.store_local import LocalStore, default_root
+from rollbox.snapshots.store_local import LocalStore
 from rollbox.snapshots.store_s3 import S3Store
 from rollbox.snapshots.template import PipOptions, load_template
 
@@ -49,7 +50,7 @@ def add_parser(subparsers: Any) -> None:
     env = os.environ
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--home", default=env.get("ROLLBOX_HOME") or None,
-                        help=f"local store and cache directory (ROLLBOX_HOME; default: {default_root()})")
+                        help=f"local store and cache directory (ROLLBOX_HOME; default: {default_home()})")
     common.add_argument("--store", default=env.get("ROLLBOX_STORE") or None,
                         help="store to talk to: a directory or s3://bucket/prefix (ROLLBOX_STORE)")
     common.add_argument("--s3-endpoint-url", default=env.get("AWS_ENDPOINT_URL") or None,

@@ -28,19 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollbox.runtime.errors import IntegrityError, SnapshotNotFound, StoreError
+from rollbox.runtime.runtime import default_home
 from rollbox.snapshots.layers import check_layer_id, default_opaque_xattr, pack_to_file, remove_tree, unpack
 from rollbox.snapshots.manifest import LayerRef, Manifest, check_name, check_snapshot_id
 from rollbox.snapshots.store import ByteCallback
-
-
-def default_root(env: dict[str, str] | None = None) -> Path:
-    """``$ROLLBOX_HOME``, else /var/lib/rollbox as root, else ~/.local/share/rollbox."""
-    env = dict(os.environ) if env is None else env
-    if env.get("ROLLBOX_HOME"):
-        return Path(env["ROLLBOX_HOME"])
-    if os.geteuid() == 0:
-        return Path("/var/lib/rollbox")
-    return Path(env.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "rollbox"
 
 
 @dataclass(frozen=True)
@@ -55,7 +46,7 @@ class LocalStore:
     """A snapshot store in a local directory (see the module docstring for the layout)."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None, *, opaque_xattr: str | None = None):
-        self.root = Path(root) if root is not None else default_root()
+        self.root = Path(root) if root is not None else default_home()
         self.opaque_xattr = opaque_xattr or default_opaque_xattr()
         self.keep_blobs = os.geteuid() != 0
         for sub in ("layers", "layers-meta", "blobs", "manifests", "names", "tmp"):

@@ -13,28 +13,18 @@ from svc_testkit import ServerProc
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_locustfile_plays_episodes(server: ServerProc, tmp_path: Path) -> None:
-    # locust monkey-patches the standard library with gevent: run it in its own process
-    env = {**os.environ, "ROLLBOX_LOCUST_STAGE_S": "2", "ROLLBOX_LOCUST_USERS": "4", "ROLLBOX_LOCUST_STEPS": "2"}
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "locust",
-            "-f",
-            str(ROOT / "loadtest" / "locustfile.py"),
-            "--headless",
-            "--host",
-            server.url.rstrip("/"),
-            "--csv",
-            str(tmp_path / "run"),
-            "--only-summary",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=env,
+def run_locust(host: str, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
+    """locust monkey-patches the standard library with gevent: run it in its own process."""
+    return subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
+         "--host", host, "--only-summary", *extra],
+        capture_output=True, text=True, timeout=90, env={**os.environ, **env},
     )
+
+
+def test_locustfile_plays_episodes(server: ServerProc, tmp_path: Path) -> None:
+    env = {"ROLLBOX_LOCUST_STAGE_S": "2", "ROLLBOX_LOCUST_USERS": "4", "ROLLBOX_LOCUST_STEPS": "2"}
+    p = run_locust(server.url.rstrip("/"), env, "--csv", str(tmp_path / "run"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(tmp_path / "run_stats.csv") as f:
         rows = {r["Name"]: r for r in csv.DictReader(f)}
@@ -45,24 +35,7 @@ def test_locustfile_plays_episodes(server: ServerProc, tmp_path: Path) -> None:
 
 def test_locust_thresholds_fail_the_run(tmp_path: Path) -> None:
     # nothing listens on this port: every request fails, and the quitting listener must say so
-    env = {**os.environ, "ROLLBOX_LOCUST_STAGE_S": "1", "ROLLBOX_LOCUST_USERS": "1"}
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "locust",
-            "-f",
-            str(ROOT / "loadtest" / "locustfile.py"),
-            "--headless",
-            "--host",
-            "http://127.0.0.1:9",
-            "--only-summary",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=env,
-    )
+    p = run_locust("http://127.0.0.1:9", {"ROLLBOX_LOCUST_STAGE_S": "1", "ROLLBOX_LOCUST_USERS": "1"})
     assert p.returncode == 1 and "thresholds failed" in p.stdout + p.stderr
 
 

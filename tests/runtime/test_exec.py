@@ -122,7 +122,8 @@ async def test_fork_children_see_the_parent_files_and_are_isolated(rt: Runtime, 
     (layer / "home/sandbox/olddir/x").write_text("x\n")
     for p in [layer / "home/sandbox", layer / "home/sandbox/olddir", layer / "home/sandbox/old.txt",
               layer / "home/sandbox/olddir/x"]:
-        os.chown(p, 1000, 1000) if os.geteuid() == 0 else None
+        if os.geteuid() == 0:
+            os.chown(p, 1000, 1000)
     base = rt.resolver.resolve("python")
     rt.resolver.register(dataclasses.replace(base, id=f"with-files-{inject_max}", layers=(layer.name,)))
     parent = await rt.create(f"with-files-{inject_max}")
