@@ -63,6 +63,43 @@ def stop(proc: subprocess.Popen[bytes]) -> int:
     return proc.returncode
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds spent busy by the whole machine (every core, every process, the kernel)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]  # idle + iowait
+    return (sum(v[:8]) - idle) / TICK
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of one process itself (not its children)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+class CpuMeter:
+    """Where the CPU went during a level: the whole machine, this client, the server process; the
+    rest is the sandboxes, zygotes and kernel threads."""
+
+    def __init__(self, server_pid: int | None):
+        self.server_pid = server_pid
+        self.t0 = (machine_busy_s(), process_cpu_s(os.getpid()), process_cpu_s(server_pid) if server_pid else 0.0)
+
+    def per_run_ms(self, runs: int) -> dict[str, float]:
+        m, c, s = machine_busy_s(), process_cpu_s(os.getpid()), process_cpu_s(self.server_pid) if self.server_pid else 0.0
+        machine, client, server = m - self.t0[0], c - self.t0[1], s - self.t0[2]
+        return {
+            "cpu_ms_per_run": 1000 * machine / runs,
+            "client_ms_per_run": 1000 * client / runs,
+            "server_ms_per_run": 1000 * server / runs,
+            "sandbox_ms_per_run": 1000 * (machine - client - server) / runs,
+        }
+
+
 async def one(http: httpx.AsyncClient, url: str) -> float:
     headers = {
         "ce-specversion": "1.0",
@@ -82,7 +119,7 @@ async def one(http: httpx.AsyncClient, url: str) -> float:
     return dt
 
 
-async def level(url: str, concurrency: int, requests: int) -> dict[str, Any]:
+async def level(url: str, server_pid: int, concurrency: int, requests: int) -> dict[str, Any]:
     # One connection per worker, each in its own httpx client: a single pool shared by 64 workers costs
     # the client several ms of CPU per request (measured), which this 2-core box cannot spare.
     clients = [httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1)) for _ in range(concurrency)]
@@ -95,13 +132,15 @@ async def level(url: str, concurrency: int, requests: int) -> dict[str, Any]:
             for _ in todo:
                 latencies.append(await one(http, url))
 
+        meter = CpuMeter(server_pid)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(http) for http in clients))
         wall = time.perf_counter() - t0
+        cpu = meter.per_run_ms(len(latencies))
     finally:
         for http in clients:
             await http.aclose()
-    return summary(concurrency, latencies, wall)
+    return {**summary(concurrency, latencies, wall), **cpu}
 
 
 async def level_inprocess(concurrency: int, requests: int) -> dict[str, Any]:
@@ -124,10 +163,12 @@ async def level_inprocess(concurrency: int, requests: int) -> dict[str, Any]:
                 if r.exit_code != 0 or r.stdout != "1\n":
                     raise RuntimeError(f"wrong result: {r}")
 
+        meter = CpuMeter(None)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return summary(concurrency, latencies, wall)
+        cpu = meter.per_run_ms(len(latencies))
+    return {**summary(concurrency, latencies, wall), **cpu}
 
 
 def summary(concurrency: int, latencies: list[float], wall: float) -> dict[str, Any]:
@@ -164,7 +205,7 @@ def main() -> int:
         proc, url = start(Path(tmp) / "serve.log", ["--log-level", args.log_level, "--max-queued", "4096"])
         try:
             for c in levels:
-                rows.append({"path": "http", **asyncio.run(level(url, c, count(c)))})
+                rows.append({"path": "http", **asyncio.run(level(url, proc.pid, c, count(c)))})
         except Exception:
             tail = (Path(tmp) / "serve.log").read_text(errors="replace").splitlines()[-20:]
             print("server log (last lines):", *tail, sep="\n", file=sys.stderr)
@@ -174,17 +215,25 @@ def main() -> int:
     if args.baseline:
         for c in levels:
             rows.append({"path": "in-process", **asyncio.run(level_inprocess(c, count(c)))})
-    print(f"{'path':>10} {'concurrency':>11} {'requests':>8} {'runs/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    print(
+        f"{'path':>10} {'concurrency':>11} {'requests':>8} {'runs/s':>8} {'p50 ms':>8} {'p99 ms':>8}"
+        f" | CPU ms/run: {'all':>5} {'client':>6} {'server':>6} {'rest':>5}"
+    )
     for r in rows:
         print(
             f"{r['path']:>10} {r['concurrency']:>11} {r['requests']:>8} {r['runs_per_s']:>8.1f} "
-            f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f}"
+            f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} |             {r['cpu_ms_per_run']:>5.1f} "
+            f"{r['client_ms_per_run']:>6.1f} {r['server_ms_per_run'] if r['path'] == 'http' else 0.0:>6.1f} "
+            f"{r['sandbox_ms_per_run']:>5.1f}"
         )
         if args.json:
             print(json.dumps(r))
     print(
         f"(server: rollbox serve --log-level {args.log_level}, exit status {rc}; client: httpx in this "
-        f"process; {os.cpu_count()} cores shared; load average {os.getloadavg()[0]:.1f} at the end)"
+        f"process; {os.cpu_count()} cores shared; load average {os.getloadavg()[0]:.1f} at the end)\n"
+        "(CPU ms/run: busy CPU of the whole machine per run, from /proc/stat; client = this process; "
+        "server = the rollbox serve process itself; rest = sandboxes, zygotes, kernel threads. In-process, "
+        "the runtime is in the client.)"
     )
     return 0 if rc == 0 else 1
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import IsolationError, SandboxDied
-from rollbox.runtime.isolation.cgroups import Group
+from rollbox.runtime.isolation.cgroups import CgroupStats, Group
+from rollbox.runtime.restore import WarmSource
 from rollbox.runtime.snapshot import SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, Usage
 
@@ -162,8 +163,11 @@ class Sandbox:
     chan: Channel
     group: Group | None
     upper_fd: int
+    source: WarmSource | None = None  # what spawned it, and its pid there: how its init ended
+    source_pid: int = -1
     extra_layers: tuple[str, ...] = ()
-    cg_base_cpu_s: float = 0.0  # the (reused) cgroup's CPU counter when this sandbox joined it
+    cg_base: CgroupStats | None = None  # the (reused) cgroup's counters when this sandbox joined it
+    cg_final: CgroupStats | None = None  # its counters once every process of the sandbox was gone
     release_group: Callable[[Group], None] | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
@@ -217,8 +221,16 @@ class Sandbox:
         with contextlib.suppress(ProcessLookupError, OSError):
             signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
 
+    async def want_spare(self) -> None:
+        """This sandbox will take steps: have its agent fork a worker ahead of the first one. (Pooled
+        sandboxes have none: a one-shot run needs none — its program runs as the sandbox's init.)"""
+        with contextlib.suppress(OSError):
+            await self.chan.send({"op": "spare"})
+
     async def exec(self, req: ExecRequest, last: bool = False) -> ExecResult:
-        """Run one step. ``last`` says no step follows (one-shot runs): no spare worker is forked."""
+        """Run one step. ``last`` says no step follows (one-shot runs): unless files are to be read
+        back after it, the program runs as the sandbox's init itself (one process fewer to fork and
+        reap; like ``docker run`` without ``--init``), and its end ends the sandbox."""
         async with self.lock:
             if self.dead is not None:
                 raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
@@ -254,17 +266,21 @@ class Sandbox:
 
     async def _exec(self, req: ExecRequest, last: bool) -> ExecResult:
         cap = self.limits.output_max_bytes
-        before = self.group.stats() if self.group else None
-        if self.group:
-            self.group.reset_peak()
+        if self.execs == 0:  # the first step: counters as the sandbox joined its group (peak reset then)
+            before = self.cg_base
+        else:
+            before = self.group.stats() if self.group else None
+            if self.group:
+                self.group.reset_peak()
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         os.set_blocking(out_w, True)
         os.set_blocking(err_w, True)
         os.set_blocking(in_w, False)
+        inline = last and not req.read_files and self.source is not None
         msg: dict[str, Any] = {"op": "exec", "env": req.env, "files": req.files, "read_files": req.read_files,
-                               "last": last}
+                               "last": last, "inline": inline}
         if req.code is not None:
             msg["code"] = req.code
         else:
@@ -286,12 +302,14 @@ class Sandbox:
             finally:
                 for fd in (in_r, out_w, err_w):
                     os.close(fd)
-            remaining = req.timeout_s
-            try:
-                reply = await self.expect("exit", timeout_s=remaining)
-            except TimeoutError:
-                timed_out = True
-                reply = await self._kill_step()
+            if inline:
+                reply, timed_out = await self._await_inline(req.timeout_s)
+            else:
+                try:
+                    reply = await self.expect("exit", timeout_s=req.timeout_s)
+                except TimeoutError:
+                    timed_out = True
+                    reply = await self._kill_step()
             wall = time.monotonic() - t0
             await asyncio.wait(readers, timeout=DRAIN_AFTER_EXIT_S)
         finally:
@@ -304,6 +322,8 @@ class Sandbox:
         stdout, stderr = bytes(captures[0].buf), bytes(captures[1].buf)
         out_trunc, err_trunc = captures[0].truncated, captures[1].truncated
         after = self.group.stats() if self.group else None
+        if reply is not None and reply.get("op") == "exited":  # its init was reaped: nothing of it runs
+            self.cg_final = after
         self.execs += 1
         alive = reply is not None and self.dead is None
         if reply is None:
@@ -345,6 +365,35 @@ class Sandbox:
             files=files,
             sandbox_alive=alive,
         )
+
+    async def _await_inline(self, timeout_s: float) -> tuple[dict[str, Any] | None, bool]:
+        """The end of a step run by the sandbox's init: its exit as its parent reaped it. Before the
+        program starts, the agent may still answer on the channel (files it could not write); then it
+        hangs up, and the next word is the exit report. Timeout: the init is killed, which ends every
+        process of the sandbox."""
+        assert self.source is not None
+        ended = self.source.exit_report(self.source_pid)
+        answer: asyncio.Future[dict[str, Any] | None] = asyncio.ensure_future(self.expect("exit"))
+        deadline = time.monotonic() + timeout_s
+        try:
+            waiting: set[asyncio.Future[Any]] = {answer, ended}
+            done, _ = await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if answer in done and answer.exception() is None and answer.result() is not None:
+                return answer.result(), False  # refused before it ran; the sandbox lives on
+            if ended not in done:
+                await asyncio.wait({ended}, timeout=max(0.0, deadline - time.monotonic()))
+            timed_out = not ended.done()
+            if timed_out:
+                self.kill()
+                await asyncio.wait({ended}, timeout=KILL_GRACE_S)
+            self.dead = self.dead or "finished"
+            if not ended.done() or ended.cancelled() or ended.exception() is not None:
+                return None, timed_out
+            return ended.result(), timed_out
+        finally:
+            answer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, SandboxDied):
+                await answer
 
     async def inject(self, diff: dict[str, Any]) -> None:
         """Apply a forked parent's filesystem diff (see ``pack_upper``) inside this sandbox."""
@@ -388,14 +437,16 @@ class Sandbox:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.exited.wait(), 10)
         if self.group:
-            stats = self.group.stats()
-            self.cpu_s = max(self.cpu_s, stats.cpu_s - self.cg_base_cpu_s)
+            stats = self.cg_final or self.group.stats()
+            self.cpu_s = max(self.cpu_s, stats.cpu_s - (self.cg_base.cpu_s if self.cg_base else 0.0))
             self.peak_memory_bytes = max(self.peak_memory_bytes, stats.peak_memory_bytes)
             if self.release_group:
                 self.release_group(self.group)
             else:
                 await asyncio.to_thread(self.group.close)
         self.chan.close()
+        if self.source is not None:
+            self.source.forget(self.source_pid)
         asyncio.get_running_loop().remove_reader(self.pidfd)
         for fd in (self.upper_fd, self.pidfd):
             with contextlib.suppress(OSError):

@@ -65,6 +65,16 @@ class WarmSource(Protocol):
 
     async def spawn(self, params: dict[str, Any]) -> tuple[int, socket.socket]: ...
 
+    def exit_report(self, pid: int) -> asyncio.Future[dict[str, Any]]:
+        """How the sandbox ``pid`` (as ``spawn`` returned it) ended: wait status, CPU seconds and peak
+        RSS from its parent's wait4. A one-shot run's program is the sandbox's init, and only the
+        source that forked it can reap it."""
+        ...
+
+    def forget(self, pid: int) -> None:
+        """The sandbox ``pid`` is gone from the runtime: drop what is kept about its exit."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -83,6 +93,7 @@ class Zygote:
         self.warm_info: dict[str, Any] = {}
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._exits: dict[int, asyncio.Future[dict[str, Any]]] = {}  # by pid, from spawn until forget
         self._reader: asyncio.Task[None] | None = None
         self._stderr_tail = b""
         self._stderr_task: asyncio.Task[None] | None = None
@@ -146,13 +157,31 @@ class Zygote:
     async def _read_replies(self) -> None:
         assert self.chan
         while (msg := await self.chan.recv()) is not None:
-            fut = self._waiting.pop(msg.get("req", -1), None)
+            op = msg.get("op")
+            if op == "exited":
+                fut = self._exits.get(msg.get("pid", -1))
+            else:
+                if op == "spawned":  # before any later frame: its exit may be the very next one
+                    self._exits[int(msg["pid"])] = asyncio.get_running_loop().create_future()
+                fut = self._waiting.pop(msg.get("req", -1), None)
             if fut and not fut.done():
                 fut.set_result(msg)
-        for fut in self._waiting.values():
+        for fut in (*self._waiting.values(), *self._exits.values()):
             if not fut.done():
                 fut.set_exception(IsolationError("zygote exited", snapshot_id=self.view.id))
         self._waiting.clear()
+
+    def exit_report(self, pid: int) -> asyncio.Future[dict[str, Any]]:
+        fut = self._exits.get(pid)
+        if fut is None:  # not spawned by this zygote, or forgotten
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(IsolationError(f"no sandbox {pid} in this zygote", snapshot_id=self.view.id))
+        return fut
+
+    def forget(self, pid: int) -> None:
+        fut = self._exits.pop(pid, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
 
     @property
     def alive(self) -> bool:
@@ -181,6 +210,8 @@ class Zygote:
             msg = await asyncio.wait_for(fut, 30)
         except BaseException:
             ours.close()
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.forget(int(fut.result().get("pid", -1)))
             raise
         if msg.get("op") != "spawned":
             ours.close()

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -278,6 +279,7 @@ class Runtime:
             sb.forked_from = sandbox_id
             if diff is not None:
                 await sb.inject(diff)
+            await sb.want_spare()
             return sb
 
         try:
@@ -397,11 +399,22 @@ class Runtime:
     async def _contain(self, view: SnapshotView, limits: Limits, z: WarmSource, sid: str, group: Group | None,
                        params: dict[str, Any]) -> Sandbox:
         try:
-            _, sock = await z.spawn(params)
+            zpid, sock = await z.spawn(params)
         except BaseException:
             if group:
                 self.release_group(group)
             raise
+        try:
+            sb = await self._handshake(view, limits, sid, group, sock)
+        except BaseException:
+            z.forget(zpid)
+            raise
+        sb.source, sb.source_pid = z, zpid
+        return sb
+
+    async def _handshake(self, view: SnapshotView, limits: Limits, sid: str, group: Group | None,
+                         sock: socket.socket) -> Sandbox:
+        """The spawned sandbox's "ready" (its host pid, its upper layer), its cgroup, then "attached"."""
         chan = Channel(sock, proto.SANDBOX_FRAME_BYTES)  # everything a sandbox sends is untrusted
         try:
             msg = await asyncio.wait_for(chan.recv(), 30)
@@ -427,11 +440,11 @@ class Runtime:
         pidfd = -1
         try:
             pidfd = os.pidfd_open(pid)
-            cg_base = 0.0
+            cg_base = None
             if group:
                 group.attach(pid)
                 group.reset_peak()
-                cg_base = group.stats().cpu_s
+                cg_base = group.stats()
             await chan.send({"op": "attached"})  # only now may the agent fork
         except (OSError, ProcessLookupError) as exc:  # it died right after "ready" (its zygote crashed)
             chan.close()
@@ -442,7 +455,7 @@ class Runtime:
                 self.release_group(group)
             raise IsolationError(f"sandbox died during setup: {exc}", snapshot_id=view.id) from exc
         sb = Sandbox(id=sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
-                     upper_fd=fds[0] if fds else -1, cg_base_cpu_s=cg_base, release_group=self.release_group)
+                     upper_fd=fds[0] if fds else -1, cg_base=cg_base, release_group=self.release_group)
         sb.watch()
         return sb
 
@@ -496,6 +509,7 @@ class Runtime:
         """A sandbox restored from ``snapshot``. ``limits``: a full ``Limits``, or a mapping of the
         fields to change from the snapshot's default limits, or None for those defaults."""
         sb = await self._acquire(snapshot, limits, metadata)
+        await sb.want_spare()
         return self._info(sb)
 
     async def _acquire(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,

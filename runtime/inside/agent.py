@@ -72,6 +72,22 @@ def _run_code(src: str, env: dict[str, str]) -> int:
     return rc
 
 
+# Signals whose default action ends a process. The init of a pid namespace ignores them unless it
+# handles them, so a one-shot program (run as init) that sends itself one would never stop: it gets a
+# handler that ends it as the signal would have (exit status 128 + signal; a forked child, which may
+# die by the signal itself, is killed by it).
+_ENDING_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM,
+                   signal.SIGVTALRM, signal.SIGPROF, signal.SIGQUIT, signal.SIGIO, signal.SIGPWR)
+
+
+def _end_like_default(sig: int, _frame: Any) -> None:
+    if os.getpid() != 1:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        return
+    os._exit(128 + sig)
+
+
 def _worker(msg: dict[str, Any], fds: list[int], env: dict[str, str]) -> None:
     """In the forked worker: wire the pipes, then become the user's program. Never returns."""
     try:
@@ -95,6 +111,9 @@ def _worker(msg: dict[str, Any], fds: list[int], env: dict[str, str]) -> None:
         from rollbox.runtime.isolation import libc
 
         libc.prctl(libc.PR_SET_DUMPABLE, 1)
+        if os.getpid() == 1:
+            for sig in _ENDING_SIGNALS:
+                signal.signal(sig, _end_like_default)
         os._exit(_run_code(msg["code"], run_env))
     except BaseException as exc:
         try:
@@ -268,6 +287,10 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
         nonlocal worker, spare
         try:
             _write_files(msg.get("files") or {})
+            if msg.get("inline"):
+                # A one-shot step: the program becomes this process (pid 1). _worker closes the
+                # supervisor's channel first; the zygote reports the exit; its end ends the sandbox.
+                _worker(msg, fds, env)
             pid = 0
             if spare is not None:
                 pid, chan = spare
@@ -291,10 +314,12 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
         worker = pid
 
     # No fork before the supervisor says this process is in its cgroup ("attached"): a child forked
-    # earlier would live outside the sandbox's limits. After that, while idle, keep one spare worker.
-    attached = False
+    # earlier would live outside the sandbox's limits. Once it is asked for ("spare": the sandbox was
+    # handed out for steps) or a step ran, keep one spare worker while idle. A pooled sandbox has none:
+    # a one-shot run needs none.
+    attached = wants_spare = False
     while True:
-        if attached and spare is None and worker is None and not pending.get("last"):
+        if attached and wants_spare and spare is None and worker is None and not pending.get("last"):
             fork_spare()
         readable, exited = proto.wait(sock, wake_r)
         if exited:
@@ -309,9 +334,12 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
                 op = msg.get("op")
                 if op == "exec":
                     pending = msg
+                    wants_spare = True  # a sandbox that took one step is likely to take another
                     start(msg, reader.take_fds())
                 elif op == "attached":
                     attached = True
+                elif op == "spare":
+                    wants_spare = True
                 elif op == "kill":
                     kill_all()
                 elif op == "ping":

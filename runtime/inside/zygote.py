@@ -91,6 +91,9 @@ def main(ctl_fd: int) -> None:
     for name in cfg["imports"]:
         mod = importlib.import_module(name)
         versions[name] = str(getattr(mod, "__version__", ""))
+    # The compiler's AST types are made lazily by the first compile(): make them here, once, rather
+    # than in every sandbox's first run (measured ~8 % of a one-shot run's CPU in the sandbox).
+    compile("pass", "<warm>", "exec")
     sys.stdout.flush()
     sys.stderr.flush()
     gc.collect()
@@ -107,12 +110,16 @@ def main(ctl_fd: int) -> None:
         if exited:
             while True:
                 try:
-                    pid, _status = os.waitpid(-1, os.WNOHANG)
+                    pid, status, ru = os.wait4(-1, os.WNOHANG)
                 except ChildProcessError:
                     break
                 if pid == 0:
                     break
                 children.discard(pid)
+                # Only the parent learns how a sandbox's init ended; a one-shot run's program is that
+                # init (agent.run_inline), so its exit status reaches the supervisor from here.
+                proto.send(ctl, {"op": "exited", "pid": pid, "status": status,
+                                 "cpu_s": ru.ru_utime + ru.ru_stime, "maxrss_bytes": ru.ru_maxrss * 1024})
         if not readable:
             continue
         data, anc, _f, _a = ctl.recvmsg(1 << 16, proto.ANC_SPACE, proto.RECV_FLAGS)

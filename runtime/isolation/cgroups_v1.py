@@ -19,13 +19,18 @@ class V1Group:
     def __init__(self, dirs: dict[str, Path]):
         self.dirs = dirs
         self.reusable = True
+        self.limits: tuple[int, int, float] | None = None  # as last written
 
     def configure(self, memory_bytes: int, pids_max: int, cpu_cores: float) -> None:
         m = self.dirs["memory"]
-        try:  # a reused group: reclaim the page cache its last sandbox left charged to it
-            _write(m / "memory.force_empty", "0")
-        except OSError:
+        try:  # a reused group: reclaim the page cache its last sandbox left charged to it (if any)
+            if int((m / "memory.usage_in_bytes").read_text()) > 0:
+                _write(m / "memory.force_empty", "0")
+        except (OSError, ValueError):
             pass
+        if self.limits == (memory_bytes, pids_max, cpu_cores):
+            return  # a reused group with the same limits: nothing to write
+        self.limits = None
         memsw = m / "memory.memsw.limit_in_bytes"
         # memory+swap may never be below memory: raise it first, then set memory, then match them.
         for path in (memsw, m / "memory.limit_in_bytes", memsw):
@@ -36,6 +41,7 @@ class V1Group:
                     raise
         _write(self.dirs["pids"] / "pids.max", str(pids_max))
         _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(cpu_cores * 100_000))))
+        self.limits = (memory_bytes, pids_max, cpu_cores)
 
     def paths(self) -> list[str]:
         return [str(d) for d in self.dirs.values()]

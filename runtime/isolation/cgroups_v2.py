@@ -18,14 +18,19 @@ class V2Group:
         self.path = path
         self.enabled = enabled
         self.reusable = True
+        self.limits: tuple[int, int, float] | None = None  # as last written
 
     def configure(self, memory_bytes: int, pids_max: int, cpu_cores: float) -> None:
+        if self.limits == (memory_bytes, pids_max, cpu_cores):
+            return  # a reused group with the same limits: nothing to write
+        self.limits = None
         if "memory" in self.enabled:
             _write(self.path / "memory.max", str(memory_bytes))
         if "pids" in self.enabled:
             _write(self.path / "pids.max", str(pids_max))
         if "cpu" in self.enabled:
             _write(self.path / "cpu.max", f"{max(1000, int(cpu_cores * 100_000))} 100000")
+        self.limits = (memory_bytes, pids_max, cpu_cores)
 
     def paths(self) -> list[str]:
         return [str(self.path)]

@@ -32,6 +32,7 @@ class Case:
     command: str | None = None
     timeout_s: float = 10.0
     limits: dict[str, int] = field(default_factory=dict)
+    one_shot_check: Callable[[ExecResult], bool] | None = None  # when a one-shot run ends differently
 
 
 CASES = [
@@ -72,7 +73,15 @@ CASES = [
               "except OSError as e:\n    print('refused:' + type(e).__name__)"),
     Case("kill -9 -1 inside kills the sandbox's other processes, not its init",
          lambda r: r.exit_code == 0 and r.stdout.split() == ["alive", "0"] and r.sandbox_alive,
-         command="sleep 100 & sleep 100 & kill -9 -1; echo alive; sleep 0.2; ps -e -o comm= | grep -c sleep || true"),
+         command="sleep 100 & sleep 100 & kill -9 -1; echo alive; sleep 0.2; ps -e -o comm= | grep -c sleep || true",
+         one_shot_check=lambda r: r.exit_code == 0 and r.stdout.split() == ["alive", "0"] and not r.sandbox_alive),
+    Case("a program that sends itself SIGTERM ends at once (also as a one-shot, where it is pid 1)",
+         lambda r: r.exit_code == 143 and not r.timed_out and r.stdout == "",
+         code="import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\nprint('still here')",
+         timeout_s=5),
+    Case("background processes do not outlive the step's end as a one-shot",
+         lambda r: r.exit_code == 0 and r.stdout == "started\n" and r.wall_s < 5,
+         command="(sleep 1000; echo late) & echo started", timeout_s=20),
     Case("only AF_UNIX sockets: netlink, vsock, packet, inet6 refused",
          lambda r: r.exit_code == 0 and r.stdout.split() == ["unix:ok", "16:refused", "40:refused", "17:refused", "10:refused"],
          code="import socket\nfor fam in (1, 16, 40, 17, 10):\n    try:\n        socket.socket(fam, socket.SOCK_DGRAM).close()\n"
@@ -131,6 +140,20 @@ async def test_misbehaviour_is_contained(rt: Runtime, host_listener: int, case: 
             assert again.stdout == "42\n", again
     finally:
         await rt.destroy(info.sandbox_id)
+    fresh = await rt.run(ExecRequest(code="print('fine')"))
+    assert fresh.stdout == "fine\n" and fresh.exit_code == 0
+    assert host_mounts() == mounts_before
+    assert host_state(rt) == {"cgroups": [], "sandbox_children": 0}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+async def test_misbehaviour_is_contained_in_one_shot_runs(rt: Runtime, host_listener: int, case: Case) -> None:
+    """The same table through ``run``, where the program is the sandbox's init (pid 1)."""
+    mounts_before = host_mounts()
+    code = case.code.replace("PORT", str(host_listener)) if case.code else None
+    limits = Limits(**case.limits) if case.limits else None
+    res = await rt.run(ExecRequest(code=code, command=case.command, timeout_s=case.timeout_s), limits=limits)
+    assert (case.one_shot_check or case.check)(res), res.model_dump()
     fresh = await rt.run(ExecRequest(code="print('fine')"))
     assert fresh.stdout == "fine\n" and fresh.exit_code == 0
     assert host_mounts() == mounts_before
