@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+import uvloop
 from rollbox.functions import logs, sandbox, snapshot
 from rollbox.functions.logs import lifecycle, logger
 from rollbox.functions.options import (
@@ -201,7 +202,8 @@ def _main(args: argparse.Namespace) -> int:
         print(f"rollbox serve: {exc}", file=sys.stderr)
         return 2
     logs.configure(cfg.log_level)
-    return asyncio.run(serve(cfg))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(serve(cfg))
 
 
 class _Server(uvicorn.Server):
@@ -250,6 +252,7 @@ async def serve(cfg: ServeConfig) -> int:
             uvicorn.Config(
                 service.asgi_app(),
                 lifespan="off",
+                http="httptools",
                 log_config=None,
                 access_log=False,
                 timeout_graceful_shutdown=max(1, math.ceil(cfg.grace_s)),

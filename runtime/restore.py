@@ -63,7 +63,7 @@ class WarmSource(Protocol):
 
     async def start(self, timeout_s: float = ...) -> None: ...
 
-    async def spawn(self, params: dict[str, Any]) -> tuple[int, socket.socket]: ...
+    async def spawn(self, params: dict[str, Any], cgroup_fds: list[int]) -> tuple[int, socket.socket]: ...
 
     def exit_report(self, pid: int) -> asyncio.Future[dict[str, Any]]:
         """How the sandbox ``pid`` (as ``spawn`` returned it) ended: wait status, CPU seconds and peak
@@ -187,9 +187,11 @@ class Zygote:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None and not (self.chan and self.chan.closed)
 
-    async def spawn(self, params: dict[str, Any]) -> tuple[int, socket.socket]:
+    async def spawn(self, params: dict[str, Any], cgroup_fds: list[int]) -> tuple[int, socket.socket]:
         """Fork one sandbox; returns its pid in the zygote's pid namespace and the supervisor's end of
-        its control socket (which carries the host pid with the sandbox's first frame)."""
+        its control socket (which carries the host pid with the sandbox's first frame). The sandbox
+        moves itself into its cgroup through ``cgroup_fds`` (cgroup.procs files the supervisor opened)
+        before anything else."""
         if not self.alive or self.chan is None:
             raise IsolationError("zygote is not running", snapshot_id=self.view.id)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -199,7 +201,7 @@ class Zygote:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[req] = fut
         try:
-            await self.chan.send({"op": "spawn", "req": req, **params}, [theirs.fileno()])
+            await self.chan.send({"op": "spawn", "req": req, **params}, [theirs.fileno(), *cgroup_fds])
         except BaseException:
             self._waiting.pop(req, None)
             ours.close()

@@ -399,7 +399,8 @@ class Runtime:
     async def _contain(self, view: SnapshotView, limits: Limits, z: WarmSource, sid: str, group: Group | None,
                        params: dict[str, Any]) -> Sandbox:
         try:
-            zpid, sock = await z.spawn(params)
+            cg_fds = group.procs_fds() if group else []
+            zpid, sock = await z.spawn(params, cg_fds)
         except BaseException:
             if group:
                 self.release_group(group)
@@ -414,7 +415,7 @@ class Runtime:
 
     async def _handshake(self, view: SnapshotView, limits: Limits, sid: str, group: Group | None,
                          sock: socket.socket) -> Sandbox:
-        """The spawned sandbox's "ready" (its host pid, its upper layer), its cgroup, then "attached"."""
+        """The spawned sandbox's "ready": its host pid and its upper layer; it is in its cgroup already."""
         chan = Channel(sock, proto.SANDBOX_FRAME_BYTES)  # everything a sandbox sends is untrusted
         try:
             msg = await asyncio.wait_for(chan.recv(), 30)
@@ -442,10 +443,8 @@ class Runtime:
             pidfd = os.pidfd_open(pid)
             cg_base = None
             if group:
-                group.attach(pid)
                 group.reset_peak()
                 cg_base = group.stats()
-            await chan.send({"op": "attached"})  # only now may the agent fork
         except (OSError, ProcessLookupError) as exc:  # it died right after "ready" (its zygote crashed)
             chan.close()
             for fd in (*fds, pidfd):
@@ -461,7 +460,8 @@ class Runtime:
 
     def release_group(self, group: Group) -> None:
         """Keep an emptied cgroup for the next sandbox (its counters are read as deltas), or remove it."""
-        if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64:
+        if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64 \
+                and not group.needs_reclaim():
             self.free_groups.append(group)
             return
         self.releasing.add(group)
@@ -476,6 +476,8 @@ class Runtime:
                     break
                 await asyncio.sleep(0.01)
             if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64:
+                if group.needs_reclaim():
+                    await asyncio.to_thread(group.reclaim)
                 self.free_groups.append(group)
             else:
                 await asyncio.to_thread(group.close)

@@ -313,13 +313,12 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
                 os.close(fd)
         worker = pid
 
-    # No fork before the supervisor says this process is in its cgroup ("attached"): a child forked
-    # earlier would live outside the sandbox's limits. Once it is asked for ("spare": the sandbox was
-    # handed out for steps) or a step ran, keep one spare worker while idle. A pooled sandbox has none:
-    # a one-shot run needs none.
-    attached = wants_spare = False
+    # This process moved itself into its cgroup before anything else (zygote.contain), so every fork
+    # is counted. Once asked for ("spare": the sandbox was handed out for steps) or once a step ran,
+    # keep one spare worker while idle. A pooled sandbox has none: a one-shot run needs none.
+    wants_spare = False
     while True:
-        if attached and wants_spare and spare is None and worker is None and not pending.get("last"):
+        if wants_spare and spare is None and worker is None and not pending.get("last"):
             fork_spare()
         readable, exited = proto.wait(sock, wake_r)
         if exited:
@@ -336,8 +335,6 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
                     pending = msg
                     wants_spare = True  # a sandbox that took one step is likely to take another
                     start(msg, reader.take_fds())
-                elif op == "attached":
-                    attached = True
                 elif op == "spare":
                     wants_spare = True
                 elif op == "kill":

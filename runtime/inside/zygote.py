@@ -21,10 +21,13 @@ from rollbox.runtime.inside import agent, proto
 from rollbox.runtime.isolation import libc, mounts, rlimits, seccomp, users
 
 
-def contain(cfg: dict[str, Any], req: dict[str, Any]) -> int:
+def contain(cfg: dict[str, Any], req: dict[str, Any], cgroup_fds: list[int]) -> int:
     """Checklist, in order; every step is required (a failure ends this sandbox, reported by the
     supervisor as an isolation error naming the syscall). Returns the upper-layer fd."""
     libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    for fd in cgroup_fds:  # into its cgroup first: everything after is counted and limited
+        os.write(fd, b"0")
+        os.close(fd)
     libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS | libc.CLONE_NEWNET)
     upper_fd = mounts.build_sandbox_root(
         req["layers"], cfg["host_binds"], cfg["host_masks"], req["disk_bytes"], cfg["rootless"]
@@ -40,9 +43,9 @@ def contain(cfg: dict[str, Any], req: dict[str, Any]) -> int:
     return upper_fd
 
 
-def _sandbox_main(cfg: dict[str, Any], req: dict[str, Any], sock: socket.socket) -> None:
+def _sandbox_main(cfg: dict[str, Any], req: dict[str, Any], sock: socket.socket, cgroup_fds: list[int]) -> None:
     try:
-        upper_fd = contain(cfg, req)
+        upper_fd = contain(cfg, req, cgroup_fds)
     except BaseException as exc:
         try:
             proto.send(sock, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
@@ -132,8 +135,8 @@ def main(ctl_fd: int) -> None:
             os._exit(0)
         reader.feed(data, anc)
         while (msg := reader.next()) is not None:
-            fds = reader.take_fds()
-            if msg.get("op") != "spawn" or len(fds) != 1:
+            fds = reader.take_fds()  # the sandbox's socket, then its cgroup.procs files
+            if msg.get("op") != "spawn" or not fds:
                 for fd in fds:
                     os.close(fd)
                 proto.send(ctl, {"op": "error", "req": msg.get("req"), "error": "bad spawn request"})
@@ -142,17 +145,21 @@ def main(ctl_fd: int) -> None:
                 libc.unshare(libc.CLONE_NEWPID)
                 pid = os.fork()
             except OSError as exc:
-                os.close(fds[0])
+                for fd in fds:
+                    os.close(fd)
                 proto.send(ctl, {"op": "error", "req": msg["req"], "error": str(exc)})
                 continue
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 ctl.detach()  # closed below with every other fd: nothing of the zygote's crosses over
-                keep = fds[0]
-                os.closerange(3, keep)
-                os.closerange(keep + 1, 1 << 16)
-                _sandbox_main(cfg, msg, socket.socket(fileno=keep))
+                low = 3
+                for fd in sorted(fds):
+                    os.closerange(low, fd)
+                    low = fd + 1
+                os.closerange(low, 1 << 16)
+                _sandbox_main(cfg, msg, socket.socket(fileno=fds[0]), fds[1:])
             libc.setns(pidns, libc.CLONE_NEWPID)
-            os.close(fds[0])
+            for fd in fds:
+                os.close(fd)
             children.add(pid)
             proto.send(ctl, {"op": "spawned", "req": msg["req"], "pid": pid})

@@ -6,7 +6,8 @@ import os
 import time
 from pathlib import Path
 
-from rollbox.runtime.isolation.cgroups import CgroupStats, mounts_of
+from rollbox.runtime.isolation.cgroups import RECLAIM_ABOVE_BYTES, CgroupStats, mounts_of, open_procs
+from rollbox.runtime.isolation.cgroups import read as _read
 from rollbox.runtime.isolation.cgroups import read_kv as _read_kv
 from rollbox.runtime.isolation.cgroups import write as _write
 
@@ -20,14 +21,29 @@ class V1Group:
         self.dirs = dirs
         self.reusable = True
         self.limits: tuple[int, int, float] | None = None  # as last written
+        self._procs: list[int] = []
+
+    def procs_fds(self) -> list[int]:
+        if not self._procs:
+            self._procs = [open_procs(d) for d in self.dirs.values()]
+        return self._procs
+
+    def needs_reclaim(self) -> bool:
+        try:
+            return int(_read(self.dirs["memory"] / "memory.usage_in_bytes")) > RECLAIM_ABOVE_BYTES
+        except (OSError, ValueError):
+            return False
+
+    def reclaim(self) -> None:
+        """Uncharge the page cache the last sandbox left charged to this (emptied) group, so the next
+        one starts from zero (its limit and its peak are its own). Slow-ish: off the event loop."""
+        try:
+            _write(self.dirs["memory"] / "memory.force_empty", "0")
+        except OSError:
+            pass
 
     def configure(self, memory_bytes: int, pids_max: int, cpu_cores: float) -> None:
         m = self.dirs["memory"]
-        try:  # a reused group: reclaim the page cache its last sandbox left charged to it (if any)
-            if int((m / "memory.usage_in_bytes").read_text()) > 0:
-                _write(m / "memory.force_empty", "0")
-        except (OSError, ValueError):
-            pass
         if self.limits == (memory_bytes, pids_max, cpu_cores):
             return  # a reused group with the same limits: nothing to write
         self.limits = None
@@ -48,7 +64,7 @@ class V1Group:
 
     def is_empty(self) -> bool:
         try:
-            return not (self.dirs["pids"] / "cgroup.procs").read_text().strip()
+            return not _read(self.dirs["pids"] / "cgroup.procs").strip()
         except OSError:
             return False
 
@@ -60,11 +76,11 @@ class V1Group:
         mem = self.dirs["memory"]
         oom = _read_kv(mem / "memory.oom_control").get("oom_kill", 0)
         try:
-            peak = int((mem / "memory.max_usage_in_bytes").read_text())
+            peak = int(_read(mem / "memory.max_usage_in_bytes"))
         except (OSError, ValueError):
             peak = 0
         try:
-            cpu_ns = int((self.dirs["cpuacct"] / "cpuacct.usage").read_text())
+            cpu_ns = int(_read(self.dirs["cpuacct"] / "cpuacct.usage"))
         except (OSError, ValueError, KeyError):
             cpu_ns = 0
         pids_max_hits = _read_kv(self.dirs["pids"] / "pids.events").get("max", 0)
@@ -77,6 +93,9 @@ class V1Group:
             pass
 
     def close(self) -> None:
+        for fd in self._procs:
+            os.close(fd)
+        self._procs = []
         for d in self.dirs.values():
             for attempt in range(200):
                 try:

@@ -6,7 +6,8 @@ import os
 import time
 from pathlib import Path
 
-from rollbox.runtime.isolation.cgroups import CgroupStats, mounts_of
+from rollbox.runtime.isolation.cgroups import RECLAIM_ABOVE_BYTES, CgroupStats, mounts_of, open_procs
+from rollbox.runtime.isolation.cgroups import read as _read
 from rollbox.runtime.isolation.cgroups import read_kv as _read_kv
 from rollbox.runtime.isolation.cgroups import write as _write
 
@@ -19,6 +20,27 @@ class V2Group:
         self.enabled = enabled
         self.reusable = True
         self.limits: tuple[int, int, float] | None = None  # as last written
+        self._procs: list[int] = []
+
+    def procs_fds(self) -> list[int]:
+        if not self._procs:
+            self._procs = [open_procs(self.path)]
+        return self._procs
+
+    def needs_reclaim(self) -> bool:
+        if "memory" not in self.enabled:
+            return False
+        try:
+            return int(_read(self.path / "memory.current")) > RECLAIM_ABOVE_BYTES
+        except (OSError, ValueError):
+            return False
+
+    def reclaim(self) -> None:
+        """Uncharge the page cache the last sandbox left charged to this (emptied) group."""
+        try:
+            _write(self.path / "memory.reclaim", _read(self.path / "memory.current").strip())
+        except OSError:  # EAGAIN when not all of it could be reclaimed: what is left is little
+            pass
 
     def configure(self, memory_bytes: int, pids_max: int, cpu_cores: float) -> None:
         if self.limits == (memory_bytes, pids_max, cpu_cores):
@@ -37,7 +59,7 @@ class V2Group:
 
     def is_empty(self) -> bool:
         try:
-            return "populated 0" in (self.path / "cgroup.events").read_text()
+            return "populated 0" in _read(self.path / "cgroup.events")
         except OSError:
             return False
 
@@ -46,7 +68,7 @@ class V2Group:
 
     def stats(self) -> CgroupStats:
         try:
-            peak = int((self.path / "memory.peak").read_text())
+            peak = int(_read(self.path / "memory.peak"))
         except (OSError, ValueError):
             peak = 0
         return CgroupStats(
@@ -69,6 +91,9 @@ class V2Group:
             pass
 
     def close(self) -> None:
+        for fd in self._procs:
+            os.close(fd)
+        self._procs = []
         self.kill()
         for attempt in range(200):
             try:
