@@ -91,7 +91,9 @@ async def bench_fork(rt: Runtime, name: str, n: int, count: int = 16, pooled: bo
     between forks (as it is while a trainer's episodes run), so children come ready from it and
     the parent's diff is applied in them; else every child is restored (pool disabled)."""
     parent = await rt.create(name)
-    pool = rt.pools.get((name, rt.get(parent.sandbox_id).limits)) if pooled else None
+    view = await rt.resolve(name)  # pools are keyed by the snapshot's id, not by its name
+    pool = rt.pools.get((view.id, rt.get(parent.sandbox_id).limits)) if pooled else None
+    assert pool is not None or not pooled, "the warm pool of the parent's snapshot was not found"
     write = SMALL_DIFF if small else BIG_DIFF
     assert (await rt.exec(parent.sandbox_id, ExecRequest(code=write))).exit_code == 0
     check = "cat f4.py" if small else "cat small/f99.txt"

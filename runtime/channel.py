@@ -66,12 +66,13 @@ class Channel:
     def take_fds(self) -> list[int]:
         return self.reader.take_fds()
 
-    async def send(self, obj: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+    async def send(self, obj: dict[str, Any] | bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Send one frame: a message, or one already encoded (``proto.encode``) to send to many."""
         async with self._send_lock:
             await self._send(obj, fds)
 
-    async def _send(self, obj: dict[str, Any], fds: list[int] | tuple[int, ...]) -> None:
-        data = proto.encode(obj)
+    async def _send(self, obj: dict[str, Any] | bytes, fds: list[int] | tuple[int, ...]) -> None:
+        data = obj if isinstance(obj, bytes) else proto.encode(obj)
         if fds:
             while True:
                 try:

@@ -168,6 +168,34 @@ async def test_fork_children_see_the_parent_files_and_are_isolated(rt: Runtime, 
         await rt.destroy(parent.sandbox_id)
 
 
+async def test_pooled_sandboxes_primed_for_forks_change_nothing(rt: Runtime) -> None:
+    """Once a snapshot is forked, its pool primes new sandboxes (their agents run the fork path on
+    entries that change nothing): their diff stays empty and later forks into them are exact."""
+    import os
+
+    parent = await rt.create()
+    try:
+        await rt.exec(parent.sandbox_id, ExecRequest(command="echo one > a.txt"))
+        first = await rt.fork(parent.sandbox_id, 3)  # the pool learns a burst of 3
+        view = await rt.resolve("python")
+        pool = rt.pools[(view.id, rt.get(parent.sandbox_id).limits)]
+        await pool.wait_ready(3)
+        assert pool.bursts
+        for sb in list(pool.ready):
+            await sb.chan.send({"op": "ping"})  # frames are served in order: the prime has run
+            assert await sb.expect("pong") is not None
+            assert os.listdir(sb.upper_path) == []  # nothing written, nothing copied up
+        await rt.exec(parent.sandbox_id, ExecRequest(command="echo two > a.txt; rm -f /tmp/*"))
+        second = await rt.fork(parent.sandbox_id, 3)
+        for c in second:
+            r = await rt.exec(c.sandbox_id, ExecRequest(command="cat a.txt"))
+            assert r.stdout == "two\n", r
+        for c in (*first, *second):
+            await rt.destroy(c.sandbox_id)
+    finally:
+        await rt.destroy(parent.sandbox_id)
+
+
 async def test_partial_limits_change_only_what_they_name(rt: Runtime) -> None:
     from rollbox.runtime.errors import InvalidRequest
 
