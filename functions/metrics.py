@@ -74,6 +74,8 @@ class Metrics:
         if isinstance(data, SandboxInfo):
             self.create_seconds.labels("pooled" if data.pooled else "restored").observe(data.create_ms / 1000)
         elif isinstance(data, ExecResult):
+            if data.create_ms is not None:  # a one-shot run: its sandbox was acquired too
+                self.create_seconds.labels("pooled" if data.pooled else "restored").observe(data.create_ms / 1000)
             self.execs.labels(request_type).inc()
             self.exit_codes.labels(str(data.exit_code)).inc()
             if data.timed_out:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import uvloop
 
 RUN = "dev.rollbox.sandbox.run"
 BODY = json.dumps({"code": "print(1)"}).encode()
@@ -205,7 +206,7 @@ def main() -> int:
         proc, url = start(Path(tmp) / "serve.log", ["--log-level", args.log_level, "--max-queued", "4096"])
         try:
             for c in levels:
-                rows.append({"path": "http", **asyncio.run(level(url, proc.pid, c, count(c)))})
+                rows.append({"path": "http", **uvloop.run(level(url, proc.pid, c, count(c)))})
         except Exception:
             tail = (Path(tmp) / "serve.log").read_text(errors="replace").splitlines()[-20:]
             print("server log (last lines):", *tail, sep="\n", file=sys.stderr)
@@ -229,7 +230,7 @@ def main() -> int:
         if args.json:
             print(json.dumps(r))
     print(
-        f"(server: rollbox serve --log-level {args.log_level}, exit status {rc}; client: httpx in this "
+        f"(server: rollbox serve --log-level {args.log_level}, exit status {rc}; client: httpx on uvloop in this "
         f"process; {os.cpu_count()} cores shared; load average {os.getloadavg()[0]:.1f} at the end)\n"
         "(CPU ms/run: busy CPU of the whole machine per run, from /proc/stat; client = this process; "
         "server = the rollbox serve process itself; rest = sandboxes, zygotes, kernel threads. In-process, "

@@ -583,7 +583,8 @@ class Runtime:
         for attempt in range(3):
             sb = await self._acquire(snapshot, limits, metadata)
             try:
-                return await self.exec(sb.id, request, last=True)
+                result = await self.exec(sb.id, request, last=True)
+                return result.model_copy(update={"pooled": sb.pooled, "create_ms": round(sb.create_ms, 3)})
             except SandboxDied as exc:
                 # a pooled sandbox that died before the request reached it (its zygote crashed): take
                 # another; nothing ran, so this cannot run the request twice

@@ -118,6 +118,8 @@ class ExecResult(BaseModel):
     peak_memory_bytes: int = 0
     files: dict[str, str | None] = Field(default_factory=dict, description="read_files: text, or None if absent")
     sandbox_alive: bool = True
+    pooled: bool | None = Field(default=None, description="one-shot runs: the sandbox came ready from the warm pool")
+    create_ms: float | None = Field(default=None, description="one-shot runs: how long getting the sandbox took")
 
 
 class SandboxInfo(BaseModel):

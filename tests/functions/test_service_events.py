@@ -168,6 +168,14 @@ async def test_create_latency_and_live_metrics(server: ServerProc, http: httpx.A
     )
     assert metric(text, "rollbox_live_sandboxes") >= 1
     await send(http, server.url, ce(SANDBOX_DESTROY, {"sandbox_id": sid}))
+    r = await send(http, server.url, ce(SANDBOX_RUN, {"code": "print(1)"}))  # a one-shot run acquires one too
+    res = ExecResult.model_validate(r.data)
+    assert res.create_ms is not None and res.create_ms >= 0 and res.pooled is not None
+    text = (await http.get(server.url + "metrics")).text
+    assert (
+        sum(metric(text, "rollbox_sandbox_create_seconds_count", source=s) for s in ("pooled", "restored"))
+        == counts + 2
+    )
 
 
 @pytest.mark.parametrize("first,second", [("binary", "binary"), ("binary", "structured")])
