@@ -164,8 +164,10 @@ class Sandbox:
     chan: Channel
     group: Group | None
     upper_fd: int
-    source: WarmSource | None = None  # what spawned it, and its pid there: how its init ended
+    source: WarmSource | None = None  # what spawned it, its pid there, and how its init ended
     source_pid: int = -1
+    ended: asyncio.Future[dict[str, Any]] | None = None
+    _stats_fresh: bool = True  # cg_base still describes the sandbox as no step has touched it
     extra_layers: tuple[str, ...] = ()
     cg_base: CgroupStats | None = None  # the (reused) cgroup's counters when this sandbox joined it
     cg_final: CgroupStats | None = None  # its counters once every process of the sandbox was gone
@@ -225,12 +227,14 @@ class Sandbox:
     async def prime(self) -> None:
         """Have the agent run its fork path once on nothing (see agent._prime): a pooled sandbox of a
         snapshot that is being forked then applies a parent's diff faster."""
+        self._stats_fresh = False  # that work is not the first step's
         with contextlib.suppress(OSError):
             await self.chan.send({"op": "prime"})
 
     async def want_spare(self) -> None:
         """This sandbox will take steps: have its agent fork a worker ahead of the first one. (Pooled
         sandboxes have none: a one-shot run needs none — its program runs as the sandbox's init.)"""
+        self._stats_fresh = False
         with contextlib.suppress(OSError):
             await self.chan.send({"op": "spare"})
 
@@ -273,8 +277,9 @@ class Sandbox:
 
     async def _exec(self, req: ExecRequest, last: bool) -> ExecResult:
         cap = self.limits.output_max_bytes
-        if self.execs == 0:  # the first step: counters as the sandbox joined its group (peak reset then)
+        if self._stats_fresh:  # nothing ran since the sandbox joined its group: counters (and peak) as then
             before = self.cg_base
+            self._stats_fresh = False
         else:
             before = self.group.stats() if self.group else None
             if self.group:
@@ -285,9 +290,9 @@ class Sandbox:
         os.set_blocking(out_w, True)
         os.set_blocking(err_w, True)
         os.set_blocking(in_w, False)
-        inline = last and not req.read_files and self.source is not None
+        inline = last and not req.read_files and self.ended is not None
         msg: dict[str, Any] = {"op": "exec", "env": req.env, "files": req.files, "read_files": req.read_files,
-                               "last": last, "inline": inline}
+                               "last": last, "inline": inline, "cpu_base": inline and self.group is None}
         if req.code is not None:
             msg["code"] = req.code
         else:
@@ -378,35 +383,53 @@ class Sandbox:
         program starts, the agent may still answer on the channel (files it could not write); then it
         hangs up, and the next word is the exit report. Timeout: the init is killed, which ends every
         process of the sandbox."""
-        assert self.source is not None
-        ended = self.source.exit_report(self.source_pid)
-        answer: asyncio.Future[dict[str, Any] | None] = asyncio.ensure_future(self.expect("exit"))
+        assert self.ended is not None
+        ended = self.ended
         deadline = time.monotonic() + timeout_s
+        base_cpu = 0.0
+        answer: asyncio.Future[dict[str, Any] | None] = asyncio.ensure_future(self.expect("exit", "started"))
+        gone = asyncio.ensure_future(self.exited.wait())
         try:
-            waiting: set[asyncio.Future[Any]] = {answer, ended}
-            done, _ = await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            if answer in done and answer.exception() is None and answer.result() is not None:
-                return answer.result(), False  # refused before it ran; the sandbox lives on
-            if ended not in done:
-                await asyncio.wait({ended}, timeout=max(0.0, deadline - time.monotonic()))
-            timed_out = not ended.done()
+            while True:
+                waiting: set[asyncio.Future[Any]] = {answer, ended}
+                done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if answer not in done or answer.exception() is not None or answer.result() is None:
+                    break
+                msg = answer.result()
+                assert msg is not None
+                if msg["op"] == "exit":
+                    return msg, False  # refused before it ran; the sandbox lives on
+                base_cpu = float(msg.get("cpu_s", 0.0))  # "started": the agent's own CPU so far
+                answer = asyncio.ensure_future(self.expect("exit"))
+            if not ended.done():  # the program runs: its end, or the deadline
+                either: set[asyncio.Future[Any]] = {ended, gone}
+                await asyncio.wait(either, timeout=max(0.0, deadline - time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            if not ended.done() and gone.done():  # the init is gone: its report is on its way
+                await asyncio.wait({ended}, timeout=KILL_GRACE_S)
+            timed_out = not ended.done() and not gone.done()
             if timed_out:
                 self.kill()
                 await asyncio.wait({ended}, timeout=KILL_GRACE_S)
             self.dead = self.dead or "finished"
             if not ended.done() or ended.cancelled() or ended.exception() is not None:
                 return None, timed_out
-            return ended.result(), timed_out
+            report = dict(ended.result())
+            report["cpu_s"] = max(0.0, float(report.get("cpu_s", 0.0)) - base_cpu)
+            return report, timed_out
         finally:
-            answer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, SandboxDied):
-                await answer
+            for task in (answer, gone):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, SandboxDied):
+                    await task
 
     async def inject(self, diff: dict[str, Any]) -> None:
         """Apply a forked parent's filesystem diff (see ``pack_upper``) inside this sandbox."""
         async with self.lock:
             if self.dead is not None:
                 raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
+            self._stats_fresh = False
             frame = diff.get("frame")
             if frame is None:  # encoded once per fork, sent to every child
                 frame = diff["frame"] = proto.encode({"op": "inject", "entries": diff["entries"],
@@ -456,7 +479,7 @@ class Sandbox:
                 await asyncio.to_thread(self.group.close)
         self.chan.close()
         if self.source is not None:
-            self.source.forget(self.source_pid)
+            self.source.forget(self.source_pid, self.ended)
         asyncio.get_running_loop().remove_reader(self.pidfd)
         for fd in (self.upper_fd, self.pidfd):
             with contextlib.suppress(OSError):

@@ -71,8 +71,9 @@ class WarmSource(Protocol):
         source that forked it can reap it."""
         ...
 
-    def forget(self, pid: int) -> None:
-        """The sandbox ``pid`` is gone from the runtime: drop what is kept about its exit."""
+    def forget(self, pid: int, report: asyncio.Future[dict[str, Any]] | None = None) -> None:
+        """The sandbox ``pid`` is gone from the runtime: drop what is kept about its exit (only if it
+        is still ``report``, the future ``exit_report`` gave for it: pids are reused)."""
         ...
 
     async def close(self) -> None: ...
@@ -161,14 +162,19 @@ class Zygote:
             if op == "exited":
                 fut = self._exits.get(msg.get("pid", -1))
             else:
-                if op == "spawned":  # before any later frame: its exit may be the very next one
-                    self._exits[int(msg["pid"])] = asyncio.get_running_loop().create_future()
                 fut = self._waiting.pop(msg.get("req", -1), None)
+                if op == "spawned" and fut and not fut.done():  # before any later frame: its exit may be next
+                    self._exits[int(msg["pid"])] = asyncio.get_running_loop().create_future()
             if fut and not fut.done():
                 fut.set_result(msg)
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """The zygote is gone: no spawn will be answered and no exit reported."""
         for fut in (*self._waiting.values(), *self._exits.values()):
             if not fut.done():
                 fut.set_exception(IsolationError("zygote exited", snapshot_id=self.view.id))
+                fut.exception()  # retrieved: an exit report nobody awaits is not an error to log
         self._waiting.clear()
 
     def exit_report(self, pid: int) -> asyncio.Future[dict[str, Any]]:
@@ -178,9 +184,12 @@ class Zygote:
             fut.set_exception(IsolationError(f"no sandbox {pid} in this zygote", snapshot_id=self.view.id))
         return fut
 
-    def forget(self, pid: int) -> None:
-        fut = self._exits.pop(pid, None)
-        if fut is not None and not fut.done():
+    def forget(self, pid: int, report: asyncio.Future[dict[str, Any]] | None = None) -> None:
+        fut = self._exits.get(pid)
+        if fut is None or (report is not None and fut is not report):  # the pid is another sandbox's now
+            return
+        del self._exits[pid]
+        if not fut.done():
             fut.cancel()
 
     @property
@@ -230,6 +239,7 @@ class Zygote:
                 pass
         if self.proc:
             await self.proc.wait()
+        self._fail_pending()  # its reader is cancelled below: nobody may wait on it after this
         for task in (self._reader, self._stderr_task):
             if task:
                 task.cancel()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import resource
 import secrets
 import shutil
 import socket
@@ -113,6 +114,13 @@ class Runtime:
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         cfg = self.config
+        # Each live or reusable cgroup keeps its cgroup.procs files open and every sandbox holds a few
+        # fds here: the usual soft limit of 1,024 would cap the service well below its max_live.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < want:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.layer_root.mkdir(parents=True, exist_ok=True)
         self.seccomp_bpf = await asyncio.to_thread(seccomp.build_filter)
@@ -376,7 +384,11 @@ class Runtime:
         group = None
         if self.free_groups:
             group = self.free_groups.pop()
-            group.configure(limits.memory_max_bytes, limits.pids_max, limits.cpu_max_cores)
+            try:
+                group.configure(limits.memory_max_bytes, limits.pids_max, limits.cpu_max_cores)
+            except OSError:
+                self.drop_group(group)
+                raise
         elif self.cgroup_backend:
             group = self.cgroup_backend.prepare(f"{os.getpid()}-{sid}", limits.memory_max_bytes, limits.pids_max,
                                                 limits.cpu_max_cores)
@@ -402,14 +414,14 @@ class Runtime:
             zpid, sock = await z.spawn(params, cg_fds)
         except BaseException:
             if group:
-                self.release_group(group)
+                self.drop_group(group)
             raise
         try:
             sb = await self._handshake(view, limits, sid, group, sock)
         except BaseException:
             z.forget(zpid)
             raise
-        sb.source, sb.source_pid = z, zpid
+        sb.source, sb.source_pid, sb.ended = z, zpid, z.exit_report(zpid)
         return sb
 
     async def _handshake(self, view: SnapshotView, limits: Limits, sid: str, group: Group | None,
@@ -421,7 +433,7 @@ class Runtime:
         except asyncio.CancelledError:
             chan.close()  # the child sees its socket close and exits; its cgroup is released
             if group:
-                self.release_group(group)
+                self.drop_group(group)
             raise
         except (TimeoutError, OSError):
             msg = None
@@ -432,7 +444,7 @@ class Runtime:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(creds[0], 9)
             if group:
-                self.release_group(group)
+                self.drop_group(group)
             why = msg.get("error") if msg else "sandbox exited during setup"
             raise IsolationError(f"sandbox setup failed: {why}", snapshot_id=view.id)
         pid = creds[0]
@@ -450,12 +462,18 @@ class Runtime:
                 if fd >= 0:
                     os.close(fd)
             if group:
-                self.release_group(group)
+                self.drop_group(group)
             raise IsolationError(f"sandbox died during setup: {exc}", snapshot_id=view.id) from exc
         sb = Sandbox(id=sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
                      upper_fd=fds[0] if fds else -1, cg_base=cg_base, release_group=self.release_group)
         sb.watch()
         return sb
+
+    def drop_group(self, group: Group) -> None:
+        """Remove a cgroup rather than reuse it: a spawn that failed may still have a child on its way
+        into it (it writes itself in first), and a group that could not be configured is suspect."""
+        group.reusable = False
+        self.release_group(group)
 
     def release_group(self, group: Group) -> None:
         """Keep an emptied cgroup for the next sandbox (its counters are read as deltas), or remove it."""

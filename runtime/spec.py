@@ -30,11 +30,22 @@ def check_sandbox_path(path: str) -> str:
     return norm
 
 
+def check_utf8(text: str) -> str:
+    """Text that can be written as UTF-8 (JSON lets a lone surrogate such as \\ud800 through)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid UTF-8 text: a lone surrogate at position {exc.start}") from None
+    return text
+
+
 def check_env(env: dict[str, str]) -> dict[str, str]:
     """Environment variables a process can actually receive: a name without '=' or NUL, a value without NUL."""
     for k, val in env.items():
         if not k or "=" in k or "\x00" in k or "\x00" in val:
             raise ValueError(f"invalid environment variable name or value: {k!r}")
+        check_utf8(k)
+        check_utf8(val)
     return env
 
 
@@ -78,15 +89,20 @@ class ExecRequest(_Frozen):
             raise ValueError("exactly one of 'code' or 'command' must be given")
         return self
 
+    @field_validator("code", "command", "stdin")
+    @classmethod
+    def _utf8(cls, v: str | None) -> str | None:
+        return None if v is None else check_utf8(v)
+
     @field_validator("files")
     @classmethod
     def _files(cls, v: dict[str, str]) -> dict[str, str]:
-        return {check_sandbox_path(k): c for k, c in v.items()}
+        return {check_utf8(check_sandbox_path(k)): check_utf8(c) for k, c in v.items()}
 
     @field_validator("read_files")
     @classmethod
     def _read_files(cls, v: list[str]) -> list[str]:
-        return [check_sandbox_path(p) for p in v]
+        return [check_utf8(check_sandbox_path(p)) for p in v]
 
     @field_validator("env")
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -306,6 +307,11 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
             if msg.get("inline"):
                 # A one-shot step: the program becomes this process (pid 1). _worker closes the
                 # supervisor's channel first; the zygote reports the exit; its end ends the sandbox.
+                # Without a cgroup the supervisor meters CPU from that report: say what was used so far.
+                if msg.get("cpu_base"):
+                    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+                    proto.send(sock, {"op": "started", "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime
+                                      + kids.ru_stime})
                 _worker(msg, fds, env)
             pid = 0
             if spare is not None:
@@ -320,8 +326,9 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
                 pid = os.fork()
                 if pid == 0:
                     _worker(msg, fds, env)
-        except OSError as exc:
-            proto.send(sock, {"op": "exit", "error": f"{exc.strerror or exc}", "status": 126 << 8,
+        except Exception as exc:  # files that cannot be written, no process to fork: the step is refused
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+            proto.send(sock, {"op": "exit", "error": why, "status": 126 << 8,
                               "cpu_s": 0.0, "maxrss_bytes": 0, "files": {}})
             return
         finally:

@@ -19,13 +19,14 @@ class V1Group:
 
     def __init__(self, dirs: dict[str, Path]):
         self.dirs = dirs
+        self.unique = list(dict.fromkeys(dirs.values()))  # co-mounted controllers (cpu,cpuacct) share one
         self.reusable = True
         self.limits: tuple[int, int, float] | None = None  # as last written
         self._procs: list[int] = []
 
     def procs_fds(self) -> list[int]:
         if not self._procs:
-            self._procs = [open_procs(d) for d in self.dirs.values()]
+            self._procs = [open_procs(d) for d in self.unique]
         return self._procs
 
     def needs_reclaim(self) -> bool:
@@ -60,7 +61,7 @@ class V1Group:
         self.limits = (memory_bytes, pids_max, cpu_cores)
 
     def paths(self) -> list[str]:
-        return [str(d) for d in self.dirs.values()]
+        return [str(d) for d in self.unique]
 
     def is_empty(self) -> bool:
         try:
@@ -69,7 +70,7 @@ class V1Group:
             return False
 
     def attach(self, pid: int) -> None:
-        for d in self.dirs.values():
+        for d in self.unique:
             _write(d / "cgroup.procs", str(pid))
 
     def stats(self) -> CgroupStats:
@@ -96,7 +97,7 @@ class V1Group:
         for fd in self._procs:
             os.close(fd)
         self._procs = []
-        for d in self.dirs.values():
+        for d in self.unique:
             for attempt in range(200):
                 try:
                     os.rmdir(d)
@@ -124,7 +125,7 @@ class V1:
 
     def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> V1Group:
         dirs = {c: p / name for c, p in self.parents.items()}
-        for d in dirs.values():
+        for d in dict.fromkeys(dirs.values()):
             try:
                 d.mkdir()
             except FileNotFoundError:  # another runtime sharing the parent removed it on close
@@ -140,10 +141,10 @@ class V1:
         return group
 
     def leftovers(self) -> list[str]:
-        return [str(d) for p in self.parents.values() if p.is_dir() for d in p.iterdir() if d.is_dir()]
+        return [str(d) for p in dict.fromkeys(self.parents.values()) if p.is_dir() for d in p.iterdir() if d.is_dir()]
 
     def close(self) -> None:
-        for p in self.parents.values():
+        for p in dict.fromkeys(self.parents.values()):
             try:
                 os.rmdir(p)
             except OSError:

@@ -21,6 +21,7 @@ class V2Group:
         self.reusable = True
         self.limits: tuple[int, int, float] | None = None  # as last written
         self._procs: list[int] = []
+        self._peak_fd = -1
 
     def procs_fds(self) -> list[int]:
         if not self._procs:
@@ -66,9 +67,16 @@ class V2Group:
     def attach(self, pid: int) -> None:
         _write(self.path / "cgroup.procs", str(pid))
 
+    def _peak(self) -> int:
+        """This group's memory.peak through its own fd: since Linux 6.12 a reset applies to reads
+        through the fd that wrote it, not to other readers."""
+        if self._peak_fd < 0:
+            self._peak_fd = os.open(self.path / "memory.peak", os.O_RDWR | os.O_CLOEXEC)
+        return int(os.pread(self._peak_fd, 64, 0))
+
     def stats(self) -> CgroupStats:
         try:
-            peak = int(_read(self.path / "memory.peak"))
+            peak = self._peak() if "memory" in self.enabled else 0
         except (OSError, ValueError):
             peak = 0
         return CgroupStats(
@@ -80,7 +88,9 @@ class V2Group:
 
     def reset_peak(self) -> None:
         try:
-            _write(self.path / "memory.peak", "0")  # resettable since Linux 6.12
+            if self._peak_fd < 0:
+                self._peak_fd = os.open(self.path / "memory.peak", os.O_RDWR | os.O_CLOEXEC)
+            os.write(self._peak_fd, b"0")  # resettable since Linux 6.12, for this fd's reads
         except OSError:
             self.reusable = False  # its peak would carry the last sandbox's: never hand it on
 
@@ -94,6 +104,9 @@ class V2Group:
         for fd in self._procs:
             os.close(fd)
         self._procs = []
+        if self._peak_fd >= 0:
+            os.close(self._peak_fd)
+            self._peak_fd = -1
         self.kill()
         for attempt in range(200):
             try:

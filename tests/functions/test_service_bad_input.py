@@ -179,6 +179,23 @@ CORPUS: list[tuple[str, dict[str, str], bytes, int, str, tuple[str, ...]]] = [
         ("read_files", ".."),
     ),
     (
+        "lone surrogate in a file's text (valid JSON, not UTF-8)",
+        binary_headers(),
+        b'{"code": "1", "files": {"a.txt": "\\ud800"}}',
+        400,
+        "invalid_data",
+        ("files", "surrogate"),
+    ),
+    (
+        "lone surrogate in stdin",
+        STRUCT,
+        b'{"specversion": "1.0", "type": "dev.rollbox.sandbox.run", "source": "/t", "id": "s1", '
+        b'"datacontenttype": "application/json", "data": {"code": "1", "stdin": "x\\udfff"}}',
+        400,
+        "invalid_data",
+        ("stdin", "surrogate"),
+    ),
+    (
         "NUL in file name",
         binary_headers(),
         b({"code": "1", "files": {"a\u0000b": "x"}}),
