@@ -316,7 +316,10 @@ async def test_cpu_of_a_step_is_the_programs_own(tmp_path: Path, cgroup: str) ->
     from rollbox.runtime.runtime import RuntimeConfig
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.25:\n    pass"
-    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup=cgroup, pool_max=0)) as rt2:
+    import os
+
+    parent = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT", f"rollbox-test-{os.getpid()}")  # as conftest's
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup=cgroup, cgroup_parent=parent, pool_max=0)) as rt2:
         assert (rt2.cgroup_backend is None) == (cgroup == "none")
         idle = await rt2.run(ExecRequest(code="pass"))
         busy = await rt2.run(ExecRequest(code=burn))
