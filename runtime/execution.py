@@ -388,7 +388,6 @@ class Sandbox:
         deadline = time.monotonic() + timeout_s
         base_cpu = 0.0
         answer: asyncio.Future[dict[str, Any] | None] = asyncio.ensure_future(self.expect("exit", "started"))
-        gone = asyncio.ensure_future(self.exited.wait())
         try:
             while True:
                 waiting: set[asyncio.Future[Any]] = {answer, ended}
@@ -402,13 +401,11 @@ class Sandbox:
                     return msg, False  # refused before it ran; the sandbox lives on
                 base_cpu = float(msg.get("cpu_s", 0.0))  # "started": the agent's own CPU so far
                 answer = asyncio.ensure_future(self.expect("exit"))
-            if not ended.done():  # the program runs: its end, or the deadline
-                either: set[asyncio.Future[Any]] = {ended, gone}
-                await asyncio.wait(either, timeout=max(0.0, deadline - time.monotonic()),
-                                   return_when=asyncio.FIRST_COMPLETED)
-            if not ended.done() and gone.done():  # the init is gone: its report is on its way
+            if not ended.done():  # the program runs: its end (reported by the zygote), or the deadline
+                await asyncio.wait({ended}, timeout=max(0.0, deadline - time.monotonic()))
+            if not ended.done() and self.exited.is_set():  # the init is gone: its report is on its way
                 await asyncio.wait({ended}, timeout=KILL_GRACE_S)
-            timed_out = not ended.done() and not gone.done()
+            timed_out = not ended.done() and not self.exited.is_set()
             if timed_out:
                 self.kill()
                 await asyncio.wait({ended}, timeout=KILL_GRACE_S)
@@ -419,10 +416,9 @@ class Sandbox:
             report["cpu_s"] = max(0.0, float(report.get("cpu_s", 0.0)) - base_cpu)
             return report, timed_out
         finally:
-            for task in (answer, gone):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, SandboxDied):
-                    await task
+            answer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, SandboxDied):
+                await answer
 
     async def inject(self, diff: dict[str, Any]) -> None:
         """Apply a forked parent's filesystem diff (see ``pack_upper``) inside this sandbox."""
