@@ -125,14 +125,27 @@ def host_listener():
     os.unlink(HOST_FILE)
 
 
+def _request(case: Case, port: int) -> tuple[ExecRequest, Limits | None]:
+    code = case.code.replace("PORT", str(port)) if case.code else None
+    limits = Limits(**case.limits) if case.limits else None
+    return ExecRequest(code=code, command=case.command, timeout_s=case.timeout_s), limits
+
+
+async def _all_still_well(rt: Runtime, mounts_before: int) -> None:
+    """After a case: the supervisor still runs sandboxes, and nothing of the case is left on the host."""
+    fresh = await rt.run(ExecRequest(code="print('fine')"))
+    assert fresh.stdout == "fine\n" and fresh.exit_code == 0
+    assert host_mounts() == mounts_before
+    assert host_state(rt) == {"cgroups": [], "sandbox_children": 0}
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 async def test_misbehaviour_is_contained(rt: Runtime, host_listener: int, case: Case) -> None:
     mounts_before = host_mounts()
-    code = case.code.replace("PORT", str(host_listener)) if case.code else None
-    limits = Limits(**case.limits) if case.limits else None
+    req, limits = _request(case, host_listener)
     info = await rt.create(limits=limits)
     try:
-        res = await rt.exec(info.sandbox_id, ExecRequest(code=code, command=case.command, timeout_s=case.timeout_s))
+        res = await rt.exec(info.sandbox_id, req)
         assert case.check(res), res.model_dump()
         # the supervisor and this very sandbox still work after the case (unless it had to die)
         if res.sandbox_alive:
@@ -140,24 +153,17 @@ async def test_misbehaviour_is_contained(rt: Runtime, host_listener: int, case: 
             assert again.stdout == "42\n", again
     finally:
         await rt.destroy(info.sandbox_id)
-    fresh = await rt.run(ExecRequest(code="print('fine')"))
-    assert fresh.stdout == "fine\n" and fresh.exit_code == 0
-    assert host_mounts() == mounts_before
-    assert host_state(rt) == {"cgroups": [], "sandbox_children": 0}
+    await _all_still_well(rt, mounts_before)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 async def test_misbehaviour_is_contained_in_one_shot_runs(rt: Runtime, host_listener: int, case: Case) -> None:
     """The same table through ``run``, where the program is the sandbox's init (pid 1)."""
     mounts_before = host_mounts()
-    code = case.code.replace("PORT", str(host_listener)) if case.code else None
-    limits = Limits(**case.limits) if case.limits else None
-    res = await rt.run(ExecRequest(code=code, command=case.command, timeout_s=case.timeout_s), limits=limits)
+    req, limits = _request(case, host_listener)
+    res = await rt.run(req, limits=limits)
     assert (case.one_shot_check or case.check)(res), res.model_dump()
-    fresh = await rt.run(ExecRequest(code="print('fine')"))
-    assert fresh.stdout == "fine\n" and fresh.exit_code == 0
-    assert host_mounts() == mounts_before
-    assert host_state(rt) == {"cgroups": [], "sandbox_children": 0}
+    await _all_still_well(rt, mounts_before)
 
 
 async def test_kill_minus_one_spares_the_host(rt: Runtime) -> None:
