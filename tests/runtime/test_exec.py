@@ -230,6 +230,27 @@ async def test_a_dead_zygote_takes_its_sandboxes_and_is_restarted(rt: Runtime) -
     assert r.stdout == "back\n"
 
 
+async def test_a_zygote_dying_under_a_one_shot_run_ends_it_at_once(rt: Runtime) -> None:
+    """A run's program is its sandbox's init, whose exit only the zygote can report: if the zygote
+    dies mid-run, the run ends as killed right away, not at its timeout."""
+    import os
+    import signal
+    import time
+
+    await rt.run(ExecRequest(code="pass"))  # the zygote is up
+    zygote = rt.zygotes[rt.resolver.resolve("python").zygote_key]
+    t0 = time.monotonic()
+    run = asyncio.ensure_future(rt.run(ExecRequest(code="import time\nprint('started', flush=True)\n"
+                                                        "time.sleep(60)", timeout_s=30)))
+    await asyncio.sleep(0.5)
+    os.kill(zygote.proc.pid, signal.SIGKILL)
+    r = await asyncio.wait_for(run, 10)
+    assert time.monotonic() - t0 < 10
+    assert r.stdout == "started\n" and r.exit_code == 137 and not r.timed_out and not r.sandbox_alive, r
+    again = await rt.run(ExecRequest(code="print('back')"))
+    assert again.stdout == "back\n"
+
+
 async def test_process_image_snapshots_are_refused_clearly(rt: Runtime) -> None:
     import dataclasses
 
