@@ -284,12 +284,15 @@ class Sandbox:
             before = self.group.stats() if self.group else None
             if self.group:
                 self.group.reset_peak()
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        if req.stdin:
+            in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            os.set_blocking(in_w, False)
+        else:  # no input: the program reads EOF from /dev/null (no pipe, no feeder)
+            in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         os.set_blocking(out_w, True)
         os.set_blocking(err_w, True)
-        os.set_blocking(in_w, False)
         inline = last and not req.read_files and self.ended is not None
         msg: dict[str, Any] = {"op": "exec", "env": req.env, "files": req.files, "read_files": req.read_files,
                                "last": last, "inline": inline, "cpu_base": inline and self.group is None}
@@ -300,7 +303,9 @@ class Sandbox:
         t0 = time.monotonic()
         captures = [_Capture(out_r, cap), _Capture(err_r, cap)]
         readers = [asyncio.create_task(c.run()) for c in captures]
-        feeder = asyncio.create_task(_feed(in_w, (req.stdin or "").encode()))
+        tasks: list[asyncio.Task[None]] = list(readers)
+        if in_w >= 0:
+            tasks.append(asyncio.create_task(_feed(in_w, (req.stdin or "").encode())))
         timed_out = False
         reply: dict[str, Any] | None = None
         try:
@@ -325,10 +330,10 @@ class Sandbox:
             wall = time.monotonic() - t0
             await asyncio.wait(readers, timeout=DRAIN_AFTER_EXIT_S)
         finally:
-            for t in (*readers, feeder):
+            for t in tasks:
                 if not t.done():
                     t.cancel()
-            await asyncio.gather(*readers, feeder, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             for fd in (out_r, err_r):
                 os.close(fd)
         stdout, stderr = bytes(captures[0].buf), bytes(captures[1].buf)

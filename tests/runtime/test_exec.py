@@ -46,6 +46,9 @@ async def test_stdin_and_env(rt: Runtime) -> None:
     big = "z" * 300_000  # larger than a pipe buffer
     r = await rt.run(ExecRequest(code="import sys\nprint(len(sys.stdin.read()))", stdin=big))
     assert r.stdout == "300000\n"
+    for empty in (None, ""):  # no input: end of file at once, not a read that waits for the timeout
+        r = await rt.run(ExecRequest(code="import sys\nprint(repr(sys.stdin.read()))", stdin=empty, timeout_s=5))
+        assert (r.stdout, r.timed_out) == ("''\n", False), r
 
 
 async def test_files_in_and_out_and_state_across_steps(rt: Runtime) -> None:
