@@ -120,7 +120,7 @@ def main(ctl_fd: int) -> None:
                     break
                 children.discard(pid)
                 # Only the parent learns how a sandbox's init ended; a one-shot run's program is that
-                # init (agent.run_inline), so its exit status reaches the supervisor from here.
+                # init (an "inline" exec in agent.serve), so its exit status reaches the supervisor from here.
                 proto.send(ctl, {"op": "exited", "pid": pid, "status": status,
                                  "cpu_s": ru.ru_utime + ru.ru_stime, "maxrss_bytes": ru.ru_maxrss * 1024})
         if not readable:
