@@ -88,11 +88,14 @@ class CpuMeter:
 
     def __init__(self, server_pid: int | None):
         self.server_pid = server_pid
-        self.t0 = (machine_busy_s(), process_cpu_s(os.getpid()), process_cpu_s(server_pid) if server_pid else 0.0)
+        self.t0 = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        server = process_cpu_s(self.server_pid) if self.server_pid else 0.0
+        return machine_busy_s(), process_cpu_s(os.getpid()), server
 
     def per_run_ms(self, runs: int) -> dict[str, float]:
-        m, c, s = machine_busy_s(), process_cpu_s(os.getpid()), process_cpu_s(self.server_pid) if self.server_pid else 0.0
-        machine, client, server = m - self.t0[0], c - self.t0[1], s - self.t0[2]
+        machine, client, server = (now - then for now, then in zip(self._sample(), self.t0, strict=True))
         return {
             "cpu_ms_per_run": 1000 * machine / runs,
             "client_ms_per_run": 1000 * client / runs,

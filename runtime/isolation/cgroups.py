@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -60,6 +61,24 @@ def read(path: Path | str) -> str:
         return os.read(fd, 1 << 16).decode()
     finally:
         os.close(fd)
+
+
+def close_fds(fds: list[int]) -> None:
+    """Close the fds a group keeps (its cgroup.procs files, say) and empty the list."""
+    while fds:
+        os.close(fds.pop())
+
+
+def remove_dir(path: Path) -> None:
+    """rmdir a cgroup, retrying while its last tasks finish exiting (EBUSY); gone already is fine."""
+    for attempt in range(200):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.001 * min(attempt + 1, 20))
 
 
 def open_procs(directory: Path) -> int:

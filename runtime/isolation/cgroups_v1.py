@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
-from rollbox.runtime.isolation.cgroups import RECLAIM_ABOVE_BYTES, CgroupStats, mounts_of, open_procs
+from rollbox.runtime.isolation.cgroups import (
+    RECLAIM_ABOVE_BYTES,
+    CgroupStats,
+    close_fds,
+    mounts_of,
+    open_procs,
+    remove_dir,
+)
 from rollbox.runtime.isolation.cgroups import read as _read
 from rollbox.runtime.isolation.cgroups import read_kv as _read_kv
 from rollbox.runtime.isolation.cgroups import write as _write
@@ -94,18 +100,9 @@ class V1Group:
             pass
 
     def close(self) -> None:
-        for fd in self._procs:
-            os.close(fd)
-        self._procs = []
+        close_fds(self._procs)
         for d in self.unique:
-            for attempt in range(200):
-                try:
-                    os.rmdir(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # EBUSY while the last tasks finish exiting
-                    time.sleep(0.001 * min(attempt + 1, 20))
+            remove_dir(d)
 
 
 class V1:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
-from rollbox.runtime.isolation.cgroups import RECLAIM_ABOVE_BYTES, CgroupStats, mounts_of, open_procs
+from rollbox.runtime.isolation.cgroups import (
+    RECLAIM_ABOVE_BYTES,
+    CgroupStats,
+    close_fds,
+    mounts_of,
+    open_procs,
+    remove_dir,
+)
 from rollbox.runtime.isolation.cgroups import read as _read
 from rollbox.runtime.isolation.cgroups import read_kv as _read_kv
 from rollbox.runtime.isolation.cgroups import write as _write
@@ -21,7 +27,7 @@ class V2Group:
         self.reusable = True
         self.limits: tuple[int, int, float] | None = None  # as last written
         self._procs: list[int] = []
-        self._peak_fd = -1
+        self._peak_fd: list[int] = []  # memory.peak, opened once
 
     def procs_fds(self) -> list[int]:
         if not self._procs:
@@ -70,13 +76,13 @@ class V2Group:
     def _peak(self) -> int:
         """This group's memory.peak through its own fd: since Linux 6.12 a reset applies to reads
         through the fd that wrote it, not to other readers."""
-        if self._peak_fd < 0:
-            self._peak_fd = os.open(self.path / "memory.peak", os.O_RDWR | os.O_CLOEXEC)
-        return int(os.pread(self._peak_fd, 64, 0))
+        if not self._peak_fd:
+            self._peak_fd.append(os.open(self.path / "memory.peak", os.O_RDWR | os.O_CLOEXEC))
+        return self._peak_fd[0]
 
     def stats(self) -> CgroupStats:
         try:
-            peak = self._peak() if "memory" in self.enabled else 0
+            peak = int(os.pread(self._peak(), 64, 0)) if "memory" in self.enabled else 0
         except (OSError, ValueError):
             peak = 0
         return CgroupStats(
@@ -88,9 +94,7 @@ class V2Group:
 
     def reset_peak(self) -> None:
         try:
-            if self._peak_fd < 0:
-                self._peak_fd = os.open(self.path / "memory.peak", os.O_RDWR | os.O_CLOEXEC)
-            os.write(self._peak_fd, b"0")  # resettable since Linux 6.12, for this fd's reads
+            os.write(self._peak(), b"0")  # resettable since Linux 6.12, for this fd's reads
         except OSError:
             self.reusable = False  # its peak would carry the last sandbox's: never hand it on
 
@@ -101,21 +105,10 @@ class V2Group:
             pass
 
     def close(self) -> None:
-        for fd in self._procs:
-            os.close(fd)
-        self._procs = []
-        if self._peak_fd >= 0:
-            os.close(self._peak_fd)
-            self._peak_fd = -1
+        close_fds(self._procs)
+        close_fds(self._peak_fd)
         self.kill()
-        for attempt in range(200):
-            try:
-                os.rmdir(self.path)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.001 * min(attempt + 1, 20))
+        remove_dir(self.path)
 
 
 class V2:
