@@ -295,7 +295,7 @@ class Sandbox:
         os.set_blocking(err_w, True)
         inline = last and not req.read_files and self.ended is not None
         msg: dict[str, Any] = {"op": "exec", "env": req.env, "files": req.files, "read_files": req.read_files,
-                               "last": last, "inline": inline, "cpu_base": inline and self.group is None}
+                               "last": last, "inline": inline}
         if req.code is not None:
             msg["code"] = req.code
         else:
@@ -384,28 +384,32 @@ class Sandbox:
         )
 
     async def _await_inline(self, timeout_s: float) -> tuple[dict[str, Any] | None, bool]:
-        """The end of a step run by the sandbox's init: its exit as its parent reaped it. Before the
-        program starts, the agent may still answer on the channel (files it could not write); then it
-        hangs up, and the next word is the exit report. Timeout: the init is killed, which ends every
-        process of the sandbox."""
+        """The end of a step run by the sandbox's init: its exit as its parent reaped it. The agent
+        answers on the channel first — "exit" if it refused the step (files it could not write), else
+        "started" (with its own CPU so far) — then hangs up and becomes the program. Timeout: the init
+        is killed, which ends every process of the sandbox. An init that ended without "started" never
+        ran the program (a pooled sandbox whose zygote just died, say): SandboxDied with ran=False, so
+        a one-shot run takes another sandbox."""
         assert self.ended is not None
         ended = self.ended
         deadline = time.monotonic() + timeout_s
-        base_cpu = 0.0
+        started: dict[str, Any] | None = None
         answer: asyncio.Future[dict[str, Any] | None] = asyncio.ensure_future(self.expect("exit", "started"))
+
+        def take_answer() -> dict[str, Any] | None:
+            if not answer.done() or answer.cancelled() or answer.exception() is not None:
+                return None
+            return answer.result()
+
         try:
-            while True:
-                waiting: set[asyncio.Future[Any]] = {answer, ended}
-                done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - time.monotonic()),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if answer not in done or answer.exception() is not None or answer.result() is None:
-                    break
-                msg = answer.result()
-                assert msg is not None
-                if msg["op"] == "exit":
-                    return msg, False  # refused before it ran; the sandbox lives on
-                base_cpu = float(msg.get("cpu_s", 0.0))  # "started": the agent's own CPU so far
-                answer = asyncio.ensure_future(self.expect("exit"))
+            waiting: set[asyncio.Future[Any]] = {answer, ended}
+            await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if ended.done() and not answer.done():  # the report came first: the peer is gone, its
+                await asyncio.wait({answer}, timeout=KILL_GRACE_S)  # last frames are there to read
+            msg = take_answer()
+            if msg is not None and msg["op"] == "exit":
+                return msg, False  # refused before it ran; the sandbox lives on
+            started = msg
             if not ended.done():  # the program runs: its end (reported by the zygote), or the deadline
                 await asyncio.wait({ended}, timeout=max(0.0, deadline - time.monotonic()))
             if not ended.done() and self.exited.is_set():  # the init is gone: its report is on its way
@@ -415,9 +419,14 @@ class Sandbox:
                 self.kill()
                 await asyncio.wait({ended}, timeout=KILL_GRACE_S)
             self.dead = self.dead or "finished"
+            if started is None and not timed_out:
+                died = SandboxDied(f"sandbox {self.id} ended before its program started", sandbox_id=self.id)
+                died.ran = False
+                raise died
             if not ended.done() or ended.cancelled() or ended.exception() is not None:
                 return None, timed_out
             report = dict(ended.result())
+            base_cpu = float(started.get("cpu_s", 0.0)) if started else 0.0  # the agent's, before the program
             report["cpu_s"] = max(0.0, float(report.get("cpu_s", 0.0)) - base_cpu)
             return report, timed_out
         finally:

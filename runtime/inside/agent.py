@@ -307,11 +307,10 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
             if msg.get("inline"):
                 # A one-shot step: the program becomes this process (pid 1). _worker closes the
                 # supervisor's channel first; the zygote reports the exit; its end ends the sandbox.
-                # Without a cgroup the supervisor meters CPU from that report: say what was used so far.
-                if msg.get("cpu_base"):
-                    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-                    proto.send(sock, {"op": "started", "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime
-                                      + kids.ru_stime})
+                # "started" tells the supervisor the program ran (else a run may take another sandbox)
+                # and what the agent had used so far (CPU is metered from the zygote's report).
+                me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+                proto.send(sock, {"op": "started", "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime})
                 _worker(msg, fds, env)
             pid = 0
             if spare is not None:
