@@ -67,8 +67,20 @@ class SnapshotResolver(Protocol):
 
 
 def host_python() -> str:
-    """The real interpreter behind this process (never a venv shim, which would not exist inside)."""
-    return os.path.realpath(os.path.join(sys.base_prefix, "bin", os.path.basename(sys.executable)))
+    """The real interpreter behind this process, symlinks resolved (never a venv's ``python``, which
+    would not exist inside a sandbox). A venv made from Debian's ``/usr/bin/python3`` is named
+    ``python`` while Debian ships only ``python3`` and ``python3.X``: so ask ``sys._base_executable``
+    (the interpreter the venv was made from) first, then the usual names in the base prefix."""
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    bindir = os.path.join(sys.base_prefix, "bin")
+    candidates = [getattr(sys, "_base_executable", "") or "", sys.executable if sys.prefix == sys.base_prefix else ""]
+    candidates += [os.path.join(bindir, n) for n in (f"python{ver}", "python3", os.path.basename(sys.executable))]
+    for c in candidates:
+        real = os.path.realpath(c) if c else ""
+        if real and os.path.isfile(real) and os.access(real, os.X_OK):
+            return real
+    raise FileNotFoundError(f"cannot find the Python interpreter behind {sys.executable}: tried "
+                            + ", ".join(c for c in candidates if c))
 
 
 def host_python_view(layer_root: str) -> SnapshotView:
@@ -80,6 +92,10 @@ def host_python_view(layer_root: str) -> SnapshotView:
             binds.append(top)
     if not prefix.startswith("/usr/"):
         binds.append(prefix)
+    # the interpreter may live outside its prefix (a uv- or pyenv-managed symlink farm): bind its home
+    home = os.path.dirname(os.path.dirname(host_python()))
+    if not any(home == b or home.startswith(b + "/") for b in binds):
+        binds.append(home)
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
     site = os.path.join(prefix, "lib", f"python{ver}", "site-packages")
     masks = [site] if os.path.isdir(site) else []
