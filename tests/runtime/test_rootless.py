@@ -19,6 +19,7 @@ import pytest
 from rollbox.runtime.isolation.cgroups import mounts_of
 
 USER = "rollbox-rootless"
+LOCK = "/tmp/rollbox-rootless-test.lock"  # one run as USER at a time (tests/test_fresh_debian.py too)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -45,7 +46,7 @@ def _reachable(paths: list[Path]) -> list[tuple[Path, int]]:
 @pytest.mark.skipif(os.geteuid() != 0, reason="as root it runs this suite rootless; rootless it is the suite")
 def test_runtime_suite_passes_rootless() -> None:
     # One rootless run at a time on a machine: runs share the user and the search bits on ancestors.
-    lock = open("/tmp/rollbox-rootless-test.lock", "w")  # noqa: SIM115
+    lock = open(LOCK, "w")  # noqa: SIM115
     fcntl.flock(lock, fcntl.LOCK_EX)
     user = _ensure_user()
     parent = f"rollbox-{user.pw_uid}-{os.getpid()}"
