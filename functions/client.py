@@ -13,14 +13,16 @@ Exceptions (one root; each carries ``sandbox_id`` when there is one):
     ├── ServiceError            an error event (``status``, ``code``, ``message``, ``details``)
     │   ├── InvalidRequestError     400, 409, 413, 415: fix the request
     │   ├── NotFoundError           404: no such sandbox or snapshot
-    │   ├── SandboxDiedError        410
+    │   │   └── SandboxGoneError    410 sandbox_gone: destroyed or expired (``details['reason']``)
+    │   ├── SandboxDiedError        410 sandbox_died: it ended while in use
+    │   ├── SandboxBusyError        409 sandbox_busy (after the retries): another replica was first
     │   ├── OverloadedError         429, 503 (after the retries): ``retry_after_s``
     │   └── InternalError           500 and anything else (502: the snapshot store failed)
     └── CommandExitError        ``check=True`` and the command failed; it is also the result
                                 (``exit_code``, ``stdout``, ``stderr``, ``result``)
 
-Every request is retried on 429/503 and transport failures with the same event id, so the service's
-idempotency guarantees it runs at most once.
+Every request is retried on 429, 503, 409 sandbox_busy and transport failures with the same event id
+(waiting Retry-After), so the service's idempotency guarantees it runs at most once.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ __all__ = [
     "NotFoundError",
     "OverloadedError",
     "Sandbox",
+    "SandboxBusyError",
     "SandboxDiedError",
+    "SandboxGoneError",
     "ServiceError",
     "TransportError",
 ]
@@ -108,7 +112,15 @@ class NotFoundError(ServiceError):
     pass
 
 
+class SandboxGoneError(NotFoundError):
+    pass
+
+
 class SandboxDiedError(ServiceError):
+    pass
+
+
+class SandboxBusyError(ServiceError):
     pass
 
 
@@ -141,7 +153,11 @@ class CommandExitError(ClientError):
         return self.result.stderr
 
 
-def _error_class(status: int) -> type[ServiceError]:
+def _error_class(status: int, code: str = "") -> type[ServiceError]:
+    if code == "sandbox_busy":
+        return SandboxBusyError
+    if code == "sandbox_gone":
+        return SandboxGoneError
     if status in (400, 409, 413, 415):
         return InvalidRequestError
     if status == 404:
@@ -262,7 +278,8 @@ class Client:
                 attempt += 1
                 await asyncio.sleep(0.1 * 2**attempt)
                 continue
-            if resp.status_code in (429, 503) and attempt < self.retries:
+            retryable = resp.status_code in (429, 503) or (resp.status_code == 409 and "retry-after" in resp.headers)
+            if retryable and attempt < self.retries:
                 attempt += 1
                 await asyncio.sleep(_retry_after(resp) or 0.1 * 2**attempt)
                 continue
@@ -280,7 +297,7 @@ class Client:
         try:
             if reply["type"] == ERROR:
                 err = ErrorData.model_validate(reply.data)
-                raise _error_class(resp.status_code)(
+                raise _error_class(resp.status_code, err.code)(
                     resp.status_code, err, sandbox_id=sid, retry_after_s=_retry_after(resp)
                 )
             if reply["type"] != expect or resp.status_code != 200:

@@ -232,6 +232,8 @@ class ErrorCode:
     NOT_FOUND: Final = "not_found"  # 404: no such HTTP path
     METHOD_NOT_ALLOWED: Final = "method_not_allowed"  # 405
     IDEMPOTENCY_CONFLICT: Final = "idempotency_conflict"  # 409: same (source, id), different event
+    SANDBOX_BUSY: Final = "sandbox_busy"  # 409, with Retry-After: another replica committed a step first
+    SANDBOX_GONE: Final = "sandbox_gone"  # 410: destroyed or expired (lifetime, idle)
     SANDBOX_DIED: Final = "sandbox_died"  # 410: the sandbox ended while in use
     PAYLOAD_TOO_LARGE: Final = "payload_too_large"  # 413
     UNSUPPORTED_MEDIA_TYPE: Final = "unsupported_media_type"  # 415

@@ -44,6 +44,27 @@ def seconds(raw: str) -> float:
     return v
 
 
+def seconds_or_never(raw: str) -> float:
+    """Seconds, where 0 means never (for windows that may be switched off)."""
+    try:
+        v = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"not a valid number of seconds: {raw!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"must be a finite number >= 0 (0: never), got {raw!r}")
+    return v
+
+
+def choice(*allowed: str) -> Callable[[str], str]:
+    def cast(raw: str) -> str:
+        v = raw.strip().lower()
+        if v not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}, got {raw!r}")
+        return v
+
+    return cast
+
+
 def text(raw: str) -> str:
     if not raw.strip():
         raise ValueError("must not be empty")

@@ -7,8 +7,10 @@ data and the runtime, and returns the reply data; it never sees HTTP or CloudEve
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -16,7 +18,31 @@ from rollbox.functions.contract import CONTRACT, EventSpec
 from rollbox.runtime.runtime import LimitsArg
 from rollbox.runtime.spec import ExecRequest, ExecResult, SandboxInfo, Usage
 
-__all__ = ["Route", "SandboxRuntime", "route"]
+__all__ = ["EventRef", "Route", "SandboxRuntime", "current_event", "route"]
+
+
+@dataclass
+class EventRef:
+    """The event a handler is serving: its CloudEvents identity (source, id) and a fingerprint of its
+    content. The durable layer records replies under ``key`` and derives the ids of the sandboxes an
+    event creates from it, so a redelivered event finds its reply on any replica."""
+
+    source: str
+    id: str
+    fingerprint: str
+    creates: int = field(default=0)  # sandboxes this event made so far (their ids are derived in order)
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(f"{self.source}\0{self.id}".encode()).hexdigest()[:32]
+
+    def next_sandbox_id(self) -> str:
+        n = self.creates
+        self.creates += 1
+        return "sb-" + hashlib.sha256(f"{self.key}/{n}".encode()).hexdigest()[:20]
+
+
+current_event: ContextVar[EventRef | None] = ContextVar("rollbox_current_event", default=None)
 
 
 class SandboxRuntime(Protocol):

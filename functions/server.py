@@ -23,20 +23,23 @@ from typing import Any
 import uvicorn
 import uvloop
 from rollbox.functions import logs, sandbox, snapshot
+from rollbox.functions.durable import DurableRuntime
 from rollbox.functions.logs import lifecycle, logger
 from rollbox.functions.options import (
     ConfigError,
     Option,
     add_options,
+    choice,
     integer,
     level,
     path,
     resolve_options,
     seconds,
+    seconds_or_never,
     text,
 )
 from rollbox.functions.service import Service, ServiceConfig
-from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_store
+from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_store, state_objects
 from rollbox.runtime.errors import RollboxError
 
 __all__ = ["ConfigError", "ServeConfig", "add_parser", "resolve", "serve"]
@@ -119,6 +122,31 @@ OPTIONS: tuple[Option, ...] = (
         75.0,
         "how long an idle keep-alive connection stays open (keep it above the clients' idle timeout)",
     ),
+    Option(
+        "durability",
+        "--durability",
+        "ROLLBOX_DURABILITY",
+        choice("step", "off"),
+        "step",
+        "step: every acknowledged step of a sandbox is committed to the store first, so any replica "
+        "serves any step and a restart loses nothing; off: sandboxes live in this process only",
+    ),
+    Option(
+        "hibernate_after_s",
+        "--hibernate-after-s",
+        "ROLLBOX_HIBERNATE_AFTER_S",
+        seconds_or_never,
+        30.0,
+        "with durability: a live sandbox idle this long is committed and its processes ended (0: never)",
+    ),
+    Option(
+        "sweep_interval_s",
+        "--sweep-interval-s",
+        "ROLLBOX_SWEEP_INTERVAL_S",
+        seconds,
+        60.0,
+        "with durability: how often expired and destroyed sandboxes' state is cleaned from the store",
+    ),
     Option("log_level", "--log-level", "ROLLBOX_LOG_LEVEL", level, "info", "debug, info, warning or error"),
     Option(
         "home",
@@ -173,6 +201,9 @@ class ServeConfig:
     keep_alive_s: float
     log_level: str
     service: ServiceConfig
+    durability: str = "step"
+    hibernate_after_s: float = 30.0
+    sweep_interval_s: float = 60.0
     store: StoreConfig = field(default_factory=StoreConfig)
 
 
@@ -241,13 +272,26 @@ async def serve(cfg: ServeConfig) -> int:
         return 1
     layer_root = Path(resolver.layer_root)
     home = cfg.store.home or default_home()
-    rt = Runtime(RuntimeConfig(max_live=cfg.service.max_live, state_dir=home, layer_root=layer_root), resolver=resolver)
+    durable_on = cfg.durability == "step"
+    rt = Runtime(RuntimeConfig(max_live=cfg.service.max_live, state_dir=home, layer_root=layer_root,
+                               # durable fork children take their parent's files inside them (a diff
+                               # in a stacked scratch layer would not be in their durable state)
+                               fork_inject_max_bytes=(1 << 30) if durable_on else 8 * 1024 * 1024),
+                 resolver=resolver)
     resolver.cache.in_use = in_use_of(rt.layers_in_use)
     await rt.start()
+    durable: DurableRuntime | None = None
     rc = 0
     try:
-        snapshots = snapshot.Snapshots(rt, resolver.cache)
-        service = Service(rt, cfg.service, routes=(*sandbox.ROUTES, *snapshot.routes(snapshots)))
+        if durable_on:
+            durable = DurableRuntime(rt, state_objects(resolver.cache), hibernate_after_s=cfg.hibernate_after_s,
+                                     sweep_interval_s=cfg.sweep_interval_s,
+                                     tombstone_ttl_s=cfg.service.idempotency_ttl_s)
+            await durable.start()
+        snapshots = snapshot.Snapshots(rt, resolver.cache, durable)
+        service = Service(durable or rt, cfg.service, routes=(*sandbox.ROUTES, *snapshot.routes(snapshots)))
+        if durable is not None:
+            durable.bind_metrics(service.metrics.registry)
         server = _Server(
             uvicorn.Config(
                 service.asgi_app(),
@@ -279,6 +323,7 @@ async def serve(cfg: ServeConfig) -> int:
                     "pid": os.getpid(),
                     "isolation": _isolation(rt),
                     "store": snapshots.store_url,
+                    "durability": cfg.durability,
                 }
             },
         )
@@ -294,10 +339,15 @@ async def serve(cfg: ServeConfig) -> int:
             )
             service.abort()  # each gets a 503 event, not a dropped connection
             await service.admission.wait_idle(5.0)
+        if durable is not None:  # every live sandbox committed and ended: scale-down loses nothing
+            n = await durable.hibernate_all("drain")
+            lifecycle.info("hibernated", extra={"fields": {"sandboxes": n}})
         server.config.timeout_graceful_shutdown = max(1, math.ceil(cfg.grace_s - (loop.time() - t0)))
         server.should_exit = True
         await serving
     finally:
+        if durable is not None:
+            await durable.close()
         try:
             await rt.close()
         except Exception:

@@ -34,7 +34,7 @@ from rollbox.functions.events import ReplyError, content_mode, decode, encode, e
 from rollbox.functions.idempotency import Conflict, IdempotencyCache
 from rollbox.functions.logs import logger
 from rollbox.functions.metrics import Metrics
-from rollbox.functions.routing import Route, SandboxRuntime
+from rollbox.functions.routing import EventRef, Route, SandboxRuntime, current_event
 from rollbox.runtime import errors as rterr
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -98,6 +98,12 @@ def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
     sid = exc.sandbox_id
     if isinstance(exc, rterr.InvalidRequest):
         return ReplyError(400, ErrorCode.INVALID_DATA, exc.message, sandbox_id=sid)
+    if isinstance(exc, rterr.SandboxGone):
+        return ReplyError(410, ErrorCode.SANDBOX_GONE, exc.message, sandbox_id=sid,
+                          details={"sandbox_id": sid, "reason": exc.reason})
+    if isinstance(exc, rterr.SandboxBusy):
+        return ReplyError(409, ErrorCode.SANDBOX_BUSY, exc.message, sandbox_id=sid, retry_after_s=1.0,
+                          details={"sandbox_id": sid})
     if isinstance(exc, rterr.SandboxNotFound):
         return ReplyError(404, ErrorCode.SANDBOX_NOT_FOUND, exc.message, sandbox_id=sid, details={"sandbox_id": sid})
     if isinstance(exc, rterr.SnapshotNotFound):
@@ -150,7 +156,8 @@ class Service:
             max_live=cfg.max_live,
             max_queued=cfg.max_queued,
             retry_after_s=cfg.retry_after_s,
-            live_count=runtime.live_count,
+            # a durable runtime hibernates idle sandboxes to make room: only running ones count
+            live_count=getattr(runtime, "running_count", runtime.live_count),
         )
         self.metrics = Metrics(
             live_count=runtime.live_count,
@@ -233,7 +240,8 @@ class Service:
                 json.dumps([etype, event.data], sort_keys=True, separators=(",", ":")).encode()
             ).hexdigest()
             reply, replayed = await self.cache.run(
-                (source, eid), fingerprint, lambda: self._execute(route, data, fields)
+                (source, eid), fingerprint,
+                lambda: self._execute(route, data, fields, EventRef(source, eid, fingerprint))
             )
         except ReplyError as err:
             reply = _error(err)
@@ -311,8 +319,9 @@ class Service:
                 sandbox_id=sid if isinstance(sid, str) and len(sid) <= 128 else None,
             ) from None
 
-    async def _execute(self, route: Route, data: BaseModel, fields: dict[str, Any]) -> _Reply:
+    async def _execute(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef) -> _Reply:
         task = asyncio.current_task()
+        current_event.set(event)  # this request's own task: seen by the handler and what it awaits
         try:
             with self.admission.admit(creates_sandbox=route.creates_sandbox):
                 if task is not None:
@@ -339,7 +348,7 @@ class Service:
                 self.metrics.rejects.labels("runtime").inc()
             if err.status >= 500:
                 logger.error("runtime error", exc_info=True, extra={"fields": {**fields, "sandbox_id": exc.sandbox_id}})
-            return _error(err, cacheable=err.status not in (429, 502, 503))
+            return _error(err, cacheable=err.status not in (409, 429, 502, 503))
         except Exception:
             logger.exception("handler failed", extra={"fields": fields})
             return _error(ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details"))

@@ -30,8 +30,9 @@ from rollbox.functions.contract import (
     SnapshotData,
     SnapshotRecord,
 )
+from rollbox.functions.durable import DurableRuntime
 from rollbox.functions.logs import logger
-from rollbox.functions.routing import Route, SandboxRuntime, route
+from rollbox.functions.routing import Route, SandboxRuntime, current_event, route
 from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreError
 from rollbox.runtime.snapshot import ROLLBOX_VERSION, SnapshotView
 from rollbox.runtime.spec import DEFAULT_LIMITS
@@ -56,7 +57,8 @@ class SnapshotRuntime(SandboxRuntime, Protocol):
     def frozen(self, sandbox_id: str) -> AbstractAsyncContextManager[Any]: ...
 
     async def fork(
-        self, sandbox_id: str, count: int, metadata: dict[str, str] | None = ...
+        self, sandbox_id: str, count: int, metadata: dict[str, str] | None = ...,
+        sandbox_ids: list[str] | None = ...,
     ) -> list[SandboxInfo]: ...
 
     async def resolve(self, snapshot: str) -> SnapshotView: ...
@@ -81,9 +83,10 @@ class Snapshots:
     """The runtime plus the store its snapshots live in: ``cache.local`` (where checkpoints are
     committed; its ``layers/`` is the runtime's layer root) and ``cache.remote`` (S3, or None)."""
 
-    def __init__(self, runtime: SnapshotRuntime, cache: LayerCache):
+    def __init__(self, runtime: SnapshotRuntime, cache: LayerCache, durable: DurableRuntime | None = None):
         self.rt = runtime
         self.cache = cache
+        self.durable = durable  # when set, every step commits the sandbox's state (functions/durable.py)
 
     @property
     def store_url(self) -> str:
@@ -150,11 +153,12 @@ class Snapshots:
                 snapshot_id=child.id, layer_id=exc.layer_id) from exc
 
     # ---------------------------------------------------------------------------------- fork
-    async def fork(self, data: ForkData) -> ForkRecord:
+    async def fork(self, data: ForkData, sandbox_ids: list[str] | None = None) -> ForkRecord:
         t0 = time.perf_counter()
         if data.sandbox_id is not None:
             parent_view: SnapshotView = self.rt.get(data.sandbox_id).view
-            infos = await self.rt.fork(data.sandbox_id, data.count, metadata=data.metadata or None)
+            infos = await self.rt.fork(data.sandbox_id, data.count, metadata=data.metadata or None,
+                                       sandbox_ids=sandbox_ids)
             return ForkRecord(sandbox_id=data.sandbox_id, snapshot_id=parent_view.id, sandboxes=infos,
                               fork_ms=round((time.perf_counter() - t0) * 1000, 3))
         assert data.snapshot is not None
@@ -166,26 +170,43 @@ class Snapshots:
 
     async def _create_all(self, snapshot: str, count: int, limits: dict[str, Any] | None,
                           metadata: dict[str, str]) -> list[SandboxInfo]:
+        maker: Any = self.durable or self.rt  # durable: each child's state committed, its id from the event
         results = await asyncio.gather(
-            *(self.rt.create(snapshot, limits, metadata) for _ in range(count)), return_exceptions=True
+            *(maker.create(snapshot, limits, metadata) for _ in range(count)), return_exceptions=True
         )
         made = [r for r in results if isinstance(r, SandboxInfo)]
         if len(made) == count:
             return made
         for info in made:  # all or nothing
             with contextlib.suppress(RollboxError):
-                await self.rt.destroy(info.sandbox_id)
+                await maker.destroy(info.sandbox_id)
         raise next(r for r in results if isinstance(r, BaseException))
 
 
 def routes(snapshots: Snapshots) -> tuple[Route, ...]:
     """The family's routes, bound to ``snapshots`` (the runtime the service passes is the same one)."""
 
+    durable = snapshots.durable
+
     async def snapshot(_rt: SandboxRuntime, data: SnapshotData) -> SnapshotRecord:
-        return await snapshots.snapshot(data)
+        if durable is None:
+            return await snapshots.snapshot(data)
+        return await durable.step(data.sandbox_id, lambda _live: snapshots.snapshot(data), SnapshotRecord)
 
     async def fork(_rt: SandboxRuntime, data: ForkData) -> ForkRecord:
-        return await snapshots.fork(data)
+        if durable is None or data.sandbox_id is None:
+            return await snapshots.fork(data)
+        ev = current_event.get()
+        parent = data.sandbox_id
+
+        async def forking(_live: Any) -> ForkRecord:
+            ids = [ev.next_sandbox_id() for _ in range(data.count)] if ev is not None else None
+            record = await snapshots.fork(data, sandbox_ids=ids)
+            assert durable is not None
+            await durable.adopt(record.sandboxes, forked_from=parent)
+            return record
+
+        return await durable.step(parent, forking, ForkRecord)
 
     return (
         route(SANDBOX_SNAPSHOT, snapshot),

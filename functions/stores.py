@@ -18,10 +18,11 @@ from pathlib import Path
 from rollbox.runtime.errors import StoreError
 from rollbox.snapshots.cache import LayerCache
 from rollbox.snapshots.resolver import StoreResolver
+from rollbox.snapshots.state import LocalObjects, Objects
 from rollbox.snapshots.store_local import LocalStore
-from rollbox.snapshots.store_s3 import S3Store, parse_s3_url
+from rollbox.snapshots.store_s3 import S3Objects, S3Store, parse_s3_url
 
-__all__ = ["StoreConfig", "check_store_url", "in_use_of", "open_store"]
+__all__ = ["StoreConfig", "check_store_url", "in_use_of", "open_store", "state_objects"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,15 @@ def open_store(cfg: StoreConfig) -> StoreResolver:
                      max_attempts=cfg.s3_max_attempts)
     local = LocalStore(cfg.cache_dir or cfg.home)
     return StoreResolver(LayerCache(local, remote, max_bytes=cfg.cache_max_bytes))
+
+
+def state_objects(cache: LayerCache) -> Objects:
+    """Where durable sandbox state lives: beside the snapshots, in S3 when the store is S3, else in
+    the local store's directory (``sandboxes/``, ``blobs/``)."""
+    if cache.remote is not None:
+        assert isinstance(cache.remote, S3Store)
+        return S3Objects(cache.remote)
+    return LocalObjects(cache.local.root)
 
 
 def in_use_of(layers_in_use: Callable[[], frozenset[str]]) -> Callable[[str], bool]:

@@ -3,6 +3,8 @@
     RollboxError
     ├── InvalidRequest          a spec or request that cannot be honoured (names the field)
     ├── SandboxNotFound         no live sandbox has that id (carries sandbox_id)
+    │   └── SandboxGone         it existed and was destroyed or expired (durable state says so)
+    ├── SandboxBusy             another replica committed a step of it first; retry
     ├── SandboxDied             the sandbox ended while in use (carries sandbox_id, reason)
     ├── SnapshotNotFound        no snapshot by that name or id (carries snapshot_id)
     ├── Overloaded              admission control refused the work (carries retry_after_s)
@@ -35,6 +37,19 @@ class InvalidRequest(RollboxError):
 
 class SandboxNotFound(RollboxError):
     """No live sandbox has this id (never existed, destroyed, or expired)."""
+
+
+class SandboxGone(SandboxNotFound):
+    """The sandbox was destroyed or expired (lifetime, idle); its durable state says so."""
+
+    def __init__(self, message: str, *, reason: str = "destroyed", **kw: str | None):
+        super().__init__(message, **kw)
+        self.reason = reason
+
+
+class SandboxBusy(RollboxError):
+    """Another replica committed a step of this sandbox first (or holds it mid-step): nothing of this
+    request was kept; retrying it runs it on the sandbox's newest state."""
 
 
 class SandboxDied(RollboxError):

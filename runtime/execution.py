@@ -12,7 +12,7 @@ import select
 import signal
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +91,34 @@ async def _feed(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
+def walk_upper(upper: str) -> Iterator[tuple[str, str, os.stat_result, str]]:
+    """The entries of an overlay upper directory in walk order (children sorted by name, a directory
+    before its contents): (path inside the sandbox, kind, stat, host path). Kinds: "w" whiteout
+    (a deleted path), "d" directory, "o" opaque directory (hides what is below it), "l" symlink,
+    "f" regular file; anything else (fifos, sockets) is skipped."""
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(os.path.join(upper, rel) if rel else upper) as it:
+            found = sorted(it, key=lambda e: e.name)
+        for e in found:
+            path = f"/{rel}/{e.name}" if rel else f"/{e.name}"
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                yield path, "w", st, e.path
+            elif stat.S_ISDIR(st.st_mode):
+                opaque = False
+                for attr in ("trusted.overlay.opaque", "user.overlay.opaque"):
+                    with contextlib.suppress(OSError):
+                        opaque = opaque or os.getxattr(e.path, attr, follow_symlinks=False) == b"y"
+                yield path, "o" if opaque else "d", st, e.path
+                stack.append(path.lstrip("/"))
+            elif stat.S_ISLNK(st.st_mode):
+                yield path, "l", st, e.path
+            elif stat.S_ISREG(st.st_mode):
+                yield path, "f", st, e.path
+
+
 def pack_upper(upper: str, max_bytes: int) -> dict[str, Any] | None:
     """An overlay upper directory as a diff a sandbox's agent can apply: its entries (directories,
     files, symlinks, hard links, in walk order, with modes and mtimes), the file contents one after
@@ -103,38 +131,28 @@ def pack_upper(upper: str, max_bytes: int) -> dict[str, Any] | None:
     fd = os.memfd_create("rollbox-fork-diff", os.MFD_CLOEXEC)
     offset = 0
     try:
-        stack = [""]
-        while stack:
-            rel = stack.pop()
-            with os.scandir(os.path.join(upper, rel) if rel else upper) as it:
-                found = sorted(it, key=lambda e: e.name)
-            for e in found:
-                path = f"/{rel}/{e.name}" if rel else f"/{e.name}"
-                st = e.stat(follow_symlinks=False)
-                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
-                    whiteouts.append(path)
-                elif stat.S_ISDIR(st.st_mode):
-                    for attr in ("trusted.overlay.opaque", "user.overlay.opaque"):
-                        with contextlib.suppress(OSError):
-                            if os.getxattr(e.path, attr, follow_symlinks=False) == b"y":
-                                opaque.append(path)
-                    entries.append({"p": path, "t": "d", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime})
-                    stack.append(path.lstrip("/"))
-                elif stat.S_ISLNK(st.st_mode):
-                    entries.append({"p": path, "t": "l", "l": os.readlink(e.path)})
-                elif stat.S_ISREG(st.st_mode):
-                    if st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
-                        entries.append({"p": path, "t": "h", "l": seen[(st.st_dev, st.st_ino)]})
-                        continue
-                    seen[(st.st_dev, st.st_ino)] = path
-                    if offset + st.st_size > max_bytes:
-                        os.close(fd)
-                        return None
-                    with open(e.path, "rb") as src:
-                        n = os.sendfile(fd, src.fileno(), 0, st.st_size) if st.st_size else 0
-                    entries.append({"p": path, "t": "f", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime,
-                                    "o": offset, "n": n})
-                    offset += n
+        for path, kind, st, host_path in walk_upper(upper):
+            if kind == "w":
+                whiteouts.append(path)
+            elif kind in ("d", "o"):
+                if kind == "o":
+                    opaque.append(path)
+                entries.append({"p": path, "t": "d", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime})
+            elif kind == "l":
+                entries.append({"p": path, "t": "l", "l": os.readlink(host_path)})
+            else:
+                if st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
+                    entries.append({"p": path, "t": "h", "l": seen[(st.st_dev, st.st_ino)]})
+                    continue
+                seen[(st.st_dev, st.st_ino)] = path
+                if offset + st.st_size > max_bytes:
+                    os.close(fd)
+                    return None
+                with open(host_path, "rb") as src:
+                    n = os.sendfile(fd, src.fileno(), 0, st.st_size) if st.st_size else 0
+                entries.append({"p": path, "t": "f", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime,
+                                "o": offset, "n": n})
+                offset += n
     except BaseException:
         os.close(fd)
         raise

@@ -19,7 +19,7 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -110,6 +110,9 @@ class Runtime:
         self.closing = False
         self.restoring: dict[str, Group | None] = {}  # sandboxes being restored right now, with their cgroup
         self.started = False
+        # Called after the reaper destroyed a sandbox for its lifetime or idle limit (the durable
+        # layer records that the sandbox is gone): (sandbox id, reason, usage).
+        self.on_reaped: Callable[[str, str, Usage], Awaitable[None]] | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -247,7 +250,8 @@ class Runtime:
                         sb.abandon("lost while thawing")
                 sb.last_used = time.monotonic()
 
-    async def fork(self, sandbox_id: str, count: int, metadata: dict[str, str] | None = None) -> list[SandboxInfo]:
+    async def fork(self, sandbox_id: str, count: int, metadata: dict[str, str] | None = None,
+                   sandbox_ids: Sequence[str] | None = None) -> list[SandboxInfo]:
         """``count`` new sandboxes that see exactly the files of a live sandbox, isolated from it and
         from each other afterwards.
 
@@ -257,7 +261,10 @@ class Runtime:
         that layer goes with the last child."""
         if not 1 <= count <= 1024:
             raise InvalidRequest(f"count must be between 1 and 1024, got {count}", sandbox_id=sandbox_id)
+        if sandbox_ids is not None and len(sandbox_ids) != count:
+            raise InvalidRequest(f"{len(sandbox_ids)} sandbox ids for {count} children", sandbox_id=sandbox_id)
         parent = self.get(sandbox_id)
+        ids = iter(sandbox_ids or ())
         scratch = f"scratch-{secrets.token_hex(8)}"
         dst = self.layer_root / scratch
         async with self.frozen(sandbox_id) as sb:
@@ -283,7 +290,8 @@ class Runtime:
             self._pool_for(view, view.limits).note_burst(count)
 
         async def child() -> Sandbox:
-            sb = await self._acquire(view.id, parent.limits, meta, pooled=diff is not None)
+            sb = await self._acquire(view.id, parent.limits, meta, pooled=diff is not None,
+                                     sandbox_id=next(ids, None))
             sb.forked_from = sandbox_id
             if diff is not None:
                 await sb.inject(diff)
@@ -524,15 +532,25 @@ class Runtime:
 
     # ----------------------------------------------------------------- the API
     async def create(self, snapshot: str = "python", limits: LimitsArg = None,
-                     metadata: dict[str, str] | None = None) -> SandboxInfo:
+                     metadata: dict[str, str] | None = None, sandbox_id: str | None = None,
+                     forked_from: str | None = None) -> SandboxInfo:
         """A sandbox restored from ``snapshot``. ``limits``: a full ``Limits``, or a mapping of the
-        fields to change from the snapshot's default limits, or None for those defaults."""
-        sb = await self._acquire(snapshot, limits, metadata)
+        fields to change from the snapshot's default limits, or None for those defaults.
+        ``sandbox_id``: the id to give it (the durable layer resumes sandboxes under their own id)."""
+        sb = await self._acquire(snapshot, limits, metadata, sandbox_id=sandbox_id)
+        sb.forked_from = forked_from
         await sb.want_spare()
         return self._info(sb)
 
+    async def inject(self, sandbox_id: str, diff: dict[str, Any]) -> None:
+        """Apply a filesystem diff (``pack_upper``'s form: entries, whiteouts, opaque, and an fd of
+        the contents) inside a live sandbox: how a sandbox resumes its files from durable state."""
+        await self.get(sandbox_id).inject(diff)
+
     async def _acquire(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
-                       pooled: bool = True) -> Sandbox:
+                       pooled: bool = True, sandbox_id: str | None = None) -> Sandbox:
+        if sandbox_id is not None and sandbox_id in self.sandboxes:
+            raise InvalidRequest(f"sandbox {sandbox_id!r} is live already", sandbox_id=sandbox_id)
         if not self.started or self.closing:
             raise IsolationError("runtime is not started" if not self.started else "runtime is shutting down")
         if len(self.sandboxes) + self._creating >= self.config.max_live:
@@ -552,6 +570,9 @@ class Runtime:
                     pool.observe_restore(time.perf_counter() - t0)
         finally:
             self._creating -= 1
+        if sandbox_id is not None:
+            sb.id = sandbox_id
+            self.usages.pop(sandbox_id, None)  # a resumed sandbox's earlier life on this replica
         sb.metadata = dict(metadata or {})
         sb.start_clock()
         sb.create_ms = (time.perf_counter() - t0) * 1000
@@ -628,4 +649,6 @@ class Runtime:
                     reason = "died"
                 if reason:
                     with contextlib.suppress(Exception):
-                        await self.destroy(sid, reason=reason)
+                        usage = await self.destroy(sid, reason=reason)
+                        if self.on_reaped is not None and reason in ("lifetime", "idle"):
+                            await self.on_reaped(sid, reason, usage)

@@ -136,6 +136,9 @@ class ExecResult(BaseModel):
     sandbox_alive: bool = True
     pooled: bool | None = Field(default=None, description="one-shot runs: the sandbox came ready from the warm pool")
     create_ms: float | None = Field(default=None, description="one-shot runs: how long getting the sandbox took")
+    resumed: bool | None = Field(default=None, description="durable sandboxes: this step first resumed the "
+                                 "sandbox from its durable state (its files; processes of earlier steps are gone)")
+    resume_ms: float | None = Field(default=None, description="durable sandboxes: how long resuming took")
 
 
 class SandboxInfo(BaseModel):

@@ -321,6 +321,47 @@ class S3Store:
         return removed
 
 
+class S3Objects:
+    """Plain objects under an ``S3Store``'s prefix, for the durable sandbox state
+    (``rollbox.snapshots.state``): create-only puts (``If-None-Match: *``), reads, listing, deletes.
+    Errors are converted as for snapshots."""
+
+    def __init__(self, store: S3Store):
+        self.store = store
+        self.url = store.url
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist; False if it does (another writer was first). A
+        retried request whose first try landed is told apart by reading the object back."""
+        st = self.store
+        with st._errors(f"writing {key}"):
+            try:
+                st._client.put_object(Bucket=st.bucket, Key=st._key(key), Body=data, IfNoneMatch="*")
+            except botocore.exceptions.ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+                if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return self.get(key) == data
+                raise
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        return self.store._get_bytes(self.store._key(key), f"reading {key}")
+
+    def keys(self, prefix: str) -> list[str]:
+        """Keys under ``prefix`` (relative to the store's prefix), in S3's (lexicographic) order."""
+        st = self.store
+        base = st._key("") + "/" if st.prefix else ""
+        return [k[len(base):] for k in st._list(st._key(prefix), f"listing {prefix}")]
+
+    def delete(self, keys: list[str]) -> None:
+        st = self.store
+        for i in range(0, len(keys), 1000):
+            batch = [{"Key": st._key(k)} for k in keys[i:i + 1000]]
+            with st._errors(f"deleting {len(batch)} objects"):
+                st._client.delete_objects(Bucket=st.bucket, Delete={"Objects": batch, "Quiet": True})
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     """The botocore error behind s3transfer/boto3 wrappers (they chain it or keep it as an attr)."""
     seen = set()

@@ -13,6 +13,7 @@ from rollbox.functions.client import (
     InvalidRequestError,
     NotFoundError,
     Sandbox,
+    SandboxGoneError,
     TransportError,
 )
 from rollbox.runtime.spec import ExecResult, Limits, Usage
@@ -32,12 +33,17 @@ async def test_sandbox_context_manager(server: ServerProc) -> None:
     with pytest.raises(ClientError, match="was killed") as killed:
         await sb.exec(code="print(1)")
     assert killed.value.sandbox_id == sb.id
-    # ...on the service too, which says which sandbox it does not know
+    # ...on the service too, which says the sandbox is gone (destroyed), not unknown
     async with Client(server.url) as client:
-        with pytest.raises(NotFoundError) as info:
+        with pytest.raises(SandboxGoneError) as info:
             await Sandbox(client, sb.info, owns_client=False).exec(code="print(1)")
-    assert info.value.sandbox_id == sb.id and info.value.status == 404
-    assert info.value.code == "sandbox_not_found"
+        assert info.value.sandbox_id == sb.id and info.value.status == 410
+        assert info.value.code == "sandbox_gone" and info.value.details["reason"] == "destroyed"
+        with pytest.raises(NotFoundError) as unknown:  # one that never existed
+            await client.send("dev.rollbox.sandbox.exec", {"sandbox_id": "sb-nope", "code": "1"},
+                              expect="dev.rollbox.sandbox.result", model=ExecResult, read_timeout_s=10,
+                              sandbox_id="sb-nope")
+        assert (unknown.value.status, unknown.value.code) == (404, "sandbox_not_found")
 
 
 async def test_kill_is_idempotent(server: ServerProc) -> None:

@@ -36,6 +36,8 @@ def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
         "1",
         "--max-queued",
         "2",
+        "--durability",  # without durable state a live sandbox cannot be hibernated to make room
+        "off",
         env={"ROLLBOX_RETRY_AFTER_S": "2"},
     )
     yield srv
@@ -94,7 +96,7 @@ async def test_queue_cap_is_429(small_server: ServerProc, http: httpx.AsyncClien
 
 async def test_internal_error_is_500_without_host_details(tmp_path: Path, http: httpx.AsyncClient) -> None:
     state = tmp_path / "state"
-    srv = start_server(tmp_path / "logs", env={"ROLLBOX_HOME": str(state)})
+    srv = start_server(tmp_path / "logs", "--durability", "off", env={"ROLLBOX_HOME": str(state)})
     try:
         # break the runtime's state directory under it: the next restore cannot build its root
         aside = tmp_path / "state-aside"

@@ -107,10 +107,13 @@ async def test_episode_create_exec_destroy(server: ServerProc, http: httpx.Async
     r = await send(http, server.url, ce(SANDBOX_DESTROY, {"sandbox_id": sid}), mode)
     assert (r.status, r.type) == (200, SANDBOX_DESTROYED) and Usage.model_validate(r.data) == usage
 
-    # the sandbox is gone: exec is a 404 error event about it
+    # the sandbox is gone: exec is a 410 error event about it (its durable state says destroyed)
     r = await send(http, server.url, ce(SANDBOX_EXEC, {"sandbox_id": sid, "code": "print(1)"}), mode)
-    assert (r.status, r.type, r.mode, r.subject) == (404, ERROR, mode, sid)
-    assert r.data["code"] == "sandbox_not_found" and sid in r.data["message"]
+    assert (r.status, r.type, r.mode, r.subject) == (410, ERROR, mode, sid)
+    assert r.data["code"] == "sandbox_gone" and sid in r.data["message"]
+    # one that never existed is a 404
+    r = await send(http, server.url, ce(SANDBOX_EXEC, {"sandbox_id": "sb-never", "code": "print(1)"}), mode)
+    assert (r.status, r.data["code"]) == (404, "sandbox_not_found")
 
     # the exec was logged as one JSON line carrying the correlation fields
     lines = [x for x in server.log_records() if x.get("event_id") == exec_id]
@@ -259,6 +262,6 @@ async def test_sandbox_past_its_lifetime_is_destroyed(server: ServerProc, http: 
     assert r.data["limits"]["lifetime_s"] == 1
     await asyncio.sleep(2.5)  # the runtime reaps it; nobody asked
     r = await send(http, server.url, ce(SANDBOX_EXEC, {"sandbox_id": sid, "code": "print(1)", "timeout_s": 1}))
-    assert (r.status, r.data["code"]) == (404, "sandbox_not_found")
+    assert (r.status, r.data["code"], r.data["details"]["reason"]) == (410, "sandbox_gone", "lifetime")
     r = await send(http, server.url, ce(SANDBOX_DESTROY, {"sandbox_id": sid}))
     assert (r.status, r.type) == (200, SANDBOX_DESTROYED) and r.data["reason"] == "lifetime"

@@ -1,0 +1,592 @@
+"""Durable sandboxes: the store is the truth, a replica's live sandboxes are a cache of it.
+
+``DurableRuntime`` stands between the service and the embedded ``Runtime``. Every step of a sandbox
+(create, exec, snapshot, fork, destroy) ends with a commit of its new state — its files as a diff
+over its snapshot, limits, metadata, usage so far, the events it acknowledged and this step's reply —
+as generation n+1 in the store (``rollbox.snapshots.state``), with a create-only write; only then is
+the reply sent. So:
+
+    any replica serves any step   a sandbox not live here is resumed from its newest generation:
+                                  a sandbox of its snapshot (from the warm pool) gets its files
+                                  injected, as a fork child does; processes of earlier steps are gone
+    stale copies are noticed      before a step on a live copy at generation n, generation n+1 must
+                                  not exist (else the copy is dropped and the sandbox resumed)
+    exactly once                  two replicas racing for generation n+1: one commits, the other keeps
+                                  nothing and answers 409 sandbox_busy; a redelivered event finds its
+                                  reply in the sandbox's records (ids of created sandboxes are derived
+                                  from the event, so a redelivered create finds its sandbox too)
+    hibernate                     a live copy idle for ``hibernate_after_s``, or the least recently
+                                  used idle one when the live cap is reached, is committed and ended
+    drain                         ``hibernate_all`` on SIGTERM: scale-down loses nothing
+    expiry                        lifetime and idle limits hold across hibernation; a sweeper writes
+                                  the tombstone of expired sandboxes and removes the records of
+                                  destroyed ones after ``tombstone_ttl_s``
+
+One-shot ``run`` events keep no durable state (nothing outlives them) and go straight through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from pydantic import BaseModel
+from rollbox.functions.idempotency import Conflict
+from rollbox.functions.routing import EventRef, current_event
+from rollbox.runtime.errors import (
+    IntegrityError,
+    InvalidRequest,
+    Overloaded,
+    RollboxError,
+    SandboxBusy,
+    SandboxDied,
+    SandboxGone,
+    SandboxNotFound,
+    StoreError,
+)
+from rollbox.runtime.runtime import LimitsArg, Runtime
+from rollbox.runtime.spec import ExecRequest, ExecResult, SandboxInfo, Usage
+from rollbox.snapshots.state import (
+    FileHashes,
+    Files,
+    Objects,
+    SandboxRecord,
+    StepUsage,
+    blob_key,
+    check_content,
+    diff_of,
+    place_contents,
+    record_key,
+    scan_upper,
+)
+
+__all__ = ["DurableRuntime"]
+
+log = logging.getLogger("rollbox.durable")
+M = TypeVar("M", bound=BaseModel)
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry | None):
+        r = registry or CollectorRegistry()
+        self.resumes = Counter("rollbox_resumes", "Sandboxes resumed from their durable state", registry=r)
+        self.hibernations = Counter("rollbox_hibernations", "Live sandboxes committed and ended",
+                                    ["reason"], registry=r)
+        self.resume_seconds = Histogram("rollbox_resume_seconds", "Time to resume a sandbox from the store",
+                                        buckets=_LATENCY, registry=r)
+        self.store_write_seconds = Histogram("rollbox_state_write_seconds",
+                                             "Time to commit a step's state to the store", buckets=_LATENCY,
+                                             registry=r)
+        self.conflicts = Counter("rollbox_state_conflicts",
+                                 "Steps not committed because another replica committed that generation first",
+                                 registry=r)
+        self.stale = Counter("rollbox_stale_copies", "Live copies dropped because another replica moved on",
+                             registry=r)
+
+
+@dataclass
+class _Live:
+    """A sandbox this replica holds live, and its newest committed generation."""
+
+    record: SandboxRecord
+    hashes: FileHashes = field(default_factory=dict)
+    since: float = field(default_factory=time.monotonic)  # usage accounted up to here
+    cpu_s: float = 0.0  # CPU seconds of this life already in ``record.usage``
+    last_used: float = field(default_factory=time.monotonic)
+    resume_ms: float | None = None  # set by a resume, reported by the step that caused it
+
+
+class DurableRuntime:
+    """The service's runtime when durability is on (``--durability step``): see the module docstring."""
+
+    def __init__(self, rt: Runtime, objects: Objects, *, hibernate_after_s: float = 30.0,
+                 sweep_interval_s: float = 60.0, tombstone_ttl_s: float = 600.0, replica: str | None = None,
+                 io_threads: int = 8, registry: CollectorRegistry | None = None):
+        self.rt = rt
+        self.objects = objects
+        self.hibernate_after_s = hibernate_after_s
+        self.sweep_interval_s = sweep_interval_s
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.replica = replica or f"{socket.gethostname()}-{os.getpid()}"
+        self.live: dict[str, _Live] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._busy: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="rollbox-state")
+        self._blobs_known: set[str] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.metrics = _Metrics(registry)
+        rt.on_reaped = self._reaped
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def bind_metrics(self, registry: CollectorRegistry) -> None:
+        """Register this layer's metrics in the service's registry (the service is made after us)."""
+        self.metrics = _Metrics(registry)
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._hibernate_loop()), asyncio.create_task(self._sweep_loop())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._pool.shutdown(wait=True)
+
+    async def hibernate_all(self, reason: str = "drain") -> int:
+        """Commit and end every live sandbox (on SIGTERM: scale-down and scale-to-zero lose nothing)."""
+        sids = list(self.live)
+        sem = asyncio.Semaphore(16)
+
+        async def one(sid: str) -> None:
+            async with sem:
+                await self._hibernate(sid, reason)
+
+        await asyncio.gather(*(one(s) for s in sids), return_exceptions=True)
+        return len(sids)
+
+    # ------------------------------------------------------------------------- the API (service)
+    def live_count(self) -> int:
+        return self.rt.live_count()
+
+    def running_count(self) -> int:
+        """Sandboxes running a step or being created here: what admission's live cap limits (idle
+        ones are hibernated to make room, so they do not count)."""
+        return len(self._busy)
+
+    def pool_sizes(self) -> dict[str, int]:
+        return self.rt.pool_sizes()
+
+    async def run(self, request: ExecRequest, snapshot: str = "python", limits: LimitsArg = None,
+                  metadata: dict[str, str] | None = None) -> ExecResult:
+        await self._make_room()
+        return await self.rt.run(request, snapshot=snapshot, limits=limits, metadata=metadata)
+
+    async def create(self, snapshot: str = "python", limits: LimitsArg = None,
+                     metadata: dict[str, str] | None = None) -> SandboxInfo:
+        ev = current_event.get()
+        sid = ev.next_sandbox_id() if ev is not None else "sb-" + secrets.token_hex(10)
+        async with self._holding(sid):
+            if ev is not None:
+                first = await self._io(self._get, sid, 0)
+                if first is not None:  # a redelivered create: the sandbox it made, as it replied then
+                    return await self._replayed(first, ev, SandboxInfo) or SandboxInfo.model_validate(first.reply)
+            await self._make_room()
+            info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
+            now = time.time()
+            record = SandboxRecord(sandbox_id=sid, generation=-1, snapshot=info.snapshot_id, limits=info.limits,
+                                   metadata=info.metadata, created_at=now, last_used=now)
+            live = _Live(record=record)
+            self.live[sid] = live
+            try:
+                await self._commit(live, info, ev, scan=False)
+            except SandboxBusy:  # the same event, at the same time, on another replica: its sandbox
+                first = await self._io(self._get, sid, 0)
+                if first is None or first.reply is None:
+                    raise
+                return SandboxInfo.model_validate(first.reply)
+            return info
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        if request.timeout_s > 7 * 24 * 3600:
+            raise InvalidRequest("timeout_s is too large", sandbox_id=sandbox_id)
+
+        async def action(live: _Live) -> ExecResult:
+            result = await self.rt.exec(sandbox_id, request)
+            if live.resume_ms is not None:
+                result = result.model_copy(update={"resumed": True, "resume_ms": live.resume_ms})
+            return result
+
+        return await self.step(sandbox_id, action, ExecResult)
+
+    async def destroy(self, sandbox_id: str) -> Usage:
+        ev = current_event.get()
+        async with self._holding(sandbox_id):
+            live = await self._fresh_live(sandbox_id)
+            head = live.record if live is not None else await self._head(sandbox_id)
+            if ev is not None and (replay := await self._replayed(head, ev, Usage)) is not None:
+                return replay
+            if head.state == "destroyed":  # repeating a destroy returns the same record
+                return Usage.model_validate(head.reply)
+            if live is not None:
+                local = await self.rt.destroy(sandbox_id, reason="destroyed")
+                self._account(live, local.cpu_s, local.peak_memory_bytes, 0)
+            usage = self._usage(head if live is None else live.record, "destroyed")
+            tomb = live or _Live(record=head)
+            self.live.pop(sandbox_id, None)
+            await self._commit(tomb, usage, ev, scan=False, state="destroyed", reason="destroyed")
+            return usage
+
+    async def adopt(self, children: list[SandboxInfo], forked_from: str) -> None:
+        """Commit the first generation of each fork child (live here, its parent's files injected)."""
+        async def one(info: SandboxInfo) -> None:
+            sid = info.sandbox_id
+            now = time.time()
+            live = _Live(record=SandboxRecord(sandbox_id=sid, generation=-1, snapshot=info.snapshot_id,
+                                              limits=info.limits, metadata=info.metadata, forked_from=forked_from,
+                                              created_at=now, last_used=now))
+            self.live[sid] = live
+            async with self._holding(sid):
+                await self._commit(live, info, None)
+
+        results = await asyncio.gather(*(one(i) for i in children), return_exceptions=True)
+        if failed := [r for r in results if isinstance(r, BaseException)]:
+            for info in children:
+                await self._drop(info.sandbox_id, "fork failed")
+            raise failed[0]
+
+    async def step(self, sandbox_id: str, action: Callable[[_Live], Awaitable[M]], model: type[M]) -> M:
+        """Run one step on a sandbox's newest state and commit it before returning its reply: the
+        sandbox is resumed first if it is not live here (or its copy here is stale); a redelivered
+        event gets its recorded reply without running."""
+        ev = current_event.get()
+        async with self._holding(sandbox_id):
+            live, replay = await self._prepare(sandbox_id, ev, model)
+            if replay is not None:
+                return replay
+            assert live is not None
+            try:
+                reply = await action(live)
+            finally:
+                live.last_used = time.monotonic()
+            await self._commit(live, reply, ev)
+            live.resume_ms = None
+            return reply
+
+    async def ensure_live(self, sandbox_id: str) -> None:
+        """Resume the sandbox here if it is not live (the snapshot and fork handlers need it live)."""
+        async with self._holding(sandbox_id):
+            await self._prepare(sandbox_id, None, BaseModel)
+
+    async def _prepare(self, sandbox_id: str, ev: EventRef | None, model: type[M]) -> tuple[_Live | None, M | None]:
+        """(the live copy to run a step on, None), or (None, the recorded reply of ``ev``)."""
+        live = await self._fresh_live(sandbox_id)
+        head = live.record if live is not None else await self._head(sandbox_id)
+        if ev is not None and (replay := await self._replayed(head, ev, model)) is not None:
+            return None, replay
+        if head.state == "destroyed":
+            raise SandboxGone(f"sandbox {sandbox_id} was destroyed ({head.reason})",
+                              sandbox_id=sandbox_id, reason=head.reason or "destroyed")
+        if live is None:
+            why = head.expired(time.time())
+            if why is not None:
+                await self._expire(head, why)
+                raise SandboxGone(f"sandbox {sandbox_id} expired ({why} limit)", sandbox_id=sandbox_id, reason=why)
+            live = await self._resume(head)
+        return live, None
+
+    # ----------------------------------------------------------------------------- internals
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:  # store calls, off the event loop
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, sandbox_id: str) -> Any:
+        lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            self._busy.add(sandbox_id)
+            try:
+                yield
+            finally:
+                self._busy.discard(sandbox_id)
+        if not lock.locked() and not lock._waiters and sandbox_id not in self.live:
+            self._locks.pop(sandbox_id, None)
+
+    def _get(self, sandbox_id: str, generation: int) -> SandboxRecord | None:
+        key = record_key(sandbox_id, generation)
+        data = self.objects.get(key)
+        return None if data is None else SandboxRecord.from_bytes(data, key)
+
+    async def _head(self, sandbox_id: str) -> SandboxRecord:
+        """The newest generation of a sandbox not live here; SandboxNotFound if it never existed."""
+        keys = await self._io(self.objects.keys, f"sandboxes/{sandbox_id}/")
+        gens = sorted(int(k.rsplit("/", 1)[1].split(".")[0]) for k in keys if k.endswith(".json"))
+        if not gens:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+        head: SandboxRecord | None = await self._io(self._get, sandbox_id, gens[-1])
+        if head is None:  # removed between the listing and the read (the sweeper)
+            raise SandboxGone(f"sandbox {sandbox_id} was destroyed", sandbox_id=sandbox_id)
+        while (newer := await self._io(self._get, sandbox_id, head.generation + 1)) is not None:
+            head = newer  # committed after the listing
+        return head
+
+    async def _fresh_live(self, sandbox_id: str) -> _Live | None:
+        """The live copy here, if it is still the newest generation and its sandbox still runs."""
+        live = self.live.get(sandbox_id)
+        if live is None:
+            return None
+        if sandbox_id not in self.rt.sandboxes or not self.rt.sandboxes[sandbox_id].alive():
+            await self._drop(sandbox_id, "died")
+            return None
+        newer = await self._io(self._get, sandbox_id, live.record.generation + 1)
+        if newer is not None:  # another replica moved it on: never run a step on this copy
+            self.metrics.stale.inc()
+            await self._drop(sandbox_id, "stale")
+            return None
+        return live
+
+    async def _replayed(self, head: SandboxRecord, ev: EventRef, model: type[M]) -> M | None:
+        """The recorded reply of ``ev`` if this sandbox acknowledged it (read from the generation that
+        holds it); an event with the same identity but other content is refused."""
+        seen = head.events.get(ev.key)
+        if seen is None:
+            return None
+        if len(seen) > 1 and seen[1] != ev.fingerprint:
+            raise Conflict(f"an event with source {ev.source!r} and id {ev.id!r} was already handled "
+                           "with different content; give a new event a new id")
+        gen = int(seen[0])
+        rec = head if gen == head.generation else await self._io(self._get, head.sandbox_id, gen)
+        if rec is None or rec.reply is None:
+            raise IntegrityError(f"sandbox {head.sandbox_id}: the record holding the reply of event "
+                                 f"{ev.id!r} (generation {gen}) is missing", sandbox_id=head.sandbox_id)
+        return model.model_validate(rec.reply)
+
+    async def _drop(self, sandbox_id: str, reason: str) -> None:
+        """Forget the live copy here without committing (stale, conflicted, or died)."""
+        self.live.pop(sandbox_id, None)
+        if sandbox_id in self.rt.sandboxes:
+            with contextlib.suppress(RollboxError):
+                await self.rt.destroy(sandbox_id, reason=reason)
+
+    def _account(self, live: _Live, life_cpu_s: float, peak: int, execs: int) -> None:
+        """Fold this life's usage since the last commit into ``live.record.usage``."""
+        now = time.monotonic()
+        u = live.record.usage
+        live.record = live.record.model_copy(update={"usage": StepUsage(
+            live_s=u.live_s + (now - live.since),
+            cpu_s=u.cpu_s + max(0.0, life_cpu_s - live.cpu_s),
+            peak_memory_bytes=max(u.peak_memory_bytes, peak),
+            execs=u.execs + execs)})
+        live.since = now
+        live.cpu_s = life_cpu_s
+
+    def _usage(self, record: SandboxRecord, reason: str) -> Usage:
+        u = record.usage
+        return Usage(sandbox_id=record.sandbox_id, snapshot_id=record.snapshot, metadata=record.metadata,
+                     wall_s=round(u.live_s, 6), cpu_s=round(u.cpu_s, 6), peak_memory_bytes=u.peak_memory_bytes,
+                     billed_s=max(1, math.ceil(u.live_s)), execs=u.execs, reason=reason)
+
+    async def _commit(self, live: _Live, reply: BaseModel | None, ev: EventRef | None, *, scan: bool = True,
+                      state: str = "live", reason: str | None = None, usage: Usage | None = None) -> None:
+        """Write the sandbox's next generation (create-only). Any failure drops the live copy: its
+        files may hold a step that was not acknowledged, so the next step resumes from the store."""
+        prev = live.record
+        sid = prev.sandbox_id
+        gen = prev.generation + 1
+        t0 = time.perf_counter()
+        try:
+            sb = self.rt.sandboxes.get(sid)
+            if sb is not None and state == "live":
+                self._account(live, sb.cpu_s, sb.peak_memory_bytes, 0)
+            files = prev.files
+            inline: dict[str, str] = {}
+            blobs: dict[str, str] = {}
+            if scan and sb is not None:
+                files, inline, blobs = await self._scan(sid, live, gen)
+            for sha, path in blobs.items():
+                if sha not in self._blobs_known:
+                    await self._io(self._put_blob, sha, path)
+            events = dict(prev.events)
+            if ev is not None:
+                events[ev.key] = [gen, ev.fingerprint]
+            usage_now = live.record.usage
+            if isinstance(reply, ExecResult):
+                usage_now = usage_now.model_copy(update={"execs": usage_now.execs + 1})
+            record = live.record.model_copy(update={
+                "generation": gen, "state": state, "reason": reason, "files": files if state == "live" else Files(),
+                "inline": inline, "events": events, "last_used": time.time(), "usage": usage_now,
+                "reply": None if reply is None else reply.model_dump(mode="json"), "writer": self.replica})
+            ok = await self._io(self.objects.put_new, record_key(sid, gen), record.to_bytes())
+        except BaseException:
+            if state == "live":
+                await self._drop(sid, "commit failed")
+            raise
+        finally:
+            self.metrics.store_write_seconds.observe(time.perf_counter() - t0)
+        if not ok:
+            self.metrics.conflicts.inc()
+            await self._drop(sid, "conflict")
+            raise SandboxBusy(f"sandbox {sid}: another replica committed step {gen} first; nothing of this "
+                              "request was kept, retry it", sandbox_id=sid)
+        live.record = record
+
+    async def _scan(self, sandbox_id: str, live: _Live, gen: int) -> tuple[Files, dict[str, str], dict[str, str]]:
+        """The sandbox's files, read while it is held still; (files, inline contents, blobs to upload)."""
+        def scan(upper: str) -> tuple[Files, dict[str, str], dict[str, str]]:
+            files, paths = scan_upper(upper, live.hashes)
+            inline, blobs = place_contents(files, live.record if live.record.generation >= 0 else None, gen, paths)
+            return files, inline, blobs
+
+        try:
+            async with self.rt.frozen(sandbox_id) as sb:
+                result: tuple[Files, dict[str, str], dict[str, str]] = await self._io(scan, sb.upper_path)
+                return result
+        except SandboxDied:  # nothing runs in it any more: its files can be read as they are
+            dead = self.rt.sandboxes.get(sandbox_id)
+            if dead is None or dead.upper_fd < 0:
+                raise
+            result = await self._io(scan, dead.upper_path)
+            return result
+
+    def _put_blob(self, sha: str, path: str) -> None:
+        with open(path, "rb") as f:
+            data = f.read()
+        check_content(sha, data, path)
+        self.objects.put_new(blob_key(sha), data)
+        self._blobs_known.add(sha)
+
+    async def _resume(self, head: SandboxRecord) -> _Live:
+        """A live copy of ``head``: a sandbox of its snapshot and limits with its files injected."""
+        t0 = time.perf_counter()
+        sid = head.sandbox_id
+        contents = await self._contents(head)
+        await self._make_room()
+        await self.rt.create(head.snapshot, head.limits, head.metadata, sandbox_id=sid, forked_from=head.forked_from)
+        try:
+            if head.files.entries or head.files.whiteouts or head.files.opaque:
+                diff = diff_of(head.files, contents)
+                try:
+                    await self.rt.inject(sid, diff)
+                finally:
+                    os.close(diff["fd"])
+        except BaseException:
+            with contextlib.suppress(RollboxError):
+                await self.rt.destroy(sid, reason="resume failed")
+            raise
+        live = _Live(record=head)
+        live.resume_ms = round((time.perf_counter() - t0) * 1000, 3)
+        self.live[sid] = live
+        self.metrics.resumes.inc()
+        self.metrics.resume_seconds.observe(time.perf_counter() - t0)
+        return live
+
+    async def _contents(self, head: SandboxRecord) -> dict[str, bytes]:
+        """Every file content ``head`` names: inline in its records, or blobs."""
+        sid = head.sandbox_id
+        gens = {e["g"] for e in head.files.entries if e["t"] == "f" and e.get("g") is not None}
+        need_blobs = {e["sha"] for e in head.files.entries if e["t"] == "f" and e.get("g") is None}
+        records = {head.generation: head}
+        fetched = await asyncio.gather(*(self._io(self._get, sid, g) for g in gens - {head.generation}))
+        for g, rec in zip(sorted(gens - {head.generation}), fetched, strict=True):
+            if rec is None:
+                raise IntegrityError(f"sandbox {sid}: record {g} holding file contents is missing", sandbox_id=sid)
+            records[g] = rec
+        contents: dict[str, bytes] = {}
+        for e in head.files.entries:
+            if e["t"] == "f" and e.get("g") is not None and e["sha"] not in contents:
+                data = base64.b64decode(records[e["g"]].inline[e["sha"]])
+                contents[e["sha"]] = check_content(e["sha"], data, f"sandbox {sid} record {e['g']}")
+        blobs = sorted(need_blobs)
+        datas = await asyncio.gather(*(self._io(self.objects.get, blob_key(s)) for s in blobs))
+        for sha, data in zip(blobs, datas, strict=True):
+            if data is None:
+                raise IntegrityError(f"sandbox {sid}: blob {sha} is missing from the store", sandbox_id=sid)
+            contents[sha] = check_content(sha, data, f"blob {sha}")
+        return contents
+
+    async def _make_room(self) -> None:
+        """At the live cap, hibernate the least recently used idle sandboxes instead of refusing."""
+        cap = self.rt.config.max_live
+        while len(self.rt.sandboxes) + self.rt._creating >= cap:
+            idle = [(live.last_used, sid) for sid, live in self.live.items() if sid not in self._busy]
+            if not idle:
+                raise Overloaded(f"{len(self.rt.sandboxes)} sandboxes are running steps (cap {cap})",
+                                 retry_after_s=1.0)
+            await self._hibernate(min(idle)[1], "pressure")
+
+    async def _hibernate(self, sandbox_id: str, reason: str) -> None:
+        async with self._holding(sandbox_id):
+            live = self.live.get(sandbox_id)
+            if live is None:
+                return
+            try:
+                if sandbox_id in self.rt.sandboxes and self.rt.sandboxes[sandbox_id].alive():
+                    await self._commit(live, None, None)
+            except (RollboxError, OSError) as exc:  # the copy is dropped; the last acknowledged step stands
+                log.warning("hibernate of %s could not commit: %s", sandbox_id, exc)
+            self.live.pop(sandbox_id, None)
+            if sandbox_id in self.rt.sandboxes:
+                with contextlib.suppress(RollboxError):
+                    await self.rt.destroy(sandbox_id, reason="hibernated")
+            self.metrics.hibernations.labels(reason).inc()
+
+    async def _expire(self, head: SandboxRecord, why: str) -> None:
+        """Write the tombstone of a sandbox whose lifetime or idle limit passed while it hibernated."""
+        tomb = _Live(record=head)
+        usage = self._usage(head, why)
+        with contextlib.suppress(SandboxBusy):
+            await self._commit(tomb, usage, None, scan=False, state="destroyed", reason=why)
+
+    async def _reaped(self, sandbox_id: str, reason: str, usage: Usage) -> None:
+        """The runtime's reaper ended a live copy for its lifetime or idle limit: record it gone."""
+        live = self.live.pop(sandbox_id, None)
+        if live is None:
+            return
+        try:
+            async with self._holding(sandbox_id):
+                self._account(live, usage.cpu_s, usage.peak_memory_bytes, 0)
+                await self._commit(live, self._usage(live.record, reason), None, scan=False,
+                                   state="destroyed", reason=reason)
+        except (RollboxError, OSError) as exc:
+            log.warning("could not record that %s expired (%s): %s", sandbox_id, reason, exc)
+
+    async def _hibernate_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.hibernate_after_s or 1.0))
+            if not self.hibernate_after_s:
+                continue
+            now = time.monotonic()
+            for sid, live in list(self.live.items()):
+                if sid not in self._busy and now - live.last_used >= self.hibernate_after_s:
+                    try:
+                        await self._hibernate(sid, "idle")
+                    except Exception:
+                        log.exception("hibernating %s failed", sid)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            try:
+                await self.sweep()
+            except (StoreError, OSError) as exc:
+                log.warning("sweeping durable state failed: %s", exc)
+
+    async def sweep(self) -> dict[str, int]:
+        """Expire hibernated sandboxes past their limits; remove destroyed ones' records after the
+        tombstone TTL (a redelivered event finds its reply until then)."""
+        keys: list[str] = await self._io(self.objects.keys, "sandboxes/")
+        by_sid: dict[str, list[str]] = {}
+        for k in keys:
+            parts = k.split("/")
+            if len(parts) == 3 and parts[2].endswith(".json"):
+                by_sid.setdefault(parts[1], []).append(k)
+        expired = removed = 0
+        now = time.time()
+        for sid, ks in by_sid.items():
+            if sid in self.live or sid in self._busy:
+                continue
+            ks.sort()
+            head = await self._io(self._get, sid, int(ks[-1].rsplit("/", 1)[1].split(".")[0]))
+            if head is None:
+                continue
+            if head.state == "destroyed":
+                if now - head.last_used > self.tombstone_ttl_s:
+                    await self._io(self.objects.delete, ks)
+                    removed += 1
+            elif (why := head.expired(now)) is not None:
+                async with self._holding(sid):
+                    await self._expire(head, why)
+                expired += 1
+        return {"expired": expired, "removed": removed}

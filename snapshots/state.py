@@ -1,0 +1,340 @@
+"""Durable sandbox state: what a sandbox is between two steps, kept in the snapshot store.
+
+A sandbox's state after each acknowledged step is one record, written once and never changed::
+
+    sandboxes/<sandbox id>/<generation, 10 digits>.json    one per acknowledged step
+    blobs/<sha256>                                          file contents over INLINE_MAX_BYTES
+
+A record holds the sandbox's files as a diff over its snapshot (the overlay upper directory: entries
+with modes and mtimes, whiteouts, opaque directories; each file's content by sha256), its limits and
+metadata, its usage so far, the events it has acknowledged (event key -> the generation whose record
+holds that event's reply) and the reply of the step that made it. Small file contents travel inline,
+in the record of the generation that first wrote them (``g`` in the file's entry says which); larger
+ones are content-addressed blobs, uploaded once.
+
+Generation n is created with a create-only write (S3 ``If-None-Match: *``; locally a hard link,
+which fails if the name exists), so two replicas never both commit step n: the loser learns it and
+changes nothing. A replica that holds a sandbox live checks that generation n+1 does not exist before
+it runs a step on generation n (another replica may have moved it on).
+
+Two backends with the same four calls: ``LocalObjects`` (a directory; the embedded default) and
+``rollbox.snapshots.store_s3.S3Objects`` (any S3-compatible store).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import errno
+import hashlib
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+from rollbox.runtime.errors import IntegrityError, StoreError
+from rollbox.runtime.execution import walk_upper
+from rollbox.runtime.spec import Limits
+
+__all__ = [
+    "INLINE_MAX_BYTES",
+    "FileHashes",
+    "Files",
+    "LocalObjects",
+    "Objects",
+    "SandboxRecord",
+    "StepUsage",
+    "blob_key",
+    "diff_of",
+    "record_key",
+    "scan_upper",
+]
+
+INLINE_MAX_BYTES = 64 * 1024  # a file up to this size travels inside the record that changed it
+MAX_INLINE_GENERATIONS = 8  # past this many older records holding inline contents, re-inline them
+RECORD_VERSION = 1
+
+
+class Objects(Protocol):
+    """Where durable state lives: a directory or an S3 prefix."""
+
+    url: str
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create ``key`` with ``data`` unless it exists; False if it does (another writer was first)."""
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def keys(self, prefix: str) -> list[str]:
+        """Keys under ``prefix``, sorted."""
+
+    def delete(self, keys: list[str]) -> None: ...
+
+
+class LocalObjects:
+    """``Objects`` in a local directory. A create-only write is a fsync'd temporary file hard-linked
+    to its name (link fails if the name exists), then the directory fsync'd: after the call returns
+    the object survives a crash of the process and of the machine."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+        self.url = str(self.root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise StoreError(f"invalid state key {key!r}")
+        return self.root / key
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            raise StoreError(f"cannot write {path}: {exc}") from exc
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"cannot read {self._path(key)}: {exc}") from exc
+
+    def keys(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/") or ".") if prefix.strip("/") else self.root
+        if not base.is_dir():
+            return []
+        out: list[str] = []
+        for dirpath, _dirs, files in os.walk(base):
+            rel = os.path.relpath(dirpath, self.root)
+            out.extend(f"{rel}/{f}" if rel != "." else f for f in files if not f.startswith("."))
+        return sorted(out)
+
+    def delete(self, keys: list[str]) -> None:
+        parents = set()
+        for key in keys:
+            path = self._path(key)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            parents.add(path.parent)
+        for d in parents:  # a sandbox's directory goes with its last record
+            with contextlib.suppress(OSError):
+                if d != self.root:
+                    d.rmdir()
+
+
+def record_key(sandbox_id: str, generation: int) -> str:
+    return f"sandboxes/{sandbox_id}/{generation:010d}.json"
+
+
+def blob_key(sha: str) -> str:
+    return f"blobs/{sha}"
+
+
+class Files(BaseModel):
+    """A sandbox's files as a diff over its snapshot, in ``pack_upper``'s entry form, contents by
+    sha256: ``{"p", "t": "f", "m", "mt", "sha", "n"[, "g"]}`` (``g``: the generation whose record
+    holds the content inline; absent: a blob), ``"d"`` directories, ``"l"`` symlinks, ``"h"`` hard
+    links to an earlier path."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    entries: list[dict[str, Any]] = Field(default_factory=list)
+    whiteouts: list[str] = Field(default_factory=list)
+    opaque: list[str] = Field(default_factory=list)
+
+
+class StepUsage(BaseModel):
+    """What the sandbox used so far, over all its lives on any replica (hibernated time excluded)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    live_s: float = 0.0
+    cpu_s: float = 0.0
+    peak_memory_bytes: int = 0
+    execs: int = 0
+
+
+class SandboxRecord(BaseModel):
+    """One acknowledged generation of a sandbox (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = RECORD_VERSION
+    sandbox_id: str
+    generation: int
+    state: Literal["live", "destroyed"] = "live"
+    reason: str | None = Field(default=None, description="why it was destroyed: destroyed, idle, lifetime")
+    snapshot: str
+    limits: Limits
+    metadata: dict[str, str] = Field(default_factory=dict)
+    forked_from: str | None = None
+    created_at: float = Field(description="Unix time the sandbox was created")
+    last_used: float = Field(description="Unix time of its last step")
+    usage: StepUsage = Field(default_factory=StepUsage)
+    files: Files = Field(default_factory=Files)
+    inline: dict[str, str] = Field(default_factory=dict, description="sha256 -> base64 content, new here")
+    events: dict[str, list[Any]] = Field(default_factory=dict,
+                                         description="event key -> [generation holding its reply, fingerprint]")
+    reply: dict[str, Any] | None = Field(default=None, description="the reply of the event that made it")
+    writer: str = Field(default="", description="the replica that committed it")
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(exclude_defaults=False).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, key: str) -> SandboxRecord:
+        try:
+            return cls.model_validate_json(data)
+        except ValueError as exc:
+            raise IntegrityError(f"sandbox state {key} is not a valid record: {str(exc)[:300]}") from None
+
+    def expired(self, now: float) -> str | None:
+        """Why this sandbox may not run another step at Unix time ``now``: lifetime, idle, or None."""
+        if now - self.created_at > self.limits.lifetime_s:
+            return "lifetime"
+        if now - self.last_used > self.limits.idle_s:
+            return "idle"
+        return None
+
+
+FileHashes = dict[tuple[str, int, int, int, int], str]
+"""(path, inode, size, mtime ns, ctime ns) -> sha256: files unchanged since the last scan are not read."""
+
+
+def scan_upper(upper: str, hashes: FileHashes) -> tuple[Files, dict[str, str]]:
+    """The files of a sandbox's upper directory, and the host path of each content (sha256 -> path).
+    ``hashes`` is updated in place (files unchanged since the last scan are not read again)."""
+    files = Files()
+    paths: dict[str, str] = {}
+    seen: dict[tuple[int, int], str] = {}
+    fresh: FileHashes = {}
+    for path, kind, st, host_path in walk_upper(upper):
+        if kind == "w":
+            files.whiteouts.append(path)
+        elif kind in ("d", "o"):
+            if kind == "o":
+                files.opaque.append(path)
+            files.entries.append({"p": path, "t": "d", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime})
+        elif kind == "l":
+            files.entries.append({"p": path, "t": "l", "l": os.readlink(host_path)})
+        else:
+            if st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
+                files.entries.append({"p": path, "t": "h", "l": seen[(st.st_dev, st.st_ino)]})
+                continue
+            seen[(st.st_dev, st.st_ino)] = path
+            ident = (path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            sha = hashes.get(ident) or _sha256_file(host_path)
+            fresh[ident] = sha
+            paths.setdefault(sha, host_path)
+            files.entries.append({"p": path, "t": "f", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime,
+                                  "sha": sha, "n": st.st_size})
+    hashes.clear()
+    hashes.update(fresh)
+    return files, paths
+
+
+def place_contents(files: Files, previous: SandboxRecord | None, generation: int,
+                   paths: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Decide where each file content of a new generation lives and set each file entry's ``g``.
+    Contents the previous generation already placed keep their place (inline in an older record, or
+    a blob); new small ones go inline in this record; new large ones are blobs. If the inline
+    contents would be spread over more than MAX_INLINE_GENERATIONS older records, they are all
+    re-inlined here (so a resume reads few records). Returns (inline: sha -> base64 for this record,
+    blobs to upload: sha -> host path)."""
+    where: dict[str, int | None] = {}
+    if previous is not None:
+        where = {e["sha"]: e.get("g") for e in previous.files.entries if e["t"] == "f"}
+    older = {where[e["sha"]] for e in files.entries if e["t"] == "f" and where.get(e["sha"]) is not None}
+    reinline = len(older) > MAX_INLINE_GENERATIONS
+    inline: dict[str, str] = {}
+    blobs: dict[str, str] = {}
+    for e in files.entries:
+        if e["t"] != "f":
+            continue
+        sha = e["sha"]
+        e.pop("g", None)
+        if sha in inline:
+            e["g"] = generation
+        elif sha in where and not (reinline and where[sha] is not None):
+            if where[sha] is not None:
+                e["g"] = where[sha]
+        elif e["n"] <= INLINE_MAX_BYTES:
+            inline[sha] = base64.b64encode(_read(paths[sha], sha)).decode()
+            e["g"] = generation
+        else:
+            blobs[sha] = paths[sha]
+    return inline, blobs
+
+
+def diff_of(files: Files, contents: dict[str, bytes]) -> dict[str, Any]:
+    """The diff a sandbox's agent applies (``Runtime.inject``): the entries with offsets into a memfd
+    that holds every file's content (``contents``: sha256 -> bytes). The caller closes ``fd``."""
+    fd = os.memfd_create("rollbox-resume", os.MFD_CLOEXEC)
+    entries: list[dict[str, Any]] = []
+    offsets: dict[str, tuple[int, int]] = {}
+    offset = 0
+    try:
+        for e in files.entries:
+            if e["t"] != "f":
+                entries.append({k: e[k] for k in e if k in ("p", "t", "m", "mt", "l")})
+                continue
+            sha = e["sha"]
+            if sha not in offsets:
+                data = contents[sha]
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                offsets[sha] = (offset, len(data))
+                offset += len(data)
+            o, n = offsets[sha]
+            entries.append({"p": e["p"], "t": "f", "m": e["m"], "mt": e["mt"], "o": o, "n": n})
+    except BaseException:
+        os.close(fd)
+        raise
+    return {"fd": fd, "entries": entries, "whiteouts": list(files.whiteouts), "opaque": list(files.opaque)}
+
+
+def check_content(sha: str, data: bytes, where: str) -> bytes:
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha:
+        raise IntegrityError(f"{where}: content hashes to {got}, expected {sha}; it was not used")
+    return data
+
+
+def _read(path: str, sha: str) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != sha:  # changed since the scan (a writer outside the freeze)
+        raise OSError(errno.EAGAIN, f"{path} changed while it was read")
+    return data
+
+
+def _sha256_file(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
