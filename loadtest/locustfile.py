@@ -1,51 +1,252 @@
-"""Locust: trainers playing real RL episodes against `rollbox serve`, as CloudEvents (binary mode).
+"""Locust: RL trainers playing episodes against `rollbox serve`, as CloudEvents (binary mode).
 
-One scenario: an episode is create -> a few exec steps (model-written code: some succeed, some fail)
--> destroy. A load shape plays a burst, a scale-to-zero pause, and a second burst; a `quitting`
-listener turns the run red (exit code 1) if failures or the p99 go over their thresholds.
+An episode is what a trainer's rollout worker does: create a sandbox, then a few exec steps, each
+after a think time (the model writing its next action), then destroy. Every step appends a line to
+a file in the sandbox and prints the sha256 of the whole file, so a step only passes if the
+sandbox kept the state of the steps before it; some actions are wrong on purpose and must exit 1.
+Wrong content (event type, exit code, stdout) is a failure (`resp.failure`).
+
+429 and 503 (and 409 `sandbox_busy`) are honoured as a trainer's client does: wait Retry-After
+(1 s if absent, capped), send the SAME event again (same ce-source and ce-id, which the service's
+idempotency makes safe), within bounded attempts and time. Each refused attempt is a success row
+named `retry <type>` (e.g. `retry create`), apart from the outcome rows `create`, `exec`, `destroy`;
+giving up is a failure of the outcome row. With `--hosts` (replicas behind a load balancer) every
+request goes to the next host in turn, so consecutive steps of one episode hit different replicas.
 
     rollbox serve &                      # 127.0.0.1:8080
-    locust -f loadtest/locustfile.py --headless --host http://127.0.0.1:8080
-    python loadtest/locustfile.py        # one user, one episode, in the debugger (run_single_user)
+    locust -f loadtest/locustfile.py --headless --host http://127.0.0.1:8080 --server-pid $!
+    ROLLBOX_LOCUST_SHAPE=none locust -f loadtest/locustfile.py --headless -u 20 -r 5 -t 2m \\
+        --hosts http://127.0.0.1:8080,http://127.0.0.1:8081 --think-min-s 0.5 --think-max-s 2
+    python loadtest/locustfile.py --host http://127.0.0.1:8080 --think-max-s 0   # one episode (run_single_user)
 
-Environment: ROLLBOX_LOCUST_STAGE_S (seconds per shape stage, default 30), ROLLBOX_LOCUST_USERS
-(burst size, default 50), ROLLBOX_LOCUST_STEPS (execs per episode, default 3),
-ROLLBOX_LOCUST_MAX_FAIL_RATIO (default 0.01), ROLLBOX_LOCUST_MAX_P99_MS (default 5000).
+Load shape: ROLLBOX_LOCUST_SHAPE=burst (default) plays a burst, a pause at zero users, a second
+burst (`--burst-users`, `--stage-s` per stage) and ends; =none leaves Locust's own `-u -r -t`. It is
+an environment variable, not a flag, because Locust picks the shape class when it imports this file,
+before it parses the flags. Ramping down kills users mid-episode (their sandbox is destroyed in
+on_stop); `--stop-timeout S` lets them finish their episode first.
+
+At the end a summary is printed (episodes, retries by type and code, requests per host, the peak
+RSS of `--server-pid` and all its descendants sampled every second, the servers' /metrics counters
+rollbox_resumes_total and rollbox_hibernations_total, or n/a) and the exit code is 1 if the outcome
+rows (retry rows left out) fail more than `--max-fail-ratio` or their p99 is over `--max-p99-ms`.
+Every flag also reads an environment variable: see `_flags` below (Locust's --help prints before
+it imports the locustfile, so it does not list them). The summary's counters are this process's
+own (with --processes or workers, each worker counts its requests, the master none).
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
+import logging
 import os
 import random
+import shlex
+import sys
+import time
+import urllib.request
 import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from typing import Any
 
-from locust import FastHttpUser, LoadTestShape, between, events, run_single_user, task
+import gevent
+from locust import FastHttpUser, LoadTestShape, events, run_single_user, task
+from locust.exception import StopUser
+from locust.runners import WorkerRunner
+from locust.stats import RequestStats, StatsEntry
 
-STAGE_S = float(os.environ.get("ROLLBOX_LOCUST_STAGE_S", "30"))
-USERS = int(os.environ.get("ROLLBOX_LOCUST_USERS", "50"))
-STEPS = int(os.environ.get("ROLLBOX_LOCUST_STEPS", "3"))
-MAX_FAIL_RATIO = float(os.environ.get("ROLLBOX_LOCUST_MAX_FAIL_RATIO", "0.01"))
-MAX_P99_MS = float(os.environ.get("ROLLBOX_LOCUST_MAX_P99_MS", "5000"))
+SHAPES = ("burst", "none")
+SHAPE = os.environ.get("ROLLBOX_LOCUST_SHAPE", "burst")
+if SHAPE not in SHAPES:
+    raise SystemExit(f"ROLLBOX_LOCUST_SHAPE: {SHAPE!r} is not one of {', '.join(SHAPES)}")
 
 PREFIX = "dev.rollbox.sandbox."
-# (code, the exit code it must give): what a policy's actions look like — mostly right, sometimes not
-ACTIONS = [
-    ("print(sum(range(10)))", 0),
-    ("import json; print(json.dumps({'reward': 1}))", 0),
-    ("assert 1 + 1 == 3, 'wrong answer'", 1),
-    ("import sys; sys.exit(2)", 2),
-]
+ERROR_TYPE = "dev.rollbox.error"
+RETRY_ROW = "retry "  # + the request's row name: refused attempts that were retried
+DEFAULT_RETRY_AFTER_S = 1.0
+MIB = 1024 * 1024
+# the python snapshot's default limits, sent explicitly as a trainer does: equal to the defaults,
+# creates can come from the warm pool; other values load the restore path instead
+LIMITS = {"memory_max_bytes": 512 * MIB, "cpu_max_cores": 1.0}
+STATE_FILE = "trajectory.txt"
+WRONG_ACTION_RATIO = 0.25  # a policy's actions are mostly right, sometimes not (exit code 1)
+EXEC_TIMEOUT_S = 30.0
+SERVER_METRICS = ("rollbox_resumes_total", "rollbox_hibernations_total")
+
+log = logging.getLogger("rollbox.locust")
+
+
+@events.init_command_line_parser.add_listener
+def _flags(parser: Any) -> None:
+    def flag(name: str, env: str, kind: type, default: Any, text: str) -> None:
+        parser.add_argument(name, type=kind, default=default, env_var=env, help=f"{text} (env {env}; default {default})")
+
+    flag("--think-min-s", "ROLLBOX_LOCUST_THINK_MIN_S", float, 2.0, "shortest think time before a step or episode")
+    flag("--think-max-s", "ROLLBOX_LOCUST_THINK_MAX_S", float, 10.0, "longest think time (uniform between the two)")
+    flag("--steps", "ROLLBOX_LOCUST_STEPS", int, 3, "exec steps per episode")
+    flag("--episodes", "ROLLBOX_LOCUST_EPISODES", int, None, "episodes per user, then it stops (default: until the end)")
+    flag("--hosts", "ROLLBOX_LOCUST_HOSTS", str, "", "comma-separated replicas, used in turn (default: --host)")
+    flag("--retry-attempts", "ROLLBOX_LOCUST_RETRY_ATTEMPTS", int, 5, "attempts per event on 429/503/409 busy")
+    flag("--retry-budget-s", "ROLLBOX_LOCUST_RETRY_BUDGET_S", float, 60.0, "time per event for its retries")
+    flag("--retry-after-max-s", "ROLLBOX_LOCUST_RETRY_AFTER_MAX_S", float, 10.0, "cap on one Retry-After wait")
+    flag("--max-fail-ratio", "ROLLBOX_LOCUST_MAX_FAIL_RATIO", float, 0.01, "exit 1 above this failure ratio")
+    flag("--max-p99-ms", "ROLLBOX_LOCUST_MAX_P99_MS", float, 5000.0, "exit 1 above this p99")
+    flag("--server-pid", "ROLLBOX_LOCUST_SERVER_PID", int, None, "report the peak RSS of this pid and descendants")
+    flag("--burst-users", "ROLLBOX_LOCUST_USERS", int, 50, "users in each burst of the burst shape")
+    flag("--stage-s", "ROLLBOX_LOCUST_STAGE_S", float, 30.0, "seconds per stage of the burst shape")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The flags, checked; a bad value is an error that names its flag."""
+
+    think_min_s: float
+    think_max_s: float
+    steps: int
+    episodes: int | None
+    hosts: tuple[str, ...]  # empty: Locust's --host
+    retry_attempts: int
+    retry_budget_s: float
+    retry_after_max_s: float
+    max_fail_ratio: float
+    max_p99_ms: float
+    server_pid: int | None
+
+    @classmethod
+    def of(cls, o: Any) -> Settings:
+        hosts = tuple(h.strip().rstrip("/") for h in o.hosts.split(",") if h.strip())
+        checks = [
+            (o.think_min_s >= 0, "--think-min-s must be >= 0"),
+            (o.think_max_s >= o.think_min_s, "--think-max-s must be >= --think-min-s"),
+            (o.steps >= 1, "--steps must be >= 1"),
+            (o.episodes is None or o.episodes >= 1, "--episodes must be >= 1"),
+            (all(h.startswith(("http://", "https://")) for h in hosts), "--hosts: each must start with http(s)://"),
+            (o.retry_attempts >= 1, "--retry-attempts must be >= 1 (1: no retry)"),
+            (o.retry_budget_s >= 0 and o.retry_after_max_s >= 0, "--retry-budget-s/--retry-after-max-s must be >= 0"),
+            (0 <= o.max_fail_ratio <= 1, "--max-fail-ratio must be in [0, 1]"),
+            (o.server_pid is None or o.server_pid > 0, "--server-pid must be > 0"),
+            (o.burst_users >= 1 and o.stage_s > 0, "--burst-users must be >= 1 and --stage-s > 0"),
+        ]
+        if problems := [text for ok, text in checks if not ok]:
+            raise ValueError("; ".join(problems))
+        return cls(o.think_min_s, o.think_max_s, o.steps, o.episodes, hosts, o.retry_attempts, o.retry_budget_s,
+                   o.retry_after_max_s, o.max_fail_ratio, o.max_p99_ms, o.server_pid)
+
+
+@dataclass
+class Tally:
+    """This process's counters for the summary (Locust's own stats hold the rows)."""
+
+    episodes_done: int = 0
+    episodes_cut: int = 0  # ended early: a failure, a gone sandbox, or the user was stopped
+    retries: Counter[str] = field(default_factory=Counter)  # "exec 429 overloaded" -> n
+    gave_up: Counter[str] = field(default_factory=Counter)
+    per_host: Counter[int] = field(default_factory=Counter)  # position in --hosts -> requests
+
+
+TALLY = Tally()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int  # 0: no HTTP reply
+    data: dict[str, Any] | None  # the reply's data, when it was the right event with the right content
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of the policy: append a line to the state file, print the file's sha256."""
+
+    data: dict[str, Any]
+    exit_code: int
+    trajectory: bytes  # the state file's content after this step
+
+    @classmethod
+    def next(cls, step: int, episode: str, before: bytes) -> Action:
+        line = f"step {step} of {episode}: {uuid.uuid4().hex[:8]}"
+        wrong = random.random() < WRONG_ACTION_RATIO
+        if step % 2:
+            code = (f"import hashlib\nwith open({STATE_FILE!r}, 'a') as f:\n    f.write({line!r} + '\\n')\n"
+                    f"print(hashlib.sha256(open({STATE_FILE!r}, 'rb').read()).hexdigest())\n")
+            data: dict[str, Any] = {"code": code + ("assert False, 'wrong answer'\n" if wrong else "")}
+        else:
+            command = f"printf '%s\\n' {shlex.quote(line)} >> {STATE_FILE} && sha256sum {STATE_FILE} | cut -d' ' -f1"
+            data = {"command": command + (" && exit 1" if wrong else "")}
+        return cls({**data, "timeout_s": EXEC_TIMEOUT_S}, int(wrong), before + line.encode() + b"\n")
+
+    def check(self, r: dict[str, Any]) -> str | None:
+        want = hashlib.sha256(self.trajectory).hexdigest() + "\n"
+        if r.get("timed_out"):
+            return "timed out"
+        if r.get("exit_code") != self.exit_code:
+            return f"exit code {r.get('exit_code')}, wanted {self.exit_code}; stderr {str(r.get('stderr'))[-200:]!r}"
+        if r.get("stdout") != want:
+            lines = self.trajectory.count(b"\n")
+            return f"stdout {str(r.get('stdout'))[:80]!r} is not the sha256 of the {lines}-line state file: state lost?"
+        return None
+
+
+def _created(r: dict[str, Any]) -> str | None:
+    return None if isinstance(r.get("sandbox_id"), str) and r["sandbox_id"] else "no sandbox_id in the reply"
+
+
+def _retry_after_s(headers: Any, cap_s: float) -> float:
+    """Retry-After in seconds (delta-seconds or an HTTP date), 1 s if absent or unreadable, capped."""
+    raw = headers.get("retry-after")
+    wait = DEFAULT_RETRY_AFTER_S
+    if raw:
+        try:
+            wait = float(raw)
+        except ValueError:
+            try:
+                wait = parsedate_to_datetime(raw).timestamp() - time.time()
+            except (TypeError, ValueError):
+                pass
+    return min(max(wait, 0.0), cap_s)
+
+
+def _error(body: bytes) -> tuple[str, str]:
+    """(code, message) of a dev.rollbox.error reply's data, or ("", the start of the body)."""
+    try:
+        data = json.loads(body)
+        return str(data.get("code", "")), str(data.get("message", ""))
+    except (ValueError, AttributeError):
+        return "", body[:200].decode(errors="replace")
+
+
+def _retryable(status: int, code: str) -> bool:
+    return status in (429, 503) or (status == 409 and code == "sandbox_busy")
 
 
 class EpisodeUser(FastHttpUser):
-    wait_time = between(0.0, 0.5)
+    _numbers = itertools.count()
 
-    def event(
-        self, kind: str, data: dict[str, Any], reply: str, name: str, *, exit_code: int | None = None
-    ) -> dict[str, Any] | None:
-        """POST one CloudEvent; mark the request failed unless the reply is the right event (and exit code)."""
+    def on_start(self) -> None:
+        self.cfg = Settings.of(self.environment.parsed_options)
+        self.hosts = self.cfg.hosts or (str(self.host).rstrip("/"),)
+        self.turn = next(self._numbers)  # users start at different hosts, then take them in turn
+        self.episodes = 0
+        self.live: str | None = None  # the sandbox to destroy if the user is stopped mid-episode
+
+    def wait_time(self) -> float:
+        return self.think_s()
+
+    def think_s(self) -> float:
+        return random.uniform(self.cfg.think_min_s, self.cfg.think_max_s)
+
+    def next_host(self) -> tuple[int, str]:
+        slot = self.turn % len(self.hosts)
+        self.turn += 1
+        return slot, self.hosts[slot]
+
+    def send(self, kind: str, data: dict[str, Any], reply: str,
+             check: Callable[[dict[str, Any]], str | None] | None = None) -> Outcome:
+        """POST one CloudEvent, retried with the same (source, id) while refused; the reply must be
+        `reply` and pass `check`, or the request fails."""
         headers = {
             "ce-specversion": "1.0",
             "ce-type": PREFIX + kind,
@@ -53,74 +254,250 @@ class EpisodeUser(FastHttpUser):
             "ce-id": uuid.uuid4().hex,
             "content-type": "application/json",
         }
-        with self.client.post("/", data=json.dumps(data), headers=headers, name=name, catch_response=True) as resp:
-            if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:200]}")
-                return None
-            if resp.headers.get("ce-type") != PREFIX + reply:
-                resp.failure(f"reply type {resp.headers.get('ce-type')!r}, wanted {PREFIX + reply!r}")
-                return None
-            try:
-                body: dict[str, Any] = json.loads(resp.text or "")
-            except ValueError:
-                resp.failure("reply data is not JSON")
-                return None
-            if exit_code is not None and body.get("exit_code") != exit_code:
-                resp.failure(f"exit code {body.get('exit_code')}, wanted {exit_code} for {data.get('code')!r}")
-                return None
-            return body
+        body = json.dumps(data)
+        started = time.monotonic()
+        for attempt in itertools.count(1):
+            slot, host = self.next_host()
+            with self.client.post(host + "/", data=body, headers=headers, name=kind, catch_response=True) as resp:
+                TALLY.per_host[slot] += 1
+                status, reply_headers, raw = resp.status_code or 0, resp.headers or {}, resp.content or b""
+                ce_type = reply_headers.get("ce-type")
+                code, message = _error(raw) if ce_type == ERROR_TYPE or status != 200 else ("", "")
+                if not _retryable(status, code):
+                    return self._judge(resp, status, ce_type, raw, code, message, reply, check)
+                wait_s = _retry_after_s(reply_headers, self.cfg.retry_after_max_s)
+                elapsed_s = time.monotonic() - started
+                if attempt >= self.cfg.retry_attempts or elapsed_s + wait_s > self.cfg.retry_budget_s:
+                    TALLY.gave_up[f"{kind} {status} {code}"] += 1
+                    resp.failure(f"gave up after {attempt} attempts in {elapsed_s:.1f} s: HTTP {status} {code}")
+                    return Outcome(status, None)
+                TALLY.retries[f"{kind} {status} {code}"] += 1
+                resp.request_meta["name"] = RETRY_ROW + kind  # its own row in the stats, not a failure
+                resp.success()
+            gevent.sleep(wait_s)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _judge(resp: Any, status: int, ce_type: str | None, raw: bytes, code: str, message: str, reply: str,
+               check: Callable[[dict[str, Any]], str | None] | None) -> Outcome:
+        if status == 0:
+            resp.failure(f"no reply: {getattr(resp, 'error', None)!r}")
+            return Outcome(status, None)
+        if status != 200 or ce_type != PREFIX + reply:
+            resp.failure(f"HTTP {status} {ce_type}: {code} {message[:200]}".rstrip())
+            return Outcome(status, None)
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            resp.failure("reply data is not a JSON object")
+            return Outcome(status, None)
+        if check is not None and (problem := check(data)):
+            resp.failure(problem)
+            return Outcome(status, None)
+        return Outcome(status, data)
 
     @task
     def episode(self) -> None:
-        meta = {"experiment": "locust", "episode": uuid.uuid4().hex[:12]}
-        info = self.event("create", {"metadata": meta}, "created", "create")
-        if info is None:
-            return
-        sid = info["sandbox_id"]
-        try:
-            for _ in range(STEPS):
-                code, want = random.choice(ACTIONS)
-                if self.event("exec", {"sandbox_id": sid, "code": code}, "result", "exec", exit_code=want) is None:
-                    break
-        finally:
-            self.event("destroy", {"sandbox_id": sid}, "destroyed", "destroy")
+        if self.play_episode():
+            TALLY.episodes_done += 1
+        else:
+            TALLY.episodes_cut += 1
+        self.episodes += 1
+        if self.cfg.episodes is not None and self.episodes >= self.cfg.episodes:
+            raise StopUser()
+
+    def play_episode(self) -> bool:
+        """create, steps, destroy; True if every request passed."""
+        episode = uuid.uuid4().hex[:12]
+        meta = {"experiment": "locust", "episode": episode}
+        created = self.send("create", {"snapshot": "python", "metadata": meta, "limits": LIMITS}, "created", _created)
+        if created.data is None:
+            return False
+        sid = self.live = created.data["sandbox_id"]
+        trajectory, replied, unanswered, complete = b"", 0, 0, True
+        for step in range(1, self.cfg.steps + 1):
+            gevent.sleep(self.think_s())  # the model writes its next action
+            action = Action.next(step, episode, trajectory)
+            out = self.send("exec", {"sandbox_id": sid, **action.data}, "result", action.check)
+            replied += out.status == 200
+            unanswered += out.status == 0
+            if out.status == 410:  # sandbox_gone / sandbox_died: destroyed or expired, nothing to destroy
+                self.live = None
+                return False
+            if out.data is None:
+                complete = False
+                break
+            trajectory = action.trajectory
+
+        def usage(r: dict[str, Any]) -> str | None:
+            if r.get("sandbox_id") != sid:
+                return f"destroyed {r.get('sandbox_id')!r}, not {sid!r}"
+            execs = r.get("execs")
+            if not isinstance(execs, int) or not replied <= execs <= replied + unanswered:
+                return f"usage counts {execs} execs, {replied} were answered"
+            return None
+
+        done = self.send("destroy", {"sandbox_id": sid}, "destroyed", usage)
+        self.live = None
+        return complete and done.data is not None
+
+    def on_stop(self) -> None:
+        if getattr(self, "live", None) is not None:  # stopped mid-episode: do not leave the sandbox to its idle timeout
+            sid, self.live = self.live, None
+            TALLY.episodes_cut += 1
+            self.send("destroy", {"sandbox_id": sid}, "destroyed")
 
 
 class BurstAndScaleToZero(LoadTestShape):
     """A training burst, a pause at zero users (the warm pool drains), a second burst, then stop."""
 
-    stages = (
-        (1, USERS, max(1.0, USERS / 5)),  # stage length in STAGE_S units, users, spawn rate
-        (1, 0, USERS),
-        (1, USERS, float(USERS)),  # a sudden burst after idling
-    )
+    abstract = SHAPE != "burst"  # not a shape at all with ROLLBOX_LOCUST_SHAPE=none: -u -r -t apply
 
     def tick(self) -> tuple[int, float] | None:
-        t = self.get_run_time()
-        end = 0.0
-        for length, users, rate in self.stages:
-            end += length * STAGE_S
-            if t < end:
-                return users, rate
-        return None
+        opts = self.runner.environment.parsed_options
+        users, stage_s = opts.burst_users, opts.stage_s
+        stages = ((users, max(1.0, users / 5)), (0, float(users)), (users, float(users)))  # sudden after idling
+        stage = int(self.get_run_time() // stage_s)
+        return stages[stage] if stage < len(stages) else None
+
+
+def _proc_tree_rss_bytes(root: int) -> int | None:
+    """The summed VmRSS of `root` and all its descendants; None if `root` is gone."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # ended while we looked
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                rss_kb = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+        except OSError:
+            if pid == root:
+                return None
+            continue
+        total += rss_kb * 1024
+        todo.extend(children.get(pid, ()))
+    return total
+
+
+class RssSampler:
+    """Samples the RSS of a process tree every second in a greenlet; keeps the peak."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak_bytes = 0
+        self.samples = 0
+        self.greenlet = gevent.spawn(self._run)
+
+    def _run(self) -> None:
+        while True:
+            if (rss := _proc_tree_rss_bytes(self.pid)) is not None:
+                self.peak_bytes = max(self.peak_bytes, rss)
+                self.samples += 1
+            gevent.sleep(1.0)
+
+    def report(self) -> str:
+        if not self.samples:
+            return f"n/a (no process {self.pid})"
+        return f"{self.peak_bytes / MIB:.1f} MiB (pid {self.pid} and descendants, peak of {self.samples} samples)"
+
+
+SAMPLER: list[RssSampler] = []  # the one sampler of this process, once the test started
+
+
+@events.init.add_listener
+def _check_flags(environment: Any, **_: Any) -> None:
+    if environment.parsed_options is None:
+        return
+    try:
+        cfg = Settings.of(environment.parsed_options)
+    except ValueError as exc:
+        log.error("rollbox locustfile: %s", exc)
+        sys.exit(2)
+    if cfg.hosts and not environment.host:
+        environment.host = cfg.hosts[0]  # Locust wants a base host; every request names its own
+
+
+@events.test_start.add_listener
+def _start_sampler(environment: Any, **_: Any) -> None:
+    opts = environment.parsed_options
+    if opts is None or opts.server_pid is None or isinstance(environment.runner, WorkerRunner) or SAMPLER:
+        return
+    SAMPLER.append(RssSampler(opts.server_pid))
+
+
+def _server_counters(host: str) -> str:
+    try:
+        with urllib.request.urlopen(host + "/metrics", timeout=5) as r:
+            text = r.read().decode(errors="replace")
+    except OSError as exc:
+        return ", ".join(f"{name} n/a" for name in SERVER_METRICS) + f" (/metrics: {exc})"
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        name = name.partition("{")[0]
+        if name in SERVER_METRICS:
+            values[name] = values.get(name, 0.0) + float(rest.split()[0])
+    return ", ".join(f"{name} {values[name]:g}" if name in values else f"{name} n/a" for name in SERVER_METRICS)
+
+
+def _outcome_rows(stats: RequestStats) -> StatsEntry:
+    """All rows but the retry rows, merged: what the thresholds judge."""
+    merged = StatsEntry(stats, "outcomes", "", use_response_times_cache=False)
+    for entry in stats.entries.values():
+        if not entry.name.startswith(RETRY_ROW):
+            merged.extend(entry)
+    return merged
 
 
 @events.quitting.add_listener
-def _thresholds(environment: Any, **_: Any) -> None:
-    total = environment.stats.total
-    p99 = total.get_response_time_percentile(0.99) or 0
+def _summary_and_thresholds(environment: Any, **_: Any) -> None:
+    if isinstance(environment.runner, WorkerRunner) or environment.parsed_options is None:
+        return
+    cfg = Settings.of(environment.parsed_options)
+    hosts = cfg.hosts or ((environment.host or "").rstrip("/"),)
+    for sampler in SAMPLER:
+        sampler.greenlet.kill(block=False)
+    rows = _outcome_rows(environment.stats)
+    p99 = rows.get_response_time_percentile(0.99) or 0
+    retried = sum(e.num_requests for e in environment.stats.entries.values() if e.name.startswith(RETRY_ROW))
+
+    def counts(c: Counter[str]) -> str:
+        return ", ".join(f"{k} x{n}" for k, n in sorted(c.items())) or "none"
+
+    print("rollbox locust summary")
+    print(f"  episodes: {TALLY.episodes_done} complete, {TALLY.episodes_cut} cut short")
+    print(f"  requests: {rows.num_requests}, {rows.num_failures} failed ({rows.fail_ratio:.2%}), p99 {p99:.0f} ms"
+          " (retry rows left out)")
+    print(f"  retries: {retried} ({counts(TALLY.retries)}); gave up: {counts(TALLY.gave_up)}")
+    print("  hosts: " + "; ".join(f"#{i + 1} {h} {TALLY.per_host[i]} requests" for i, h in enumerate(hosts)))
+    print(f"  server peak RSS: {SAMPLER[0].report() if SAMPLER else 'n/a (no --server-pid)'}")
+    for host in dict.fromkeys(hosts):
+        print(f"  server {host}: {_server_counters(host)}")
+
     problems = []
-    if total.num_requests == 0:
+    if rows.num_requests == 0:
         problems.append("no requests were made")
-    if total.fail_ratio > MAX_FAIL_RATIO:
-        problems.append(f"fail ratio {total.fail_ratio:.3f} > {MAX_FAIL_RATIO}")
-    if p99 > MAX_P99_MS:
-        problems.append(f"p99 {p99:.0f} ms > {MAX_P99_MS:.0f} ms")
+    if rows.fail_ratio > cfg.max_fail_ratio:
+        problems.append(f"fail ratio {rows.fail_ratio:.3f} > {cfg.max_fail_ratio}")
+    if p99 > cfg.max_p99_ms:
+        problems.append(f"p99 {p99:.0f} ms > {cfg.max_p99_ms:.0f} ms")
     if problems:
         print("rollbox locust thresholds failed: " + "; ".join(problems))
         environment.process_exit_code = 1
 
 
 if __name__ == "__main__":
+    # one user, one episode, requests printed: for the debugger (flags as for locust, e.g. --host, --think-max-s 0)
+    os.environ.setdefault("ROLLBOX_LOCUST_EPISODES", "1")
     EpisodeUser.host = os.environ.get("ROLLBOX_URL", "http://127.0.0.1:8080")
     run_single_user(EpisodeUser)

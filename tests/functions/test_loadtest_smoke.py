@@ -4,39 +4,99 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from svc_testkit import ServerProc
+import httpx
+import pytest
+from svc_testkit import ServerProc, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
+FAST = ("--think-min-s", "0.05", "--think-max-s", "0.1")  # the model thinks for 50-100 ms, not 2-10 s
 
 
 def run_locust(host: str, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
     """locust monkey-patches the standard library with gevent: run it in its own process."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOX_")}
     return subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
-         "--host", host, "--only-summary", *extra],
-        capture_output=True, text=True, timeout=90, env={**os.environ, **env},
+         "--host", host, "--only-summary", *FAST, *extra],
+        capture_output=True, text=True, timeout=90, env={**clean, **env},
     )
 
 
-def test_locustfile_plays_episodes(server: ServerProc, tmp_path: Path) -> None:
-    env = {"ROLLBOX_LOCUST_STAGE_S": "2", "ROLLBOX_LOCUST_USERS": "4", "ROLLBOX_LOCUST_STEPS": "2"}
-    p = run_locust(server.url.rstrip("/"), env, "--csv", str(tmp_path / "run"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    with open(tmp_path / "run_stats.csv") as f:
-        rows = {r["Name"]: r for r in csv.DictReader(f)}
+def read_rows(prefix: Path) -> dict[str, dict[str, str]]:
+    with open(f"{prefix}_stats.csv") as f:
+        return {r["Name"]: r for r in csv.DictReader(f)}
+
+
+@pytest.fixture
+def small_server(tmp_path: Path) -> Iterator[ServerProc]:
+    """Its own `rollbox serve` with room for 2 live sandboxes: 6 users get 429s and must retry."""
+    srv = start_server(tmp_path / "serve", "--max-live", "2")
+    yield srv
+    rc = srv.stop()
+    assert rc == 0, f"rollbox serve exited with {rc}:\n{srv.log_path.read_text()[-4000:]}"
+
+
+def test_locustfile_plays_episodes(small_server: ServerProc, tmp_path: Path) -> None:
+    url = small_server.url.rstrip("/")
+    # Two `rollbox serve` processes cannot share sandboxes yet (durable sandboxes are being added), and
+    # each step goes to the next host, so --hosts names the same server twice: this checks the turns.
+    p = run_locust(
+        url, {"ROLLBOX_LOCUST_STAGE_S": "1.5", "ROLLBOX_LOCUST_USERS": "6"},  # burst, pause, burst: 4.5 s
+        "--hosts", f"{url},{url}", "--steps", "3", "--retry-attempts", "100", "--retry-budget-s", "20",
+        "--stop-timeout", "10", "--server-pid", str(small_server.pid), "--csv", str(tmp_path / "run"),
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    rows = read_rows(tmp_path / "run")
     for name in ("create", "exec", "destroy"):
         assert int(rows[name]["Request Count"]) > 0 and int(rows[name]["Failure Count"]) == 0, rows[name]
     assert int(rows["exec"]["Request Count"]) >= int(rows["create"]["Request Count"])
+    assert rows["destroy"]["Request Count"] == rows["create"]["Request Count"], out[-4000:]
+
+    # 6 users, 2 sandboxes: refused creates are retried, in their own row and not as failures ...
+    retried = {name: r for name, r in rows.items() if name.startswith("retry ")}
+    assert "retry create" in retried, sorted(rows)
+    assert all(int(r["Failure Count"]) == 0 for r in retried.values()), retried
+    # ... with the same event id, which the server then ran
+    events = [r for r in small_server.log_records() if r.get("msg") == "event" and r.get("source") == "/loadtest/locust"]
+    refused = {r["event_id"] for r in events if r["status"] in (429, 503)}
+    answered = {r["event_id"] for r in events if r["status"] == 200}
+    assert refused and refused <= answered, refused - answered
+    assert sum(r["status"] in (429, 503) for r in events) == sum(int(r["Request Count"]) for r in retried.values())
+
+    summary = p.stdout[p.stdout.index("rollbox locust summary"):]
+    turns = [int(n) for n in re.findall(r"#[12] \S+ (\d+) requests", summary)]
+    assert len(turns) == 2 and min(turns) > 0 and abs(turns[0] - turns[1]) <= 10, summary  # each user alternates
+    rss = re.search(r"server peak RSS: ([\d.]+) MiB", summary)
+    assert rss and float(rss.group(1)) > 10, summary
+    for counter in ("rollbox_resumes_total", "rollbox_hibernations_total"):
+        assert re.search(rf"{counter} (\d+|n/a)", summary), summary
+    # every sandbox the episodes created was destroyed
+    metrics = httpx.get(url + "/metrics").text
+    assert re.search(r"^rollbox_live_sandboxes 0(\.0)?$", metrics, re.M), metrics
 
 
-def test_locust_thresholds_fail_the_run(tmp_path: Path) -> None:
+def test_locust_plain_run_and_p99_threshold(server: ServerProc) -> None:
+    # ROLLBOX_LOCUST_SHAPE=none: Locust's -u -r -t apply; a p99 over --max-p99-ms turns the run red
+    p = run_locust(server.url.rstrip("/"), {"ROLLBOX_LOCUST_SHAPE": "none"},
+                   "-u", "2", "-r", "2", "-t", "2s", "--max-p99-ms", "0.5")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "thresholds failed: p99" in out, out[-3000:]
+    assert re.search(r"requests: [1-9]\d*, 0 failed", out), out[-3000:]
+
+
+def test_locust_thresholds_fail_the_run() -> None:
     # nothing listens on this port: every request fails, and the quitting listener must say so
-    p = run_locust("http://127.0.0.1:9", {"ROLLBOX_LOCUST_STAGE_S": "1", "ROLLBOX_LOCUST_USERS": "1"})
-    assert p.returncode == 1 and "thresholds failed" in p.stdout + p.stderr
+    p = run_locust("http://127.0.0.1:9", {"ROLLBOX_LOCUST_SHAPE": "none"}, "-u", "1", "-r", "1", "-t", "2s")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "thresholds failed: fail ratio" in out, out[-3000:]
+    assert "rollbox_resumes_total n/a" in out, out[-3000:]
 
 
 def test_bench_service_runs(tmp_path: Path) -> None:
