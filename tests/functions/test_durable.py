@@ -1,0 +1,274 @@
+"""Durable sandboxes across real `rollbox serve` replicas: the store is the truth, a replica a cache.
+
+Two (or more) real server processes share one real SeaweedFS bucket, as Knative replicas share S3;
+the local-store cases run one server on its default local store and restart it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from svc_testkit import Reply, ServerProc, event, send, start_server
+
+from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
+
+pytestmark = pytest.mark.slow
+
+CREATE, EXEC, DESTROY = "dev.rollbox.sandbox.create", "dev.rollbox.sandbox.exec", "dev.rollbox.sandbox.destroy"
+
+
+class Replicas:
+    """Starts `rollbox serve` processes that share one store; each has its own home (its cache)."""
+
+    def __init__(self, base: Path, store_env: dict[str, str]):
+        self.base = base
+        self.store_env = store_env
+        self.started: list[ServerProc] = []
+
+    def start(self, *args: str, home: Path | None = None) -> ServerProc:
+        name = uuid.uuid4().hex[:6]
+        srv = start_server(self.base / name, "--home", str(home or self.base / f"home-{name}"), *args,
+                           env=self.store_env)
+        self.started.append(srv)
+        return srv
+
+    def stop_all(self) -> None:
+        for srv in self.started:
+            srv.stop()
+
+
+@pytest.fixture
+def s3_replicas(seaweed: SeaweedS3, tmp_path: Path) -> Iterator[Replicas]:
+    bucket = seaweed.new_bucket()
+    env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
+           "ROLLBOX_STORE": f"s3://{bucket}/rb", "AWS_ENDPOINT_URL": seaweed.endpoint, "ROLLBOX_S3_MAX_ATTEMPTS": "2"}
+    reps = Replicas(tmp_path, env)
+    try:
+        yield reps
+    finally:
+        reps.stop_all()
+
+
+@pytest.fixture
+def local_replicas(tmp_path: Path) -> Iterator[Replicas]:
+    reps = Replicas(tmp_path, {})
+    try:
+        yield reps
+    finally:
+        reps.stop_all()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        yield client
+
+
+async def step(http: httpx.AsyncClient, srv: ServerProc, sid: str, *, id: str | None = None, **data: Any) -> Reply:
+    return await send(http, srv.url, event(EXEC, {"sandbox_id": sid, **data}, id=id))
+
+
+async def create(http: httpx.AsyncClient, srv: ServerProc, **data: Any) -> str:
+    r = await send(http, srv.url, event(CREATE, data))
+    assert r.status == 200, r.data
+    return str(r.data["sandbox_id"])
+
+
+APPEND = "open('log.txt', 'a').write('{0}\\n'); print(open('log.txt').read(), end='')"
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples named ``name`` whose labels include ``labels``."""
+    return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+               if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
+
+
+async def test_steps_alternate_between_replicas_and_see_every_earlier_step(
+        s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    a, b = s3_replicas.start(), s3_replicas.start()
+    sid = await create(http, a)
+    expected = ""
+    for i in range(6):
+        srv = (a, b)[i % 2]
+        r = await step(http, srv, sid, code=APPEND.format(f"step{i}"))
+        expected += f"step{i}\n"
+        assert (r.status, r.data["stdout"]) == (200, expected), r.data
+        # every step after the first lands on the replica that did not run the one before: resumed
+        assert r.data["resumed"] is (True if i > 0 else None), r.data
+        if i > 0:
+            assert r.data["resume_ms"] > 0
+    text = (await http.get(b.url + "metrics")).text
+    assert metric(text, "rollbox_resumes_total") == 3
+    assert metric(text, "rollbox_stale_copies_total") == 2  # B noticed A had moved its copy on, twice
+    # background processes do not survive a resume; files do (docs/design.md)
+    r = await step(http, a, sid, command="sleep 300 & echo started")
+    r = await step(http, b, sid, command="ps -e -o comm= | grep -c '^sleep$' || true; wc -l < log.txt")
+    assert r.data["stdout"].split() == ["0", "6"], r.data
+
+
+async def test_kill_9_after_an_acknowledged_step_loses_nothing(s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    a, b = s3_replicas.start(), s3_replicas.start()
+    sid = await create(http, a)
+    payload = uuid.uuid4().hex
+    eid = uuid.uuid4().hex
+    r = await step(http, a, sid, id=eid, command=f"echo {payload} >> kept.txt; cat kept.txt")
+    assert r.status == 200
+    os.kill(a.pid, signal.SIGKILL)  # right after the reply
+    a.proc.wait(10)
+    r = await step(http, b, sid, command="cat kept.txt")
+    assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, payload + "\n", True), r.data
+    # the acknowledged event, redelivered to the survivor, is not run again: its recorded reply
+    again = await step(http, b, sid, id=eid, command=f"echo {payload} >> kept.txt; cat kept.txt")
+    assert (again.status, again.data["stdout"]) == (200, payload + "\n")
+    r = await step(http, b, sid, command="wc -l < kept.txt")
+    assert r.data["stdout"].strip() == "1"
+
+
+async def test_sigterm_drains_and_a_fresh_replica_continues(s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    a = s3_replicas.start()
+    sids = [await create(http, a) for _ in range(3)]
+    for n, sid in enumerate(sids):
+        assert (await step(http, a, sid, command=f"echo {n} > n.txt")).status == 200
+    assert a.stop() == 0
+    assert any(rec.get("msg") == "hibernated" and rec.get("sandboxes") == 3 for rec in a.log_records())
+    fresh = s3_replicas.start()  # another home: an empty cache
+    for n, sid in enumerate(sids):
+        r = await step(http, fresh, sid, command="cat n.txt")
+        assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, f"{n}\n", True), r.data
+
+
+async def test_one_event_sent_to_both_replicas_runs_once(s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    a, b = s3_replicas.start(), s3_replicas.start()
+    sid = await create(http, a)
+    await step(http, b, sid, code="print('warm b')")  # both hold a live copy now (A's is stale)
+    eid = uuid.uuid4().hex
+    code = "open('once.txt', 'a').write('line\\n')"
+    first = await step(http, a, sid, id=eid, code=code)
+    second = await step(http, b, sid, id=eid, code=code)
+    assert first.status == second.status == 200 and first.data == second.data
+    r = await step(http, a, sid, command="cat once.txt")
+    assert r.data["stdout"] == "line\n"
+
+
+async def test_concurrent_steps_through_two_replicas_one_commits_the_other_is_409(
+        s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    a, b = s3_replicas.start(), s3_replicas.start()
+    sid = await create(http, a)
+    await step(http, b, sid, code="print(1)")
+    await step(http, a, sid, code="print(1)")  # both replicas hold a copy at the same generation
+    await step(http, b, sid, code="print(1)")
+    await step(http, a, sid, code="print(1)")
+    seen = []
+    for _ in range(5):  # each round both copies are current; the two steps race for one generation
+        await step(http, b, sid, code="print(1)")  # B at n+1, A's copy is stale and noticed
+        await step(http, a, sid, code="print(1)")  # A at n+2, B's stale
+        ra, rb = await asyncio.gather(
+            step(http, a, sid, code="import time; time.sleep(0.3); open('who.txt', 'a').write('a\\n')"),
+            step(http, b, sid, code="import time; time.sleep(0.3); open('who.txt', 'a').write('b\\n')"))
+        seen.append(sorted((ra.status, rb.status)))
+        ok = [r for r in (ra, rb) if r.status == 200]
+        busy = [r for r in (ra, rb) if r.status == 409]
+        assert len(ok) >= 1, (ra.data, rb.data)
+        for r in busy:
+            assert r.data["code"] == "sandbox_busy" and r.headers["retry-after"], r.data
+    assert [200, 409] in seen, seen  # the race was lost at least once...
+    lines = (await step(http, a, sid, command="cat who.txt")).data["stdout"].split()
+    assert len(lines) == sum(s.count(200) for s in seen)  # ...and a loser's step left nothing behind
+
+
+async def test_destroy_on_one_replica_is_410_on_the_other(s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    a, b = s3_replicas.start(), s3_replicas.start()
+    sid = await create(http, a)
+    await step(http, b, sid, code="print(1)")
+    r = await send(http, a.url, event(DESTROY, {"sandbox_id": sid}))
+    assert r.status == 200 and r.data["execs"] == 1 and r.data["billed_s"] >= 1, r.data
+    r = await step(http, b, sid, code="print(1)")
+    assert (r.status, r.data["code"], r.data["details"]["reason"]) == (410, "sandbox_gone", "destroyed"), r.data
+    r = await send(http, b.url, event(DESTROY, {"sandbox_id": sid}))  # repeating a destroy: the same record
+    assert r.status == 200 and r.data["execs"] == 1
+
+
+async def test_store_outage_during_a_step_is_503_and_nothing_half_written(
+        s3_replicas: Replicas, seaweed: SeaweedS3, http: httpx.AsyncClient) -> None:
+    a = s3_replicas.start()
+    sid = await create(http, a)
+    assert (await step(http, a, sid, command="echo before > f.txt")).status == 200
+    seaweed.stop()
+    try:
+        r = await step(http, a, sid, command="echo during > f.txt")
+        assert (r.status, r.data["code"]) == (503, "store_unavailable"), r.data
+        assert r.headers["retry-after"]
+    finally:
+        seaweed.start()
+    r = await step(http, a, sid, command="cat f.txt")
+    assert (r.status, r.data["stdout"]) == (200, "before\n"), r.data  # the unacknowledged step left nothing
+
+
+async def test_idle_sandbox_hibernates_and_the_next_step_resumes_it(
+        local_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    srv = local_replicas.start("--hibernate-after-s", "1")
+    sid = await create(http, srv)
+    tag = uuid.uuid4().hex
+    r = await step(http, srv, sid, command=f"echo kept > k.txt; python3 -c 'import time; time.sleep(300)' rollbox-{tag} &")
+    assert r.status == 200
+    found = subprocess.run(["pgrep", "-f", f"rollbox-{tag}"], capture_output=True, text=True).stdout.split()
+    assert found, "the background process should run while the sandbox is live"
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        text = (await http.get(srv.url + "metrics")).text
+        if metric(text, "rollbox_hibernations_total", reason="idle") >= 1:
+            break
+        await asyncio.sleep(0.2)
+    assert metric(text, "rollbox_hibernations_total", reason="idle") == 1
+    assert metric(text, "rollbox_live_sandboxes") == 0  # its processes ended, its memory released
+    for _ in range(50):
+        if not subprocess.run(["pgrep", "-f", f"rollbox-{tag}"], capture_output=True).stdout:
+            break
+        await asyncio.sleep(0.1)
+    assert not subprocess.run(["pgrep", "-f", f"rollbox-{tag}"], capture_output=True).stdout
+    r = await step(http, srv, sid, command="cat k.txt")
+    assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, "kept\n", True), r.data
+
+
+async def test_at_the_live_cap_creates_hibernate_idle_sandboxes(
+        local_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    srv = local_replicas.start("--max-live", "2")
+    sids = []
+    for n in range(5):
+        sid = await create(http, srv)
+        assert (await step(http, srv, sid, command=f"echo {n} > n.txt")).status == 200
+        sids.append(sid)
+    text = (await http.get(srv.url + "metrics")).text
+    assert metric(text, "rollbox_live_sandboxes") <= 2
+    assert metric(text, "rollbox_hibernations_total", reason="pressure") >= 3
+    for n, sid in enumerate(sids):  # every episode is still there
+        r = await step(http, srv, sid, command="cat n.txt")
+        assert (r.status, r.data["stdout"]) == (200, f"{n}\n"), r.data
+
+
+async def test_restart_on_the_local_store_keeps_episodes_and_replays_acknowledged_events(
+        local_replicas: Replicas, tmp_path: Path, http: httpx.AsyncClient) -> None:
+    home = tmp_path / "home"
+    srv = local_replicas.start(home=home)
+    sid = await create(http, srv)
+    eid = uuid.uuid4().hex
+    r = await step(http, srv, sid, id=eid, code=APPEND.format("once"))
+    assert (r.status, r.data["stdout"]) == (200, "once\n")
+    os.kill(srv.pid, signal.SIGKILL)
+    srv.proc.wait(10)
+    again = local_replicas.start(home=home)
+    r2 = await step(http, again, sid, id=eid, code=APPEND.format("once"))  # the client's retry
+    assert (r2.status, r2.data) == (200, r.data)  # the recorded reply; it did not run again
+    r3 = await step(http, again, sid, command="cat log.txt")
+    assert (r3.status, r3.data["stdout"]) == (200, "once\n")
