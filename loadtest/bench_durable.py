@@ -1,0 +1,132 @@
+"""Durable steps, side by side in one run, on SeaweedFS (started on 127.0.0.1 for the run):
+
+  - step latency with durability off vs step, writing 1 KiB, 64 KiB, 1 MiB and 10 MiB per step;
+  - a cross-replica step: resume + `print(1)` on the other replica, with a 1 MiB diff;
+  - hibernate + resume: the step after an idle hibernation, on the same replica.
+
+Every server is a real `rollbox serve` (the durable ones share one bucket); every reply is checked.
+
+    .venv/bin/python loadtest/bench_durable.py [-n 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.*
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "functions"))
+
+from svc_testkit import ServerProc, event, send, start_server
+
+from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
+
+KiB = 1024
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def step(http: httpx.AsyncClient, srv: ServerProc, sid: str, **data: Any) -> tuple[float, dict[str, Any]]:
+    t0 = time.perf_counter()
+    r = await send(http, srv.url, event("dev.rollbox.sandbox.exec", {"sandbox_id": sid, **data}))
+    ms = (time.perf_counter() - t0) * 1000
+    if r.status != 200 or r.data.get("exit_code") != 0:
+        raise SystemExit(f"step failed: {r.status} {r.data}")
+    return ms, r.data
+
+
+async def create(http: httpx.AsyncClient, srv: ServerProc) -> str:
+    r = await send(http, srv.url, event("dev.rollbox.sandbox.create", {}))
+    if r.status != 200:
+        raise SystemExit(f"create failed: {r.status} {r.data}")
+    return str(r.data["sandbox_id"])
+
+
+def write_code(size: int) -> str:
+    return f"import os; open('payload.bin', 'wb').write(os.urandom({size})); print('ok')"
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=40, help="steps per row")
+    ap.add_argument("--hibernate-rounds", type=int, default=8)
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="rollbox-bench-durable-"))
+    s3 = SeaweedS3(base / "s3")
+    s3.start()
+    servers: list[ServerProc] = []
+    try:
+        bucket = s3.new_bucket()
+        env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
+               "ROLLBOX_STORE": f"s3://{bucket}/bench", "AWS_ENDPOINT_URL": s3.endpoint}
+
+        def start(name: str, *extra: str) -> ServerProc:
+            srv = start_server(base / name, "--home", str(base / f"home-{name}"), "--log-level", "warning",
+                               *extra, env=env)
+            servers.append(srv)
+            return srv
+
+        off = start("off", "--durability", "off")
+        a = start("a", "--hibernate-after-s", "0")
+        b = start("b", "--hibernate-after-s", "0")
+        hib = start("hib", "--hibernate-after-s", "1")
+        rows: list[tuple[str, int, float, float]] = []
+        async with httpx.AsyncClient(timeout=120) as http:
+            for size in (1 * KiB, 64 * KiB, 1024 * KiB, 10 * 1024 * KiB):
+                for name, srv in (("off", off), ("step", a)):
+                    sid = await create(http, srv)
+                    await step(http, srv, sid, code=write_code(size))  # warm: the first step pays the zygote
+                    lat = [(await step(http, srv, sid, code=write_code(size)))[0] for _ in range(args.n)]
+                    rows.append((f"durability {name:4} write {size // KiB:>5} KiB/step", len(lat),
+                                 statistics.median(lat), pct(lat, 0.99)))
+            # cross-replica: each step on the replica that did not run the previous one
+            sid = await create(http, a)
+            await step(http, a, sid, code=write_code(1024 * KiB))
+            await step(http, b, sid, code="print(1)")
+            cross, resume = [], []
+            for i in range(args.n):
+                ms, data = await step(http, (a, b)[i % 2], sid, code="print(1)")
+                assert data["resumed"] is True, data
+                cross.append(ms)
+                resume.append(float(data["resume_ms"]))
+            rows.append(("cross-replica step (resume + print(1)), 1 MiB diff", len(cross),
+                         statistics.median(cross), pct(cross, 0.99)))
+            rows.append(("  of which resume (in the server)", len(resume),
+                         statistics.median(resume), pct(resume, 0.99)))
+            sid = await create(http, hib)
+            await step(http, hib, sid, code=write_code(64 * KiB))
+            after: list[float] = []
+            for _ in range(args.hibernate_rounds):
+                await asyncio.sleep(1.6)  # idle past --hibernate-after-s 1: committed and ended
+                ms, data = await step(http, hib, sid, code="print(1)")
+                assert data["resumed"] is True, data
+                after.append(ms)
+            rows.append(("step after hibernation (resume + print(1)), 64 KiB diff", len(after),
+                         statistics.median(after), pct(after, 0.99)))
+        print(f"{'path':58} {'n':>4} {'p50 ms':>8} {'p99 ms':>8}")
+        for name, n, p50, p99 in rows:
+            print(f"{name:58} {n:4d} {p50:8.2f} {p99:8.2f}")
+        by = {r[0]: r[2] for r in rows}
+        for size in (1, 64, 1024, 10240):
+            d = by[f"durability step write {size:>5} KiB/step"] - by[f"durability off  write {size:>5} KiB/step"]
+            print(f"durability adds {d:6.2f} ms p50 to a step writing {size} KiB")
+        print("(SeaweedFS `weed mini` on 127.0.0.1; every server a real `rollbox serve`; one client, sequential steps)")
+    finally:
+        for srv in servers:
+            srv.stop()
+        s3.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
