@@ -28,14 +28,15 @@ One-shot ``run`` events keep no durable state (nothing outlives them) and go str
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import math
 import os
 import secrets
 import socket
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ from rollbox.snapshots.state import (
     check_content,
     diff_of,
     place_contents,
+    prefill_hashes,
     record_key,
     scan_upper,
 )
@@ -127,6 +129,11 @@ class DurableRuntime:
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="rollbox-state")
         self._blobs_known: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        self._seen: OrderedDict[str, SandboxRecord] = OrderedDict()
+        self._blob_cache: OrderedDict[str, bytes] = OrderedDict()  # content-addressed, so never stale
+        self._blob_cache_bytes = 0
+        self._blob_lock = threading.Lock()
+        self.blob_cache_max_bytes = 64 * 1024 * 1024
         self.metrics = _Metrics(registry)
         rt.on_reaped = self._reaped
 
@@ -289,6 +296,7 @@ class DurableRuntime:
         return live, None
 
     # ----------------------------------------------------------------------------- internals
+
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:  # store calls, off the event loop
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
@@ -310,17 +318,29 @@ class DurableRuntime:
         return None if data is None else SandboxRecord.from_bytes(data, key)
 
     async def _head(self, sandbox_id: str) -> SandboxRecord:
-        """The newest generation of a sandbox not live here; SandboxNotFound if it never existed."""
-        keys = await self._io(self.objects.keys, f"sandboxes/{sandbox_id}/")
-        gens = sorted(int(k.rsplit("/", 1)[1].split(".")[0]) for k in keys if k.endswith(".json"))
-        if not gens:
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
-        head: SandboxRecord | None = await self._io(self._get, sandbox_id, gens[-1])
-        if head is None:  # removed between the listing and the read (the sweeper)
-            raise SandboxGone(f"sandbox {sandbox_id} was destroyed", sandbox_id=sandbox_id)
+        """The newest generation of a sandbox not live here; SandboxNotFound if it never existed.
+        From a generation seen here before (a record read or written), reading forward costs a GET
+        per generation and one that finds nothing; else the sandbox's records are listed first."""
+        head: SandboxRecord | None = self._seen.get(sandbox_id)
+        if head is None:
+            keys = await self._io(self.objects.keys, f"sandboxes/{sandbox_id}/")
+            gens = sorted(int(k.rsplit("/", 1)[1].split(".")[0]) for k in keys if k.endswith(".json"))
+            if not gens:
+                raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+            head = await self._io(self._get, sandbox_id, gens[-1])
+            if head is None:  # removed between the listing and the read (the sweeper)
+                raise SandboxGone(f"sandbox {sandbox_id} was destroyed", sandbox_id=sandbox_id)
         while (newer := await self._io(self._get, sandbox_id, head.generation + 1)) is not None:
-            head = newer  # committed after the listing
+            head = newer  # committed elsewhere since
+        self._remember(head)
         return head
+
+    def _remember(self, record: SandboxRecord) -> None:
+        """Keep the newest record seen of a sandbox (bounded): its next resume here skips the listing."""
+        self._seen[record.sandbox_id] = record
+        self._seen.move_to_end(record.sandbox_id)
+        while len(self._seen) > 4096:
+            self._seen.popitem(last=False)
 
     async def _fresh_live(self, sandbox_id: str) -> _Live | None:
         """The live copy here, if it is still the newest generation and its sandbox still runs."""
@@ -333,7 +353,9 @@ class DurableRuntime:
         newer = await self._io(self._get, sandbox_id, live.record.generation + 1)
         if newer is not None:  # another replica moved it on: never run a step on this copy
             self.metrics.stale.inc()
-            await self._drop(sandbox_id, "stale")
+            self._remember(newer)
+            self.live.pop(sandbox_id, None)
+            self.rt.discard(sandbox_id, "stale")  # its teardown is not this step's business
             return None
         return live
 
@@ -391,7 +413,7 @@ class DurableRuntime:
             if sb is not None and state == "live":
                 self._account(live, sb.cpu_s, sb.peak_memory_bytes, 0)
             files = prev.files
-            inline: dict[str, str] = {}
+            inline: dict[str, bytes] = {}
             blobs: dict[str, str] = {}
             if scan and sb is not None:
                 files, inline, blobs = await self._scan(sid, live, gen)
@@ -421,17 +443,18 @@ class DurableRuntime:
             raise SandboxBusy(f"sandbox {sid}: another replica committed step {gen} first; nothing of this "
                               "request was kept, retry it", sandbox_id=sid)
         live.record = record
+        self._remember(record)
 
-    async def _scan(self, sandbox_id: str, live: _Live, gen: int) -> tuple[Files, dict[str, str], dict[str, str]]:
+    async def _scan(self, sandbox_id: str, live: _Live, gen: int) -> tuple[Files, dict[str, bytes], dict[str, str]]:
         """The sandbox's files, read while it is held still; (files, inline contents, blobs to upload)."""
-        def scan(upper: str) -> tuple[Files, dict[str, str], dict[str, str]]:
+        def scan(upper: str) -> tuple[Files, dict[str, bytes], dict[str, str]]:
             files, paths = scan_upper(upper, live.hashes)
             inline, blobs = place_contents(files, live.record if live.record.generation >= 0 else None, gen, paths)
             return files, inline, blobs
 
         try:
             async with self.rt.frozen(sandbox_id) as sb:
-                result: tuple[Files, dict[str, str], dict[str, str]] = await self._io(scan, sb.upper_path)
+                result: tuple[Files, dict[str, bytes], dict[str, str]] = await self._io(scan, sb.upper_path)
                 return result
         except SandboxDied:  # nothing runs in it any more: its files can be read as they are
             dead = self.rt.sandboxes.get(sandbox_id)
@@ -446,6 +469,31 @@ class DurableRuntime:
         check_content(sha, data, path)
         self.objects.put_new(blob_key(sha), data)
         self._blobs_known.add(sha)
+        self._cache_blob(sha, data)
+
+    def _cache_blob(self, sha: str, data: bytes) -> None:
+        """Keep recent blobs (bounded, least recently used out first): a sandbox resumed again on this
+        replica reads its large files from memory, not the store. Called from store threads."""
+        with self._blob_lock:
+            if sha in self._blob_cache or len(data) > self.blob_cache_max_bytes // 4:
+                return
+            self._blob_cache[sha] = data
+            self._blob_cache_bytes += len(data)
+            while self._blob_cache_bytes > self.blob_cache_max_bytes:
+                _, old = self._blob_cache.popitem(last=False)
+                self._blob_cache_bytes -= len(old)
+
+    def _get_blob(self, sha: str) -> bytes | None:
+        with self._blob_lock:
+            data = self._blob_cache.get(sha)
+            if data is not None:
+                self._blob_cache.move_to_end(sha)
+                return data
+        data = self.objects.get(blob_key(sha))
+        if data is not None:
+            data = check_content(sha, data, f"blob {sha}")
+            self._cache_blob(sha, data)
+        return data
 
     async def _resume(self, head: SandboxRecord) -> _Live:
         """A live copy of ``head``: a sandbox of its snapshot and limits with its files injected."""
@@ -466,6 +514,9 @@ class DurableRuntime:
                 await self.rt.destroy(sid, reason="resume failed")
             raise
         live = _Live(record=head)
+        sb = self.rt.sandboxes.get(sid)
+        if sb is not None and sb.upper_fd >= 0:  # the injected files are known: the first commit reads none
+            await self._io(prefill_hashes, sb.upper_path, head.files, live.hashes)
         live.resume_ms = round((time.perf_counter() - t0) * 1000, 3)
         self.live[sid] = live
         self.metrics.resumes.inc()
@@ -486,14 +537,13 @@ class DurableRuntime:
         contents: dict[str, bytes] = {}
         for e in head.files.entries:
             if e["t"] == "f" and e.get("g") is not None and e["sha"] not in contents:
-                data = base64.b64decode(records[e["g"]].inline[e["sha"]])
-                contents[e["sha"]] = check_content(e["sha"], data, f"sandbox {sid} record {e['g']}")
+                contents[e["sha"]] = records[e["g"]].inline[e["sha"]]  # checked when the record was read
         blobs = sorted(need_blobs)
-        datas = await asyncio.gather(*(self._io(self.objects.get, blob_key(s)) for s in blobs))
+        datas = await asyncio.gather(*(self._io(self._get_blob, s) for s in blobs))
         for sha, data in zip(blobs, datas, strict=True):
             if data is None:
                 raise IntegrityError(f"sandbox {sid}: blob {sha} is missing from the store", sandbox_id=sid)
-            contents[sha] = check_content(sha, data, f"blob {sha}")
+            contents[sha] = data
         return contents
 
     async def _make_room(self) -> None:
@@ -544,7 +594,7 @@ class DurableRuntime:
 
     async def _hibernate_loop(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.hibernate_after_s or 1.0))
+            await asyncio.sleep(min(1.0, (self.hibernate_after_s or 4.0) / 4))
             if not self.hibernate_after_s:
                 continue
             now = time.monotonic()

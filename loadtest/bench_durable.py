@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import sys
 import tempfile
@@ -126,6 +127,7 @@ async def main() -> None:
         for srv in servers:
             srv.stop()
         s3.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

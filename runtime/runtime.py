@@ -605,14 +605,34 @@ class Runtime:
             return self.usages[sandbox_id]
         sb = self.get(sandbox_id)
         usage = await sb.close(reason)
-        self.sandboxes.pop(sandbox_id, None)
+        if self.sandboxes.get(sandbox_id) is sb:
+            self.sandboxes.pop(sandbox_id, None)
+        return self._ended(sb, usage)
+
+    def discard(self, sandbox_id: str, reason: str) -> None:
+        """Forget a live sandbox now and end it in the background: its id is free at once (the
+        durable layer drops a stale copy and resumes the same sandbox in one step)."""
+        sb = self.sandboxes.pop(sandbox_id, None)
+        if sb is None:
+            return
+
+        async def end() -> None:
+            self._ended(sb, await sb.close(reason), keep_usage=False)  # the id may be live again
+
+        task = asyncio.get_running_loop().create_task(end())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _ended(self, sb: Sandbox, usage: Usage, keep_usage: bool = True) -> Usage:
+        sandbox_id = sb.id
         for scratch in sb.view.layers:
             users = self._scratch.get(scratch)
             if users is not None:
                 users.discard(sandbox_id)
                 if not users:
                     self._drop_scratch(scratch)
-        self.usages[sandbox_id] = usage
+        if keep_usage:
+            self.usages[sandbox_id] = usage
         while len(self.usages) > 100_000:
             self.usages.pop(next(iter(self.usages)))
         return usage

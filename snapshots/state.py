@@ -23,10 +23,10 @@ Two backends with the same four calls: ``LocalObjects`` (a directory; the embedd
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import stat
 import time
@@ -47,7 +47,10 @@ __all__ = [
     "SandboxRecord",
     "StepUsage",
     "blob_key",
+    "check_content",
     "diff_of",
+    "place_contents",
+    "prefill_hashes",
     "record_key",
     "scan_upper",
 ]
@@ -195,20 +198,35 @@ class SandboxRecord(BaseModel):
     last_used: float = Field(description="Unix time of its last step")
     usage: StepUsage = Field(default_factory=StepUsage)
     files: Files = Field(default_factory=Files)
-    inline: dict[str, str] = Field(default_factory=dict, description="sha256 -> base64 content, new here")
+    inline: dict[str, bytes] = Field(default_factory=dict, exclude=True,
+                                     description="sha256 -> content new here (stored raw after the JSON)")
     events: dict[str, list[Any]] = Field(default_factory=dict,
                                          description="event key -> [generation holding its reply, fingerprint]")
     reply: dict[str, Any] | None = Field(default=None, description="the reply of the event that made it")
     writer: str = Field(default="", description="the replica that committed it")
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json(exclude_defaults=False).encode()
+        """The record as stored: its JSON, a newline, then the inline contents raw, one after another
+        (the JSON's ``inline_index`` gives each one's sha256, offset and length)."""
+        index, offset = [], 0
+        for sha, data in self.inline.items():
+            index.append([sha, offset, len(data)])
+            offset += len(data)
+        head = self.model_dump(mode="json")
+        head["inline_index"] = index
+        return json.dumps(head, separators=(",", ":")).encode() + b"\n" + b"".join(self.inline.values())
 
     @classmethod
     def from_bytes(cls, data: bytes, key: str) -> SandboxRecord:
         try:
-            return cls.model_validate_json(data)
-        except ValueError as exc:
+            cut = data.index(b"\n")
+            head = json.loads(data[:cut])
+            raw = memoryview(data)[cut + 1:]
+            index = head.pop("inline_index", [])
+            record = cls.model_validate(head)
+            record.inline = {sha: check_content(sha, bytes(raw[o:o + n]), key) for sha, o, n in index}
+            return record
+        except (ValueError, TypeError) as exc:
             raise IntegrityError(f"sandbox state {key} is not a valid record: {str(exc)[:300]}") from None
 
     def expired(self, now: float) -> str | None:
@@ -256,20 +274,30 @@ def scan_upper(upper: str, hashes: FileHashes) -> tuple[Files, dict[str, str]]:
     return files, paths
 
 
+def prefill_hashes(upper: str, files: Files, hashes: FileHashes) -> None:
+    """After ``files`` were injected into ``upper``: know their hashes without reading them (a file
+    whose size matches the record is the one injected; nothing else ran in the sandbox yet)."""
+    want = {e["p"]: e for e in files.entries if e["t"] == "f"}
+    for path, kind, st, _host in walk_upper(upper):
+        e = want.get(path)
+        if kind == "f" and e is not None and e["n"] == st.st_size:
+            hashes[(path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)] = e["sha"]
+
+
 def place_contents(files: Files, previous: SandboxRecord | None, generation: int,
-                   paths: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+                   paths: dict[str, str]) -> tuple[dict[str, bytes], dict[str, str]]:
     """Decide where each file content of a new generation lives and set each file entry's ``g``.
     Contents the previous generation already placed keep their place (inline in an older record, or
     a blob); new small ones go inline in this record; new large ones are blobs. If the inline
     contents would be spread over more than MAX_INLINE_GENERATIONS older records, they are all
-    re-inlined here (so a resume reads few records). Returns (inline: sha -> base64 for this record,
+    re-inlined here (so a resume reads few records). Returns (inline: sha -> content for this record,
     blobs to upload: sha -> host path)."""
     where: dict[str, int | None] = {}
     if previous is not None:
         where = {e["sha"]: e.get("g") for e in previous.files.entries if e["t"] == "f"}
     older = {where[e["sha"]] for e in files.entries if e["t"] == "f" and where.get(e["sha"]) is not None}
     reinline = len(older) > MAX_INLINE_GENERATIONS
-    inline: dict[str, str] = {}
+    inline: dict[str, bytes] = {}
     blobs: dict[str, str] = {}
     for e in files.entries:
         if e["t"] != "f":
@@ -282,7 +310,7 @@ def place_contents(files: Files, previous: SandboxRecord | None, generation: int
             if where[sha] is not None:
                 e["g"] = where[sha]
         elif e["n"] <= INLINE_MAX_BYTES:
-            inline[sha] = base64.b64encode(_read(paths[sha], sha)).decode()
+            inline[sha] = _read(paths[sha], sha)
             e["g"] = generation
         else:
             blobs[sha] = paths[sha]
