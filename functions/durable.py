@@ -155,14 +155,9 @@ class DurableRuntime:
 
     async def hibernate_all(self, reason: str = "drain") -> int:
         """Commit and end every live sandbox (on SIGTERM: scale-down and scale-to-zero lose nothing)."""
-        sids = list(self.live)
-        sem = asyncio.Semaphore(16)
-
-        async def one(sid: str) -> None:
-            async with sem:
-                await self._hibernate(sid, reason)
-
-        await asyncio.gather(*(one(s) for s in sids), return_exceptions=True)
+        sids = [sid for sid in self.live if sid not in self._busy]
+        for sid in sids:
+            self._hibernate(sid, reason)
         return len(sids)
 
     # ------------------------------------------------------------------------- the API (service)
@@ -554,23 +549,17 @@ class DurableRuntime:
             if not idle:
                 raise Overloaded(f"{len(self.rt.sandboxes)} sandboxes are running steps (cap {cap})",
                                  retry_after_s=1.0)
-            await self._hibernate(min(idle)[1], "pressure")
+            self._hibernate(min(idle)[1], "pressure")
 
-    async def _hibernate(self, sandbox_id: str, reason: str) -> None:
-        async with self._holding(sandbox_id):
-            live = self.live.get(sandbox_id)
-            if live is None:
-                return
-            try:
-                if sandbox_id in self.rt.sandboxes and self.rt.sandboxes[sandbox_id].alive():
-                    await self._commit(live, None, None)
-            except (RollboxError, OSError) as exc:  # the copy is dropped; the last acknowledged step stands
-                log.warning("hibernate of %s could not commit: %s", sandbox_id, exc)
-            self.live.pop(sandbox_id, None)
-            if sandbox_id in self.rt.sandboxes:
-                with contextlib.suppress(RollboxError):
-                    await self.rt.destroy(sandbox_id, reason="hibernated")
-            self.metrics.hibernations.labels(reason).inc()
+    def _hibernate(self, sandbox_id: str, reason: str) -> None:
+        """End an idle live copy. Nothing is written: its durable state is that of its last
+        acknowledged step, committed then (what a background process wrote since was never
+        acknowledged, and processes do not survive a resume anyway). The sandbox ends in the
+        background, so making room costs the request that needs it nothing."""
+        if sandbox_id in self._busy or self.live.pop(sandbox_id, None) is None:
+            return
+        self.rt.discard(sandbox_id, "hibernated")
+        self.metrics.hibernations.labels(reason).inc()
 
     async def _expire(self, head: SandboxRecord, why: str) -> None:
         """Write the tombstone of a sandbox whose lifetime or idle limit passed while it hibernated."""
@@ -600,10 +589,7 @@ class DurableRuntime:
             now = time.monotonic()
             for sid, live in list(self.live.items()):
                 if sid not in self._busy and now - live.last_used >= self.hibernate_after_s:
-                    try:
-                        await self._hibernate(sid, "idle")
-                    except Exception:
-                        log.exception("hibernating %s failed", sid)
+                    self._hibernate(sid, "idle")
 
     async def _sweep_loop(self) -> None:
         while True:
