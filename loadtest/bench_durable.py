@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import statistics
 import sys
@@ -31,6 +32,14 @@ from svc_testkit import ServerProc, event, send, start_server
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
 
 KiB = 1024
+
+
+def busy_s() -> float:
+    """Busy CPU seconds of the whole machine so far (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -72,39 +81,45 @@ async def main() -> None:
         env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
                "ROLLBOX_STORE": f"s3://{bucket}/bench", "AWS_ENDPOINT_URL": s3.endpoint}
 
-        def start(name: str, *extra: str) -> ServerProc:
+        def start(name: str, *extra: str, store: bool = True) -> ServerProc:
             srv = start_server(base / name, "--home", str(base / f"home-{name}"), "--log-level", "warning",
-                               *extra, env=env)
+                               *extra, env=env if store else {})
             servers.append(srv)
             return srv
 
         off = start("off", "--durability", "off")
+        local = start("local", "--hibernate-after-s", "0", store=False)  # the embedded default: local store
         a = start("a", "--hibernate-after-s", "0")
         b = start("b", "--hibernate-after-s", "0")
         hib = start("hib", "--hibernate-after-s", "1")
-        rows: list[tuple[str, int, float, float]] = []
+        rows: list[tuple[str, int, float, float, float]] = []
         async with httpx.AsyncClient(timeout=120) as http:
             for size in (1 * KiB, 64 * KiB, 1024 * KiB, 10 * 1024 * KiB):
-                for name, srv in (("off", off), ("step", a)):
+                for name, srv in (("off", off), ("step", a), ("local", local)):
                     sid = await create(http, srv)
                     await step(http, srv, sid, code=write_code(size))  # warm: the first step pays the zygote
+                    c0 = busy_s()
                     lat = [(await step(http, srv, sid, code=write_code(size)))[0] for _ in range(args.n)]
-                    rows.append((f"durability {name:4} write {size // KiB:>5} KiB/step", len(lat),
-                                 statistics.median(lat), pct(lat, 0.99)))
+                    cpu = (busy_s() - c0) * 1000 / args.n
+                    label = {"off": "off       ", "step": "step (S3) ", "local": "step local"}[name]
+                    rows.append((f"durability {label} write {size // KiB:>5} KiB/step", len(lat),
+                                 statistics.median(lat), pct(lat, 0.99), cpu))
             # cross-replica: each step on the replica that did not run the previous one
             sid = await create(http, a)
             await step(http, a, sid, code=write_code(1024 * KiB))
             await step(http, b, sid, code="print(1)")
             cross, resume = [], []
+            c0 = busy_s()
             for i in range(args.n):
                 ms, data = await step(http, (a, b)[i % 2], sid, code="print(1)")
                 assert data["resumed"] is True, data
                 cross.append(ms)
                 resume.append(float(data["resume_ms"]))
+            cpu = (busy_s() - c0) * 1000 / args.n
             rows.append(("cross-replica step (resume + print(1)), 1 MiB diff", len(cross),
-                         statistics.median(cross), pct(cross, 0.99)))
+                         statistics.median(cross), pct(cross, 0.99), cpu))
             rows.append(("  of which resume (in the server)", len(resume),
-                         statistics.median(resume), pct(resume, 0.99)))
+                         statistics.median(resume), pct(resume, 0.99), float("nan")))
             sid = await create(http, hib)
             await step(http, hib, sid, code=write_code(64 * KiB))
             after: list[float] = []
@@ -114,15 +129,18 @@ async def main() -> None:
                 assert data["resumed"] is True, data
                 after.append(ms)
             rows.append(("step after hibernation (resume + print(1)), 64 KiB diff", len(after),
-                         statistics.median(after), pct(after, 0.99)))
-        print(f"{'path':58} {'n':>4} {'p50 ms':>8} {'p99 ms':>8}")
-        for name, n, p50, p99 in rows:
-            print(f"{name:58} {n:4d} {p50:8.2f} {p99:8.2f}")
+                         statistics.median(after), pct(after, 0.99), float("nan")))
+        print(f"{'path':58} {'n':>4} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/step':>12}")
+        for name, n, p50, p99, cpu in rows:
+            print(f"{name:58} {n:4d} {p50:8.2f} {p99:8.2f} {cpu:12.1f}")
         by = {r[0]: r[2] for r in rows}
         for size in (1, 64, 1024, 10240):
-            d = by[f"durability step write {size:>5} KiB/step"] - by[f"durability off  write {size:>5} KiB/step"]
-            print(f"durability adds {d:6.2f} ms p50 to a step writing {size} KiB")
-        print("(SeaweedFS `weed mini` on 127.0.0.1; every server a real `rollbox serve`; one client, sequential steps)")
+            off_ms = by[f"durability off        write {size:>5} KiB/step"]
+            d3 = by[f"durability step (S3)  write {size:>5} KiB/step"] - off_ms
+            dl = by[f"durability step local write {size:>5} KiB/step"] - off_ms
+            print(f"durability adds {d3:6.2f} ms p50 (S3), {dl:6.2f} ms p50 (local store) to a step writing {size} KiB")
+        print("(SeaweedFS `weed mini` on 127.0.0.1; every server a real `rollbox serve`; one client, sequential steps;"
+              " CPU ms/step: busy CPU of the whole machine per step, SeaweedFS and this client included)")
     finally:
         for srv in servers:
             srv.stop()

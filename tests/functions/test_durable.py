@@ -272,3 +272,26 @@ async def test_restart_on_the_local_store_keeps_episodes_and_replays_acknowledge
     assert (r2.status, r2.data) == (200, r.data)  # the recorded reply; it did not run again
     r3 = await step(http, again, sid, command="cat log.txt")
     assert (r3.status, r3.data["stdout"]) == (200, "once\n")
+
+
+async def test_lifetime_holds_across_hibernation_and_the_sweeper_cleans_up(
+        local_replicas: Replicas, tmp_path: Path, http: httpx.AsyncClient) -> None:
+    home = tmp_path / "home"
+    srv = local_replicas.start("--hibernate-after-s", "0.3", "--sweep-interval-s", "0.5",
+                               "--idempotency-ttl-s", "2.5", home=home)
+    short = (await send(http, srv.url, event(CREATE, {"timeout_s": 1.5}))).data["sandbox_id"]
+    kept = await create(http, srv)
+    gone = await create(http, srv)
+    assert (await send(http, srv.url, event(DESTROY, {"sandbox_id": gone}))).status == 200
+    assert (home / "sandboxes" / gone).is_dir()
+    # destroyed sandboxes' records go once the replay window (--idempotency-ttl-s) has passed
+    deadline = time.monotonic() + 15
+    while (home / "sandboxes" / gone).exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not (home / "sandboxes" / gone).exists()
+    # meanwhile `short` hibernated, then outlived its lifetime: the sweeper wrote its tombstone
+    r = await step(http, srv, short, code="print(1)")
+    assert (r.status, r.data["code"], r.data["details"]["reason"]) == (410, "sandbox_gone", "lifetime"), r.data
+    r = await step(http, srv, kept, code="print(1)")
+    assert (r.status, r.data["resumed"]) == (200, True), r.data
+    assert (home / "sandboxes" / kept).is_dir()
