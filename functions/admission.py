@@ -41,8 +41,9 @@ class Admission:
         self._idle.set()
 
     @contextmanager
-    def admit(self, *, creates_sandbox: bool) -> Iterator[None]:
-        if self.draining:
+    def admit(self, *, creates_sandbox: bool, ends_sandbox: bool = False) -> Iterator[None]:
+        """``ends_sandbox`` (destroy) is admitted while draining: it frees what draining waits for."""
+        if self.draining and not ends_sandbox:
             raise Rejected(
                 "draining", "the server is shutting down; retry on another replica", self.retry_after_s
             )

@@ -106,6 +106,14 @@ def decode(headers: Mapping[str, str], body: bytes) -> CloudEvent:
             ErrorCode.INVALID_EVENT,
             f"the body is not valid UTF-8 (byte {exc.start}): JSON must be UTF-8",
         ) from None
+    if content_mode(headers) is Mode.BINARY:  # name the attribute that is missing or empty
+        lower = {k.lower(): v for k, v in headers.items()}
+        for attr in ("specversion", "id", "source", "type"):
+            if not lower.get(f"ce-{attr}", "").strip():
+                what = "empty" if f"ce-{attr}" in lower else "missing"
+                raise ReplyError(400, ErrorCode.INVALID_EVENT,
+                                 f"the ce-{attr} header is {what}: a binary-mode CloudEvent needs ce-specversion "
+                                 "(1.0), ce-id, ce-source and ce-type (or send application/cloudevents+json)")
     try:
         event = from_http(dict(headers), body, data_unmarshaller=_strict_json)
     except ce_exceptions.DataUnmarshallerError as exc:

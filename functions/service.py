@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from rollbox.functions import sandbox
 from rollbox.functions.admission import Admission, Rejected
-from rollbox.functions.contract import SANDBOX_CREATED, SANDBOX_DESTROYED, ErrorCode
+from rollbox.functions.contract import SANDBOX_CREATED, SANDBOX_DESTROY, SANDBOX_DESTROYED, ErrorCode
 from rollbox.functions.events import ReplyError, content_mode, decode, encode, error_event, reply_event
 from rollbox.functions.idempotency import Conflict, IdempotencyCache
 from rollbox.functions.logs import logger
@@ -219,7 +219,8 @@ class Service:
         replayed = False
         try:
             body = await self._read_body(request)  # first, even to refuse: see handle()
-            if self.admission.draining:
+            event = decode(request.headers, body)
+            if self.admission.draining and event["type"] != SANDBOX_DESTROY:  # destroy still frees sandboxes
                 self.metrics.rejects.labels("draining").inc()
                 raise ReplyError(
                     503,
@@ -227,7 +228,6 @@ class Service:
                     "the server is shutting down; retry elsewhere",
                     retry_after_s=self.config.retry_after_s,
                 )
-            event = decode(request.headers, body)
             etype, source, eid = event["type"], event["source"], event["id"]
             fields.update(event_id=eid, source=source, type=etype)
             route = self.routes.get(etype)
@@ -323,7 +323,8 @@ class Service:
         task = asyncio.current_task()
         current_event.set(event)  # this request's own task: seen by the handler and what it awaits
         try:
-            with self.admission.admit(creates_sandbox=route.creates_sandbox):
+            with self.admission.admit(creates_sandbox=route.creates_sandbox,
+                                      ends_sandbox=route.spec.request_type == SANDBOX_DESTROY):
                 if task is not None:
                     self._working.add(task)
                 try:

@@ -85,6 +85,10 @@ CORPUS: list[tuple[str, dict[str, str], bytes, int, str, tuple[str, ...]]] = [
         ("specversion", "1.0"),
     ),
     ("structured missing id", STRUCT, structured({"code": "1"}, id=None), 400, "invalid_event", ("id",)),
+    ("binary empty ce-id", binary_headers(**{"ce-id": ""}), b({"code": "1"}), 400, "invalid_event",
+     ("the ce-id header is empty",)),
+    ("binary missing ce-source", binary_headers(**{"ce-source": None}), b({"code": "1"}), 400, "invalid_event",
+     ("the ce-source header is missing",)),
     (
         "structured empty source",
         STRUCT,

@@ -28,6 +28,7 @@ async def test_sigterm_drains_in_flight_work(tmp_path: Path) -> None:
         async with httpx.AsyncClient(
             timeout=httpx.Timeout(10, read=60), limits=httpx.Limits(max_connections=N + 8)
         ) as http:
+            kept = (await send(http, srv.url, ce("dev.rollbox.sandbox.create", {}))).data["sandbox_id"]
             work = [
                 asyncio.create_task(
                     send(http, srv.url, ce(SANDBOX_RUN, {"code": f"import time; time.sleep(2); print({i})"}))
@@ -45,6 +46,9 @@ async def test_sigterm_drains_in_flight_work(tmp_path: Path) -> None:
             late = await send(http, srv.url, ce(SANDBOX_RUN, {"code": "print('late')"}))
             assert (late.status, late.type, late.data["code"]) == (503, ERROR, "shutting_down")
             assert int(late.headers["retry-after"]) >= 1
+            # a destroy is still accepted: it frees what the drain waits for
+            bye = await send(http, srv.url, ce("dev.rollbox.sandbox.destroy", {"sandbox_id": kept}))
+            assert (bye.status, bye.type, bye.data["reason"]) == (200, "dev.rollbox.sandbox.destroyed", "destroyed")
             replies = await asyncio.gather(*work)
         # every event admitted before SIGTERM got its full reply
         assert [(r.status, r.type) for r in replies] == [(200, SANDBOX_RESULT)] * N
