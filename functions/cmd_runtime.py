@@ -15,8 +15,21 @@ MiB = 1024 * 1024
 RUN_OPTIONS: tuple[Option, ...] = (
     Option("snapshot", "--snapshot", "ROLLBOX_SNAPSHOT", text, "python", "snapshot name or id"),
     Option("timeout_s", "--timeout-s", "ROLLBOX_TIMEOUT_S", seconds, 30.0, "wall-clock limit for the run"),
-    Option("memory_mb", "--memory-mb", "ROLLBOX_MEMORY_MB", integer(16), 512, "memory limit in MiB"),
+    Option("memory_mb", "--memory-mb", "ROLLBOX_MEMORY_MB", integer(16), None,
+           "memory limit in MiB (unset: the snapshot's own)"),
 )
+
+
+def limit_overrides(opts: dict[str, Any], snapshot_lifetime_s: float) -> dict[str, Any]:
+    """Only the limits the user asked for, to merge over the snapshot's own defaults (a snapshot that
+    declares 1 GiB keeps it unless --memory-mb says otherwise); the lifetime grows only if the
+    run's timeout would not fit in it."""
+    out: dict[str, Any] = {}
+    if opts.get("memory_mb") is not None:
+        out["memory_max_bytes"] = opts["memory_mb"] * MiB
+    if opts["timeout_s"] > snapshot_lifetime_s:
+        out["lifetime_s"] = opts["timeout_s"] + 60
+    return out
 
 
 def add_parsers(sub: Any) -> None:
@@ -36,7 +49,7 @@ def add_parsers(sub: Any) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from rollbox.runtime.errors import RollboxError
     from rollbox.runtime.runtime import Runtime
-    from rollbox.runtime.spec import ExecRequest, ExecResult, Limits
+    from rollbox.runtime.spec import ExecRequest, ExecResult
 
     try:
         opts = resolve_options(RUN_OPTIONS, args, os.environ)
@@ -50,7 +63,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = args.code
     try:
         req = ExecRequest(code=code, command=args.command if code is None else None, timeout_s=opts['timeout_s'])
-        limits = Limits(memory_max_bytes=opts['memory_mb'] * MiB, lifetime_s=max(900.0, opts['timeout_s'] + 60))
     except ValueError as exc:
         print(f"rollbox run: {exc}", file=sys.stderr)
         return 2
@@ -61,7 +73,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def go() -> ExecResult:
         resolver = open_store(StoreConfig())  # the local store in ROLLBOX_HOME (or its default)
         async with Runtime(RuntimeConfig(layer_root=Path(resolver.layer_root)), resolver=resolver) as rt:
-            return await rt.run(req, snapshot=opts['snapshot'], limits=limits)
+            view = await rt.resolve(opts['snapshot'])
+            return await rt.run(req, snapshot=view.id, limits=limit_overrides(opts, view.limits.lifetime_s))
 
     try:
         res = asyncio.run(go())

@@ -36,6 +36,20 @@ def test_run_timeout_exits_137_and_says_so(tmp_path: Path) -> None:
     assert p.returncode == 137 and "timed out" in p.stderr
 
 
+def test_run_keeps_the_snapshots_limits_unless_asked(tmp_path: Path) -> None:
+    hog = "x = bytearray(200 * 2**20); x[::4096] = b'x' * len(x[::4096]); print('kept')"
+    p = run("run", "--json", "--code", hog, tmp=tmp_path)  # the snapshot's 512 MiB
+    assert (p.returncode, json.loads(p.stdout)["stdout"]) == (0, "kept\n"), p.stderr
+    p = run("run", "--json", "--memory-mb", "64", "--code", hog, tmp=tmp_path)
+    rec = json.loads(p.stdout)  # killed by the cgroup (137, oom_killed), or MemoryError under the rlimit fallback
+    assert rec["exit_code"] != 0 and "kept" not in rec["stdout"] and (rec["oom_killed"] or "MemoryError" in rec["stderr"])
+    from rollbox.functions.cmd_runtime import limit_overrides
+
+    assert limit_overrides({"memory_mb": None, "timeout_s": 30.0}, 900.0) == {}  # nothing asked: nothing forced
+    assert limit_overrides({"memory_mb": 64, "timeout_s": 1000.0}, 900.0) == {"memory_max_bytes": 64 * 2**20,
+                                                                              "lifetime_s": 1060.0}
+
+
 def test_bad_env_value_is_a_clear_error(tmp_path: Path) -> None:
     env = dict(os.environ, ROLLBOX_HOME=str(tmp_path), ROLLBOX_TIMEOUT_S="soon")
     p = subprocess.run([*ROLLBOX, "run", "--code", "1"], capture_output=True, text=True, env=env, timeout=60)
