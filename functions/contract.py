@@ -236,6 +236,7 @@ class ErrorCode:
     SANDBOX_GONE: Final = "sandbox_gone"  # 410: destroyed or expired (lifetime, idle)
     SANDBOX_DIED: Final = "sandbox_died"  # 410: the sandbox ended while in use
     PAYLOAD_TOO_LARGE: Final = "payload_too_large"  # 413
+    UNSUPPORTED: Final = "unsupported"  # 422: valid, but not servable here (a process-image snapshot)
     UNSUPPORTED_MEDIA_TYPE: Final = "unsupported_media_type"  # 415
     OVERLOADED: Final = "overloaded"  # 429, with Retry-After
     INTERNAL: Final = "internal"  # 500, no host details

@@ -40,7 +40,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-__all__ = ["Service", "ServiceConfig", "handle"]
+__all__ = ["ERROR_TABLE", "Service", "ServiceConfig", "handle"]
 
 MiB = 1024 * 1024
 
@@ -93,45 +93,54 @@ def _validation_message(request_type: str, exc: ValidationError) -> tuple[str, l
     return f"invalid data for {request_type}: " + "; ".join(parts) + more, details
 
 
+@dataclass(frozen=True)
+class _Maps:
+    """How one runtime exception is answered: status, code, a prefix for its message, Retry-After."""
+
+    status: int
+    code: str
+    prefix: str = ""
+    retry_after_s: float | None = None
+
+
+# Every runtime exception's reply, in one place; the first matching class wins (subclasses first).
+# README's errors table and the client's exception classes follow this table.
+ERROR_TABLE: tuple[tuple[type[rterr.RollboxError], _Maps], ...] = (
+    (rterr.InvalidRequest, _Maps(400, ErrorCode.INVALID_DATA)),
+    (rterr.SandboxGone, _Maps(410, ErrorCode.SANDBOX_GONE)),
+    (rterr.SandboxBusy, _Maps(409, ErrorCode.SANDBOX_BUSY, retry_after_s=1.0)),
+    (rterr.SandboxNotFound, _Maps(404, ErrorCode.SANDBOX_NOT_FOUND)),
+    (rterr.SnapshotNotFound, _Maps(404, ErrorCode.SNAPSHOT_NOT_FOUND)),
+    (rterr.SandboxDied, _Maps(410, ErrorCode.SANDBOX_DIED)),
+    (rterr.Unsupported, _Maps(422, ErrorCode.UNSUPPORTED)),
+    (rterr.StoreUnavailable, _Maps(503, ErrorCode.STORE_UNAVAILABLE,
+                                   "the snapshot store is unavailable; retry later: ", 5.0)),
+    (rterr.IntegrityError, _Maps(502, ErrorCode.STORE_CORRUPT,
+                                 "the snapshot store returned corrupt data, which was not used: ")),
+    (rterr.StoreError, _Maps(502, ErrorCode.STORE_ERROR, "snapshot store error: ")),
+    (rterr.Overloaded, _Maps(429, ErrorCode.OVERLOADED, retry_after_s=1.0)),
+    (rterr.ShuttingDown, _Maps(503, ErrorCode.SHUTTING_DOWN, "the server is shutting down; retry elsewhere: ", 1.0)),
+)
+
+
 def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
-    """The runtime's errors as error replies; unknown ones become a 500 that leaks nothing."""
-    sid = exc.sandbox_id
-    if isinstance(exc, rterr.InvalidRequest):
-        return ReplyError(400, ErrorCode.INVALID_DATA, exc.message, sandbox_id=sid)
-    if isinstance(exc, rterr.SandboxGone):
-        return ReplyError(410, ErrorCode.SANDBOX_GONE, exc.message, sandbox_id=sid,
-                          details={"sandbox_id": sid, "reason": exc.reason})
-    if isinstance(exc, rterr.SandboxBusy):
-        return ReplyError(409, ErrorCode.SANDBOX_BUSY, exc.message, sandbox_id=sid, retry_after_s=1.0,
-                          details={"sandbox_id": sid})
-    if isinstance(exc, rterr.SandboxNotFound):
-        return ReplyError(404, ErrorCode.SANDBOX_NOT_FOUND, exc.message, sandbox_id=sid, details={"sandbox_id": sid})
-    if isinstance(exc, rterr.SnapshotNotFound):
-        return ReplyError(404, ErrorCode.SNAPSHOT_NOT_FOUND, exc.message, details={"snapshot_id": exc.snapshot_id})
-    if isinstance(exc, rterr.SandboxDied):
-        return ReplyError(410, ErrorCode.SANDBOX_DIED, exc.message, sandbox_id=sid, details={"sandbox_id": sid})
-    if isinstance(exc, rterr.StoreUnavailable):
-        return ReplyError(
-            503,
-            ErrorCode.STORE_UNAVAILABLE,
-            f"the snapshot store is unavailable; retry later: {exc.message}",
-            retry_after_s=5.0,
-            details=_store_details(exc),
-        )
-    if isinstance(exc, rterr.IntegrityError):
-        return ReplyError(
-            502,
-            ErrorCode.STORE_CORRUPT,
-            f"the snapshot store returned corrupt data, which was not used: {exc.message}",
-            details=_store_details(exc),
-        )
+    """The runtime's errors as error replies (``ERROR_TABLE``); unknown ones become a 500 that leaks
+    nothing (the log has the traceback)."""
+    m = next((maps for cls, maps in ERROR_TABLE if isinstance(exc, cls)), None)
+    if m is None:
+        return ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details")
+    details: dict[str, Any] = {}
+    if exc.sandbox_id is not None:
+        details["sandbox_id"] = exc.sandbox_id
     if isinstance(exc, rterr.StoreError):
-        return ReplyError(
-            502, ErrorCode.STORE_ERROR, f"snapshot store error: {exc.message}", details=_store_details(exc)
-        )
-    if isinstance(exc, rterr.Overloaded):
-        return ReplyError(429, ErrorCode.OVERLOADED, exc.message, retry_after_s=exc.retry_after_s)
-    return ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details")
+        details = _store_details(exc)
+    elif isinstance(exc, rterr.SnapshotNotFound | rterr.Unsupported) and exc.snapshot_id is not None:
+        details["snapshot_id"] = exc.snapshot_id
+    if isinstance(exc, rterr.SandboxGone):
+        details["reason"] = exc.reason
+    retry = exc.retry_after_s if isinstance(exc, rterr.Overloaded) else m.retry_after_s
+    return ReplyError(m.status, m.code, m.prefix + exc.message, sandbox_id=exc.sandbox_id, retry_after_s=retry,
+                      details=details)
 
 
 def _store_details(exc: rterr.StoreError) -> dict[str, Any]:

@@ -8,6 +8,8 @@
     ├── SandboxDied             the sandbox ended while in use (carries sandbox_id, reason)
     ├── SnapshotNotFound        no snapshot by that name or id (carries snapshot_id)
     ├── Overloaded              admission control refused the work (carries retry_after_s)
+    ├── ShuttingDown            the runtime is closing (or not started): retry elsewhere
+    ├── Unsupported             a valid request this runtime cannot serve (a process-image snapshot)
     ├── IsolationError          a required isolation layer could not be applied (names the syscall)
     └── StoreError              a snapshot store failed (carries snapshot_id, layer_id)
         ├── StoreUnavailable    the store cannot be reached now (outage); retrying later may succeed
@@ -69,6 +71,14 @@ class Overloaded(RollboxError):
     def __init__(self, message: str, *, retry_after_s: float = 1.0, **kw: str | None):
         super().__init__(message, **kw)
         self.retry_after_s = retry_after_s
+
+
+class ShuttingDown(RollboxError):
+    """The runtime is closing (or not started yet): nothing was done; retry on another replica."""
+
+
+class Unsupported(RollboxError):
+    """A valid request this runtime cannot serve here (a snapshot kind it cannot restore)."""
 
 
 class IsolationError(RollboxError):

@@ -26,7 +26,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rollbox.runtime import skeleton
 from rollbox.runtime.channel import Channel
-from rollbox.runtime.errors import InvalidRequest, IsolationError, Overloaded, SandboxDied, SandboxNotFound
+from rollbox.runtime.errors import (
+    InvalidRequest,
+    IsolationError,
+    Overloaded,
+    SandboxDied,
+    SandboxNotFound,
+    ShuttingDown,
+    Unsupported,
+)
 from rollbox.runtime.execution import Sandbox, pack_upper
 from rollbox.runtime.inside import proto
 from rollbox.runtime.isolation import cgroups, seccomp
@@ -361,7 +369,7 @@ class Runtime:
         """The source of this snapshot's sandboxes: a zygote re-made from its warm recipe; a
         process-image source (CRIU) is the seam's other side, not wired on this host yet."""
         if view.process_image is not None:
-            raise IsolationError(
+            raise Unsupported(
                 f"snapshot {view.id!r} carries a process image; restoring process images (CRIU >= 4.1) is not "
                 "wired into this runtime yet: build the snapshot with a warm recipe instead", snapshot_id=view.id)
         return Zygote(view, state_dir=self.config.state_dir, skel=skel, seccomp_bpf=self.seccomp_bpf,
@@ -552,7 +560,7 @@ class Runtime:
         if sandbox_id is not None and sandbox_id in self.sandboxes:
             raise InvalidRequest(f"sandbox {sandbox_id!r} is live already", sandbox_id=sandbox_id)
         if not self.started or self.closing:
-            raise IsolationError("runtime is not started" if not self.started else "runtime is shutting down")
+            raise ShuttingDown("runtime is not started" if not self.started else "runtime is shutting down")
         if len(self.sandboxes) + self._creating >= self.config.max_live:
             raise Overloaded(f"{len(self.sandboxes)} sandboxes are live (cap {self.config.max_live})",
                              retry_after_s=1.0)

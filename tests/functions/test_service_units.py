@@ -140,3 +140,37 @@ async def test_cache_is_bounded_by_bytes() -> None:
     assert cache.bytes <= 1000 and len(cache) == 2  # a and b went to make room
     assert (await cache.run(("s", "d"), "fp", big))[1] is True
     assert (await cache.run(("s", "a"), "fp", big))[1] is False
+
+
+def test_every_runtime_error_has_one_reply_in_the_table() -> None:
+    """One table maps the runtime's exceptions to statuses and codes; each leaf class finds its row,
+    a subclass never hides behind its parent's row, and anything else is a 500 that leaks nothing."""
+    from rollbox.functions.service import ERROR_TABLE, _runtime_error
+    from rollbox.runtime import errors as rterr
+
+    cases = {
+        rterr.InvalidRequest("x"): (400, "invalid_data"),
+        rterr.SandboxGone("x", reason="idle", sandbox_id="sb-1"): (410, "sandbox_gone"),
+        rterr.SandboxBusy("x", sandbox_id="sb-1"): (409, "sandbox_busy"),
+        rterr.SandboxNotFound("x", sandbox_id="sb-1"): (404, "sandbox_not_found"),
+        rterr.SnapshotNotFound("x", snapshot_id="s"): (404, "snapshot_not_found"),
+        rterr.SandboxDied("x"): (410, "sandbox_died"),
+        rterr.Unsupported("process image", snapshot_id="s"): (422, "unsupported"),
+        rterr.StoreUnavailable("down"): (503, "store_unavailable"),
+        rterr.IntegrityError("bad"): (502, "store_corrupt"),
+        rterr.StoreError("no"): (502, "store_error"),
+        rterr.Overloaded("full", retry_after_s=3.0): (429, "overloaded"),
+        rterr.ShuttingDown("runtime is shutting down"): (503, "shutting_down"),
+        rterr.IsolationError("mount failed /secret/path"): (500, "internal"),
+    }
+    for exc, want in cases.items():
+        err = _runtime_error(exc)
+        assert (err.status, err.code) == want, exc
+        if want[0] in (409, 429, 503):
+            assert err.retry_after_s, exc
+    assert _runtime_error(rterr.SandboxGone("x", reason="idle")).details["reason"] == "idle"
+    assert "/secret" not in _runtime_error(rterr.IsolationError("mount failed /secret/path")).message
+    assert _runtime_error(rterr.Overloaded("full", retry_after_s=3.0)).retry_after_s == 3.0
+    rows = [cls for cls, _ in ERROR_TABLE]
+    for i, cls in enumerate(rows):  # no row is shadowed by an earlier, more general one
+        assert not any(issubclass(cls, earlier) for earlier in rows[:i]), cls

@@ -257,11 +257,11 @@ async def test_a_zygote_dying_under_a_one_shot_run_ends_it_at_once(rt: Runtime) 
 async def test_process_image_snapshots_are_refused_clearly(rt: Runtime) -> None:
     import dataclasses
 
-    from rollbox.runtime.errors import IsolationError
+    from rollbox.runtime.errors import Unsupported
 
     base = rt.resolver.resolve("python")
     rt.resolver.register(dataclasses.replace(base, id="criu-image", process_image="layer-with-criu-image"))
-    with pytest.raises(IsolationError, match="process image"):
+    with pytest.raises(Unsupported, match="process image"):
         await rt.create("criu-image")
 
 
