@@ -17,6 +17,8 @@ Exceptions (one root; each carries ``sandbox_id`` when there is one):
     │   ├── SandboxDiedError        410 sandbox_died: it ended while in use
     │   ├── SandboxBusyError        409 sandbox_busy (after the retries): another replica was first
     │   ├── OverloadedError         429, 503 (after the retries): ``retry_after_s``
+    │   │   ├── StoreUnavailableError   503 store_unavailable: the store cannot be reached
+    │   │   └── ShuttingDownError       503 shutting_down: the replica is draining
     │   └── InternalError           500 and anything else (502: the snapshot store failed)
     └── CommandExitError        ``check=True`` and the command failed; it is also the result
                                 (``exit_code``, ``stdout``, ``stderr``, ``result``)
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 import uuid
 from collections.abc import Mapping
 from types import TracebackType
@@ -71,6 +74,8 @@ __all__ = [
     "SandboxDiedError",
     "SandboxGoneError",
     "ServiceError",
+    "ShuttingDownError",
+    "StoreUnavailableError",
     "TransportError",
 ]
 
@@ -128,6 +133,14 @@ class OverloadedError(ServiceError):
     pass
 
 
+class StoreUnavailableError(OverloadedError):
+    pass
+
+
+class ShuttingDownError(OverloadedError):
+    pass
+
+
 class InternalError(ServiceError):
     pass
 
@@ -154,10 +167,10 @@ class CommandExitError(ClientError):
 
 
 def _error_class(status: int, code: str = "") -> type[ServiceError]:
-    if code == "sandbox_busy":
-        return SandboxBusyError
-    if code == "sandbox_gone":
-        return SandboxGoneError
+    by_code = {"sandbox_busy": SandboxBusyError, "sandbox_gone": SandboxGoneError,
+               "store_unavailable": StoreUnavailableError, "shutting_down": ShuttingDownError}
+    if code in by_code:
+        return by_code[code]
     if status in (400, 409, 413, 415):
         return InvalidRequestError
     if status == 404:
@@ -207,6 +220,7 @@ class Client:
         *,
         source: str = "/rollbox/client",
         retries: int = 3,
+        retry_budget_s: float = 10.0,
         connect_timeout_s: float = 10.0,
         reply_margin_s: float = 60.0,
         pools: int = 16,
@@ -214,10 +228,13 @@ class Client:
     ):
         """``pools``: requests are spread round-robin over this many httpx clients. One connection pool
         shared by dozens of concurrent requests costs ~10 ms of CPU per request in its bookkeeping
-        (measured at 64); small pools keep it near 1 ms. Ignored when ``http`` is given."""
+        (measured at 64); small pools keep it near 1 ms. Ignored when ``http`` is given.
+        ``retries`` and ``retry_budget_s`` bound the retries of one request: at most that many, and no
+        wait that would end past the budget (then the last error is raised, typed by its code)."""
         self.url = url.rstrip("/") + "/"
         self.source = source
         self.retries = retries
+        self.retry_budget_s = retry_budget_s
         self.reply_margin_s = reply_margin_s
         self._own_http = http is None
         timeout = httpx.Timeout(connect_timeout_s, read=None, write=60.0, pool=None)
@@ -269,6 +286,7 @@ class Client:
         http = self._http
         timeout = httpx.Timeout(http.timeout.connect, read=read_timeout_s, write=60.0, pool=None)
         attempt = 0
+        give_up_at = time.monotonic() + self.retry_budget_s
         while True:
             try:
                 resp = await http.post(self.url, headers=headers, content=body, timeout=timeout)
@@ -279,9 +297,10 @@ class Client:
                 await asyncio.sleep(0.1 * 2**attempt)
                 continue
             retryable = resp.status_code in (429, 503) or (resp.status_code == 409 and "retry-after" in resp.headers)
-            if retryable and attempt < self.retries:
+            wait = _retry_after(resp) or 0.1 * 2 ** (attempt + 1)
+            if retryable and attempt < self.retries and time.monotonic() + wait <= give_up_at:
                 attempt += 1
-                await asyncio.sleep(_retry_after(resp) or 0.1 * 2**attempt)
+                await asyncio.sleep(wait)
                 continue
             return self._reply(resp, expect, model, sandbox_id)
 

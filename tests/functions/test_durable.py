@@ -295,3 +295,21 @@ async def test_lifetime_holds_across_hibernation_and_the_sweeper_cleans_up(
     r = await step(http, srv, kept, code="print(1)")
     assert (r.status, r.data["resumed"]) == (200, True), r.data
     assert (home / "sandboxes" / kept).is_dir()
+
+
+async def test_client_raises_store_unavailable_within_its_retry_budget(
+        s3_replicas: Replicas, seaweed: SeaweedS3) -> None:
+    from rollbox.functions.client import Client, StoreUnavailableError
+
+    a = s3_replicas.start()
+    seaweed.stop()
+    try:
+        async with Client(a.url, retries=5, retry_budget_s=3.0) as client:
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailableError) as info:
+                await client.create()
+            took = time.monotonic() - t0
+        # the reply's Retry-After (5 s) does not fit the 3 s budget: raised at once, typed by its code
+        assert info.value.status == 503 and info.value.code == "store_unavailable" and took < 3.0, took
+    finally:
+        seaweed.start()
