@@ -37,7 +37,7 @@ def test_run_timeout_exits_137_and_says_so(tmp_path: Path) -> None:
 
 
 def test_run_keeps_the_snapshots_limits_unless_asked(tmp_path: Path) -> None:
-    hog = "x = bytearray(200 * 2**20); x[::4096] = b'x' * len(x[::4096]); print('kept')"
+    hog = "x = bytearray(400 * 2**20); x[::4096] = b'x' * len(x[::4096]); print('kept')"
     p = run("run", "--json", "--code", hog, tmp=tmp_path)  # the snapshot's 512 MiB
     assert (p.returncode, json.loads(p.stdout)["stdout"]) == (0, "kept\n"), p.stderr
     p = run("run", "--json", "--memory-mb", "64", "--code", hog, tmp=tmp_path)
