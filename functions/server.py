@@ -40,7 +40,8 @@ from rollbox.functions.options import (
 )
 from rollbox.functions.service import Service, ServiceConfig
 from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_store, state_objects
-from rollbox.runtime.errors import RollboxError
+from rollbox.runtime.errors import RollboxError, StoreUnavailable
+from rollbox.snapshots.store_s3 import S3Store
 
 __all__ = ["ConfigError", "ServeConfig", "add_parser", "resolve", "serve"]
 
@@ -270,6 +271,18 @@ async def serve(cfg: ServeConfig) -> int:
         sock.close()
         logger.error(f"cannot open the snapshot store: {exc}")
         return 1
+    remote = resolver.cache.remote
+    store_ok = True
+    if isinstance(remote, S3Store):  # say at once what is wrong with it, not per request later
+        try:
+            await asyncio.to_thread(remote.check)
+        except StoreUnavailable as exc:  # an outage: start, but not ready until it answers
+            store_ok = False
+            logger.warning(f"the snapshot store cannot be reached; not ready until it can: {exc.message}")
+        except RollboxError as exc:
+            sock.close()
+            logger.error(f"the snapshot store is not usable: {exc}")
+            return 1
     layer_root = Path(resolver.layer_root)
     home = cfg.store.home or default_home()
     durable_on = cfg.durability == "step"
@@ -281,6 +294,7 @@ async def serve(cfg: ServeConfig) -> int:
     resolver.cache.in_use = in_use_of(rt.layers_in_use)
     await rt.start()
     durable: DurableRuntime | None = None
+    watch: asyncio.Task[None] | None = None
     rc = 0
     try:
         if durable_on:
@@ -290,6 +304,9 @@ async def serve(cfg: ServeConfig) -> int:
             await durable.start()
         snapshots = snapshot.Snapshots(rt, resolver.cache, durable)
         service = Service(durable or rt, cfg.service, routes=(*sandbox.ROUTES, *snapshot.routes(snapshots)))
+        if isinstance(remote, S3Store):
+            service.store_ok = store_ok
+            watch = asyncio.create_task(_watch_store(remote, service))
         if durable is not None:
             durable.bind_metrics(service.metrics.registry)
         server = _Server(
@@ -345,6 +362,8 @@ async def serve(cfg: ServeConfig) -> int:
         server.config.timeout_graceful_shutdown = max(1, math.ceil(cfg.grace_s - (loop.time() - t0)))
         server.should_exit = True
         await serving
+        if watch is not None:
+            watch.cancel()
     finally:
         if durable is not None:
             await durable.close()
@@ -357,6 +376,22 @@ async def serve(cfg: ServeConfig) -> int:
             loop.remove_signal_handler(sig)
     lifecycle.info("stopped", extra={"fields": {"rc": rc}})
     return rc
+
+
+async def _watch_store(store: S3Store, service: Service, every_s: float = 5.0) -> None:
+    """Keep ``service.store_ok`` current (``/readyz`` reports it): a replica that cannot commit steps
+    should get none from the load balancer. Logs each change once."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(store.check), every_s)
+            ok, why = True, ""
+        except (RollboxError, TimeoutError) as exc:
+            ok, why = False, getattr(exc, "message", "") or "no answer within the check's deadline"
+        if ok != service.store_ok:
+            (lifecycle.info if ok else lifecycle.warning)(
+                "store reachable again" if ok else f"store unusable: {why}", extra={"fields": {"store": store.url}})
+        service.store_ok = ok
 
 
 def _isolation(rt: Any) -> dict[str, str] | None:

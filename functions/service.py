@@ -181,6 +181,7 @@ class Service:
             size_of=lambda r: _approx_bytes(r.event.data),
         )
         self.ready = False
+        self.store_ok = True  # kept current by rollbox serve when the store is remote
         self.aborting = False
         self._working: set[asyncio.Task[Any]] = set()
         self._labels: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
@@ -201,11 +202,10 @@ class Service:
             if path == "/healthz":
                 return JSONResponse({"status": "ok"})
             if path == "/readyz":
-                ok = self.ready and not self.admission.draining
-                body = {
-                    "status": "ready" if ok else ("draining" if self.admission.draining else "starting"),
-                    "inflight": self.admission.inflight,
-                }
+                ok = self.ready and not self.admission.draining and self.store_ok
+                status = "ready" if ok else ("draining" if self.admission.draining else
+                                             "starting" if not self.ready else "store unavailable")
+                body = {"status": status, "inflight": self.admission.inflight, "store_ok": self.store_ok}
                 return JSONResponse(body, status_code=200 if ok else 503)
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
         if path != "/" or method != "POST":

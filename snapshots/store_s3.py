@@ -195,6 +195,19 @@ class S3Store:
                 keys.extend(obj["Key"] for obj in page.get("Contents", []))
         return keys
 
+    def check(self) -> None:
+        """Can this store be used now? Raises ``StoreUnavailable`` (cannot reach it: retry later) or
+        ``StoreError`` naming what to fix (no credentials, access denied, no such bucket)."""
+        with self._errors("checking the bucket"):
+            try:
+                self._client.head_bucket(Bucket=self.bucket)
+            except botocore.exceptions.ClientError as exc:
+                status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+                if status == 404 or str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchBucket"):
+                    raise StoreError(f"S3 {self.endpoint} bucket {self.bucket!r} does not exist; create the "
+                                     "bucket first") from exc
+                raise
+
     # -------------------------------------------------------------------------------- layers
     def has_layer(self, layer_id: str) -> bool:
         key = self._key("layers", f"{check_layer_id(layer_id)}.tar")
