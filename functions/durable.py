@@ -16,7 +16,8 @@ the reply sent. So:
                                   reply in the sandbox's records (ids of created sandboxes are derived
                                   from the event, so a redelivered create finds its sandbox too)
     hibernate                     a live copy idle for ``hibernate_after_s``, or the least recently
-                                  used idle one when the live cap is reached, is committed and ended
+                                  used idle one when the live cap is reached, is ended (nothing is
+                                  written: its state is that of its last acknowledged step)
     drain                         ``hibernate_all`` on SIGTERM: scale-down loses nothing
     expiry                        lifetime and idle limits hold across hibernation; a sweeper writes
                                   the tombstone of expired sandboxes and removes the records of
@@ -48,7 +49,6 @@ from rollbox.functions.idempotency import Conflict
 from rollbox.functions.routing import EventRef, current_event
 from rollbox.runtime.errors import (
     IntegrityError,
-    InvalidRequest,
     Overloaded,
     RollboxError,
     SandboxBusy,
@@ -68,6 +68,7 @@ from rollbox.snapshots.state import (
     blob_key,
     check_content,
     diff_of,
+    generation_of,
     place_contents,
     prefill_hashes,
     record_key,
@@ -85,8 +86,9 @@ class _Metrics:
     def __init__(self, registry: CollectorRegistry | None):
         r = registry or CollectorRegistry()
         self.resumes = Counter("rollbox_resumes", "Sandboxes resumed from their durable state", registry=r)
-        self.hibernations = Counter("rollbox_hibernations", "Live sandboxes committed and ended",
-                                    ["reason"], registry=r)
+        self.hibernations = Counter("rollbox_hibernations",
+                                    "Idle live sandboxes ended (their state stays in the store)", ["reason"],
+                                    registry=r)
         self.resume_seconds = Histogram("rollbox_resume_seconds", "Time to resume a sandbox from the store",
                                         buckets=_LATENCY, registry=r)
         self.store_write_seconds = Histogram("rollbox_state_write_seconds",
@@ -154,7 +156,8 @@ class DurableRuntime:
         self._pool.shutdown(wait=True)
 
     async def hibernate_all(self, reason: str = "drain") -> int:
-        """Commit and end every live sandbox (on SIGTERM: scale-down and scale-to-zero lose nothing)."""
+        """End every idle live sandbox (on SIGTERM, after in-flight events: every acknowledged step is in
+        the store already, so scale-down and scale-to-zero lose nothing)."""
         sids = [sid for sid in self.live if sid not in self._busy]
         for sid in sids:
             self._hibernate(sid, reason)
@@ -188,11 +191,7 @@ class DurableRuntime:
                     return await self._replayed(first, ev, SandboxInfo) or SandboxInfo.model_validate(first.reply)
             await self._make_room()
             info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
-            now = time.time()
-            record = SandboxRecord(sandbox_id=sid, generation=-1, snapshot=info.snapshot_id, limits=info.limits,
-                                   metadata=info.metadata, created_at=now, last_used=now)
-            live = _Live(record=record)
-            self.live[sid] = live
+            live = self._new_live(info, None)
             try:
                 await self._commit(live, info, ev, scan=False)
             except SandboxBusy:  # the same event, at the same time, on another replica: its sandbox
@@ -203,9 +202,6 @@ class DurableRuntime:
             return info
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        if request.timeout_s > 7 * 24 * 3600:
-            raise InvalidRequest("timeout_s is too large", sandbox_id=sandbox_id)
-
         async def action(live: _Live) -> ExecResult:
             result = await self.rt.exec(sandbox_id, request)
             if live.resume_ms is not None:
@@ -225,7 +221,7 @@ class DurableRuntime:
                 return Usage.model_validate(head.reply)
             if live is not None:
                 local = await self.rt.destroy(sandbox_id, reason="destroyed")
-                self._account(live, local.cpu_s, local.peak_memory_bytes, 0)
+                self._account(live, local.cpu_s, local.peak_memory_bytes)
             usage = self._usage(head if live is None else live.record, "destroyed")
             tomb = live or _Live(record=head)
             self.live.pop(sandbox_id, None)
@@ -235,20 +231,24 @@ class DurableRuntime:
     async def adopt(self, children: list[SandboxInfo], forked_from: str) -> None:
         """Commit the first generation of each fork child (live here, its parent's files injected)."""
         async def one(info: SandboxInfo) -> None:
-            sid = info.sandbox_id
-            now = time.time()
-            live = _Live(record=SandboxRecord(sandbox_id=sid, generation=-1, snapshot=info.snapshot_id,
-                                              limits=info.limits, metadata=info.metadata, forked_from=forked_from,
-                                              created_at=now, last_used=now))
-            self.live[sid] = live
-            async with self._holding(sid):
+            live = self._new_live(info, forked_from)
+            async with self._holding(info.sandbox_id):
                 await self._commit(live, info, None)
 
         results = await asyncio.gather(*(one(i) for i in children), return_exceptions=True)
         if failed := [r for r in results if isinstance(r, BaseException)]:
             for info in children:
-                await self._drop(info.sandbox_id, "fork failed")
+                self._drop(info.sandbox_id, "fork failed")
             raise failed[0]
+
+    def _new_live(self, info: SandboxInfo, forked_from: str | None) -> _Live:
+        """The live copy of a sandbox just made here, before its first generation is committed."""
+        now = time.time()
+        live = _Live(record=SandboxRecord(sandbox_id=info.sandbox_id, generation=-1, snapshot=info.snapshot_id,
+                                          limits=info.limits, metadata=info.metadata, forked_from=forked_from,
+                                          created_at=now, last_used=now))
+        self.live[info.sandbox_id] = live
+        return live
 
     async def step(self, sandbox_id: str, action: Callable[[_Live], Awaitable[M]], model: type[M]) -> M:
         """Run one step on a sandbox's newest state and commit it before returning its reply: the
@@ -319,7 +319,7 @@ class DurableRuntime:
         head: SandboxRecord | None = self._seen.get(sandbox_id)
         if head is None:
             keys = await self._io(self.objects.keys, f"sandboxes/{sandbox_id}/")
-            gens = sorted(int(k.rsplit("/", 1)[1].split(".")[0]) for k in keys if k.endswith(".json"))
+            gens = sorted(g for k in keys if (g := generation_of(k)) is not None)
             if not gens:
                 raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
             head = await self._io(self._get, sandbox_id, gens[-1])
@@ -343,14 +343,13 @@ class DurableRuntime:
         if live is None:
             return None
         if sandbox_id not in self.rt.sandboxes or not self.rt.sandboxes[sandbox_id].alive():
-            await self._drop(sandbox_id, "died")
+            self._drop(sandbox_id, "died")
             return None
         newer = await self._io(self._get, sandbox_id, live.record.generation + 1)
         if newer is not None:  # another replica moved it on: never run a step on this copy
             self.metrics.stale.inc()
             self._remember(newer)
-            self.live.pop(sandbox_id, None)
-            self.rt.discard(sandbox_id, "stale")  # its teardown is not this step's business
+            self._drop(sandbox_id, "stale")
             return None
         return live
 
@@ -370,14 +369,13 @@ class DurableRuntime:
                                  f"{ev.id!r} (generation {gen}) is missing", sandbox_id=head.sandbox_id)
         return model.model_validate(rec.reply)
 
-    async def _drop(self, sandbox_id: str, reason: str) -> None:
-        """Forget the live copy here without committing (stale, conflicted, or died)."""
+    def _drop(self, sandbox_id: str, reason: str) -> None:
+        """Forget the live copy here without committing (stale, conflicted, died, hibernated): its id
+        is free at once, its sandbox ends in the background."""
         self.live.pop(sandbox_id, None)
-        if sandbox_id in self.rt.sandboxes:
-            with contextlib.suppress(RollboxError):
-                await self.rt.destroy(sandbox_id, reason=reason)
+        self.rt.discard(sandbox_id, reason)
 
-    def _account(self, live: _Live, life_cpu_s: float, peak: int, execs: int) -> None:
+    def _account(self, live: _Live, life_cpu_s: float, peak: int) -> None:
         """Fold this life's usage since the last commit into ``live.record.usage``."""
         now = time.monotonic()
         u = live.record.usage
@@ -385,7 +383,7 @@ class DurableRuntime:
             live_s=u.live_s + (now - live.since),
             cpu_s=u.cpu_s + max(0.0, life_cpu_s - live.cpu_s),
             peak_memory_bytes=max(u.peak_memory_bytes, peak),
-            execs=u.execs + execs)})
+            execs=u.execs)})
         live.since = now
         live.cpu_s = life_cpu_s
 
@@ -396,7 +394,7 @@ class DurableRuntime:
                      billed_s=max(1, math.ceil(u.live_s)), execs=u.execs, reason=reason)
 
     async def _commit(self, live: _Live, reply: BaseModel | None, ev: EventRef | None, *, scan: bool = True,
-                      state: str = "live", reason: str | None = None, usage: Usage | None = None) -> None:
+                      state: str = "live", reason: str | None = None) -> None:
         """Write the sandbox's next generation (create-only). Any failure drops the live copy: its
         files may hold a step that was not acknowledged, so the next step resumes from the store."""
         prev = live.record
@@ -406,7 +404,7 @@ class DurableRuntime:
         try:
             sb = self.rt.sandboxes.get(sid)
             if sb is not None and state == "live":
-                self._account(live, sb.cpu_s, sb.peak_memory_bytes, 0)
+                self._account(live, sb.cpu_s, sb.peak_memory_bytes)
             files = prev.files
             inline: dict[str, bytes] = {}
             blobs: dict[str, str] = {}
@@ -428,13 +426,13 @@ class DurableRuntime:
             ok = await self._io(self.objects.put_new, record_key(sid, gen), record.to_bytes())
         except BaseException:
             if state == "live":
-                await self._drop(sid, "commit failed")
+                self._drop(sid, "commit failed")
             raise
         finally:
             self.metrics.store_write_seconds.observe(time.perf_counter() - t0)
         if not ok:
             self.metrics.conflicts.inc()
-            await self._drop(sid, "conflict")
+            self._drop(sid, "conflict")
             raise SandboxBusy(f"sandbox {sid}: another replica committed step {gen} first; nothing of this "
                               "request was kept, retry it", sandbox_id=sid)
         live.record = record
@@ -556,9 +554,9 @@ class DurableRuntime:
         acknowledged step, committed then (what a background process wrote since was never
         acknowledged, and processes do not survive a resume anyway). The sandbox ends in the
         background, so making room costs the request that needs it nothing."""
-        if sandbox_id in self._busy or self.live.pop(sandbox_id, None) is None:
+        if sandbox_id in self._busy or sandbox_id not in self.live:
             return
-        self.rt.discard(sandbox_id, "hibernated")
+        self._drop(sandbox_id, "hibernated")
         self.metrics.hibernations.labels(reason).inc()
 
     async def _expire(self, head: SandboxRecord, why: str) -> None:
@@ -575,7 +573,7 @@ class DurableRuntime:
             return
         try:
             async with self._holding(sandbox_id):
-                self._account(live, usage.cpu_s, usage.peak_memory_bytes, 0)
+                self._account(live, usage.cpu_s, usage.peak_memory_bytes)
                 await self._commit(live, self._usage(live.record, reason), None, scan=False,
                                    state="destroyed", reason=reason)
         except (RollboxError, OSError) as exc:
@@ -603,23 +601,21 @@ class DurableRuntime:
         """Expire hibernated sandboxes past their limits; remove destroyed ones' records after the
         tombstone TTL (a redelivered event finds its reply until then)."""
         keys: list[str] = await self._io(self.objects.keys, "sandboxes/")
-        by_sid: dict[str, list[str]] = {}
+        by_sid: dict[str, dict[int, str]] = {}
         for k in keys:
-            parts = k.split("/")
-            if len(parts) == 3 and parts[2].endswith(".json"):
-                by_sid.setdefault(parts[1], []).append(k)
+            if (g := generation_of(k)) is not None:
+                by_sid.setdefault(k.split("/")[1], {})[g] = k
         expired = removed = 0
         now = time.time()
-        for sid, ks in by_sid.items():
+        for sid, gens in by_sid.items():
             if sid in self.live or sid in self._busy:
                 continue
-            ks.sort()
-            head = await self._io(self._get, sid, int(ks[-1].rsplit("/", 1)[1].split(".")[0]))
+            head = await self._io(self._get, sid, max(gens))
             if head is None:
                 continue
             if head.state == "destroyed":
                 if now - head.last_used > self.tombstone_ttl_s:
-                    await self._io(self.objects.delete, ks)
+                    await self._io(self.objects.delete, list(gens.values()))
                     removed += 1
             elif (why := head.expired(now)) is not None:
                 async with self._holding(sid):

@@ -138,7 +138,7 @@ OPTIONS: tuple[Option, ...] = (
         "ROLLBOX_HIBERNATE_AFTER_S",
         seconds_or_never,
         30.0,
-        "with durability: a live sandbox idle this long is committed and its processes ended (0: never)",
+        "with durability: a live sandbox idle this long is ended; its state stays in the store (0: never)",
     ),
     Option(
         "sweep_interval_s",
@@ -356,7 +356,7 @@ async def serve(cfg: ServeConfig) -> int:
             )
             service.abort()  # each gets a 503 event, not a dropped connection
             await service.admission.wait_idle(5.0)
-        if durable is not None:  # every live sandbox committed and ended: scale-down loses nothing
+        if durable is not None:  # every acknowledged step is in the store: ending live copies loses nothing
             n = await durable.hibernate_all("drain")
             lifecycle.info("hibernated", extra={"fields": {"sandboxes": n}})
         server.config.timeout_graceful_shutdown = max(1, math.ceil(cfg.grace_s - (loop.time() - t0)))

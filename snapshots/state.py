@@ -49,6 +49,7 @@ __all__ = [
     "blob_key",
     "check_content",
     "diff_of",
+    "generation_of",
     "place_contents",
     "prefill_hashes",
     "record_key",
@@ -150,6 +151,15 @@ class LocalObjects:
 
 def record_key(sandbox_id: str, generation: int) -> str:
     return f"sandboxes/{sandbox_id}/{generation:010d}.json"
+
+
+def generation_of(key: str) -> int | None:
+    """The generation a ``record_key`` names (``sandboxes/<id>/<n>.json``); None for another key."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != "sandboxes" or not parts[2].endswith(".json"):
+        return None
+    digits = parts[2].removesuffix(".json")
+    return int(digits) if digits.isdigit() else None
 
 
 def blob_key(sha: str) -> str:
