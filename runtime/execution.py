@@ -119,44 +119,62 @@ def walk_upper(upper: str) -> Iterator[tuple[str, str, os.stat_result, str]]:
                 yield path, "f", st, e.path
 
 
-def pack_upper(upper: str, max_bytes: int) -> dict[str, Any] | None:
+def upper_diff(upper: str, file_fields: Callable[[str, os.stat_result, str], dict[str, Any] | None],
+               ) -> dict[str, Any] | None:
     """An overlay upper directory as a diff a sandbox's agent can apply: its entries (directories,
-    files, symlinks, hard links, in walk order, with modes and mtimes), the file contents one after
-    another in a memfd (each child copies its files from it in the kernel), the whiteouts (deleted
-    paths) and the opaque directories. None if the files exceed ``max_bytes``."""
+    files, symlinks, hard links to an earlier path, in walk order, with modes and mtimes), the
+    whiteouts (deleted paths) and the opaque directories. Where a regular file's content goes is the
+    caller's: ``file_fields(path, stat, host path)`` gives the fields its entry adds, or None to give
+    up (then this returns None)."""
     entries: list[dict[str, Any]] = []
     whiteouts: list[str] = []
     opaque: list[str] = []
     seen: dict[tuple[int, int], str] = {}
+    for path, kind, st, host_path in walk_upper(upper):
+        if kind == "w":
+            whiteouts.append(path)
+        elif kind in ("d", "o"):
+            if kind == "o":
+                opaque.append(path)
+            entries.append({"p": path, "t": "d", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime})
+        elif kind == "l":
+            entries.append({"p": path, "t": "l", "l": os.readlink(host_path)})
+        elif st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
+            entries.append({"p": path, "t": "h", "l": seen[(st.st_dev, st.st_ino)]})
+        else:
+            seen[(st.st_dev, st.st_ino)] = path
+            extra = file_fields(path, st, host_path)
+            if extra is None:
+                return None
+            entries.append({"p": path, "t": "f", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime, **extra})
+    return {"entries": entries, "whiteouts": whiteouts, "opaque": opaque}
+
+
+def pack_upper(upper: str, max_bytes: int) -> dict[str, Any] | None:
+    """``upper_diff`` with the file contents one after another in a memfd (``fd``; each child copies
+    its files from it in the kernel). None if the files exceed ``max_bytes``."""
     fd = os.memfd_create("rollbox-fork-diff", os.MFD_CLOEXEC)
     offset = 0
+
+    def copy_in(_path: str, st: os.stat_result, host_path: str) -> dict[str, Any] | None:
+        nonlocal offset
+        if offset + st.st_size > max_bytes:
+            return None
+        with open(host_path, "rb") as src:
+            n = os.sendfile(fd, src.fileno(), 0, st.st_size) if st.st_size else 0
+        at, offset = offset, offset + n
+        return {"o": at, "n": n}
+
     try:
-        for path, kind, st, host_path in walk_upper(upper):
-            if kind == "w":
-                whiteouts.append(path)
-            elif kind in ("d", "o"):
-                if kind == "o":
-                    opaque.append(path)
-                entries.append({"p": path, "t": "d", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime})
-            elif kind == "l":
-                entries.append({"p": path, "t": "l", "l": os.readlink(host_path)})
-            else:
-                if st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
-                    entries.append({"p": path, "t": "h", "l": seen[(st.st_dev, st.st_ino)]})
-                    continue
-                seen[(st.st_dev, st.st_ino)] = path
-                if offset + st.st_size > max_bytes:
-                    os.close(fd)
-                    return None
-                with open(host_path, "rb") as src:
-                    n = os.sendfile(fd, src.fileno(), 0, st.st_size) if st.st_size else 0
-                entries.append({"p": path, "t": "f", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime,
-                                "o": offset, "n": n})
-                offset += n
+        diff = upper_diff(upper, copy_in)
     except BaseException:
         os.close(fd)
         raise
-    return {"fd": fd, "entries": entries, "whiteouts": whiteouts, "opaque": opaque}
+    if diff is None:
+        os.close(fd)
+        return None
+    diff["fd"] = fd
+    return diff
 
 
 def _exit_code(status: int) -> tuple[int, str | None]:

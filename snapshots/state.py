@@ -28,14 +28,13 @@ import errno
 import hashlib
 import json
 import os
-import stat
 import time
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 from rollbox.runtime.errors import IntegrityError, StoreError
-from rollbox.runtime.execution import walk_upper
+from rollbox.runtime.execution import upper_diff, walk_upper
 from rollbox.runtime.spec import Limits
 
 __all__ = [
@@ -253,35 +252,24 @@ FileHashes = dict[tuple[str, int, int, int, int], str]
 
 
 def scan_upper(upper: str, hashes: FileHashes) -> tuple[Files, dict[str, str]]:
-    """The files of a sandbox's upper directory, and the host path of each content (sha256 -> path).
-    ``hashes`` is updated in place (files unchanged since the last scan are not read again)."""
-    files = Files()
+    """The files of a sandbox's upper directory (``upper_diff``, each content by sha256), and the host
+    path of each content (sha256 -> path). ``hashes`` is updated in place (files unchanged since the
+    last scan are not read again)."""
     paths: dict[str, str] = {}
-    seen: dict[tuple[int, int], str] = {}
     fresh: FileHashes = {}
-    for path, kind, st, host_path in walk_upper(upper):
-        if kind == "w":
-            files.whiteouts.append(path)
-        elif kind in ("d", "o"):
-            if kind == "o":
-                files.opaque.append(path)
-            files.entries.append({"p": path, "t": "d", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime})
-        elif kind == "l":
-            files.entries.append({"p": path, "t": "l", "l": os.readlink(host_path)})
-        else:
-            if st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
-                files.entries.append({"p": path, "t": "h", "l": seen[(st.st_dev, st.st_ino)]})
-                continue
-            seen[(st.st_dev, st.st_ino)] = path
-            ident = (path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-            sha = hashes.get(ident) or _sha256_file(host_path)
-            fresh[ident] = sha
-            paths.setdefault(sha, host_path)
-            files.entries.append({"p": path, "t": "f", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime,
-                                  "sha": sha, "n": st.st_size})
+
+    def hashed(path: str, st: os.stat_result, host_path: str) -> dict[str, Any]:
+        ident = (path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        sha = hashes.get(ident) or _sha256_file(host_path)
+        fresh[ident] = sha
+        paths.setdefault(sha, host_path)
+        return {"sha": sha, "n": st.st_size}
+
+    diff = upper_diff(upper, hashed)
+    assert diff is not None  # ``hashed`` never gives up
     hashes.clear()
     hashes.update(fresh)
-    return files, paths
+    return Files(**diff), paths
 
 
 def prefill_hashes(upper: str, files: Files, hashes: FileHashes) -> None:
