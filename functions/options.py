@@ -34,25 +34,24 @@ def integer(minimum: int) -> Callable[[str], int]:
     return cast
 
 
-def seconds(raw: str) -> float:
+def _seconds(raw: str, *, zero_ok: bool) -> float:
     try:
         v = float(raw.strip())
     except ValueError:
         raise ValueError(f"not a valid number of seconds: {raw!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"must be a finite number > 0, got {raw!r}")
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+        bound = ">= 0 (0: never)" if zero_ok else "> 0"
+        raise ValueError(f"must be a finite number {bound}, got {raw!r}")
     return v
+
+
+def seconds(raw: str) -> float:
+    return _seconds(raw, zero_ok=False)
 
 
 def seconds_or_never(raw: str) -> float:
     """Seconds, where 0 means never (for windows that may be switched off)."""
-    try:
-        v = float(raw.strip())
-    except ValueError:
-        raise ValueError(f"not a valid number of seconds: {raw!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise ValueError(f"must be a finite number >= 0 (0: never), got {raw!r}")
-    return v
+    return _seconds(raw, zero_ok=True)
 
 
 def choice(*allowed: str) -> Callable[[str], str]:
