@@ -210,7 +210,15 @@ class LocalStore:
         _atomic_write(self.root / "names" / name, check_snapshot_id(snapshot_id).encode())
 
     def names(self) -> dict[str, str]:
-        return {p.name: p.read_text().strip() for p in sorted((self.root / "names").iterdir())}
+        """Every name and its id. A name never starts with ``.``; those are another writer's temp
+        files, and a name removed while listing is skipped."""
+        out = {}
+        for p in sorted((self.root / "names").iterdir()):
+            if p.name.startswith("."):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                out[p.name] = p.read_text().strip()
+        return out
 
     def resolve_id(self, name_or_id: str) -> str:
         if self._is_id(name_or_id) and self.has_manifest(name_or_id):

@@ -133,3 +133,15 @@ def test_locally_built_layers_are_never_evicted(tmp_path: Path) -> None:
     assert all(local.has_layer(ref.id) for ref in m.layers)
     with pytest.raises(ValueError, match="max_bytes must be positive"):
         LayerCache(local, None, max_bytes=0)
+
+
+def test_names_skip_another_writers_temp_files_and_names_removed_while_listing(tmp_path: Path) -> None:
+    """A name being written (``.name.pid.ns`` before its rename) or removed during a listing is not
+    an error: resolving by name runs while a concurrent pull writes the same name."""
+    store = LocalStore(tmp_path / "store")
+    sid = "a" * 64
+    store.set_name("ready", sid)
+    (store.root / "names" / ".ready.1.2").write_text(sid)        # a temp file mid-rename
+    assert store.names() == {"ready": sid}
+    with pytest.raises(Exception, match="names here: ready"):
+        store.resolve_id("missing")
