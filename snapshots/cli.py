@@ -1,10 +1,14 @@
-"""``rollbox snapshot build | list | show | rm | push | pull``.
+"""``rollbox snapshot build | list | show | rm | push | pull`` and ``rollbox store init | show``.
 
 The local store (``--home`` / ROLLBOX_HOME) is where snapshots are built and where pulled ones are
 cached; ``--store`` / ROLLBOX_STORE names the store ``list``, ``show``, ``rm``, ``push`` and ``pull``
 talk to (a directory or ``s3://bucket/prefix``; default: the local store). S3 settings:
 ``--s3-endpoint-url`` / AWS_ENDPOINT_URL, ``--s3-region`` / AWS_REGION, ``--aws-profile`` /
 AWS_PROFILE; credentials come from the usual AWS variables or profile.
+
+``rollbox store init`` sets an S3 store's retention tiers as bucket lifecycle rules (``--state-days`` /
+ROLLBOX_STATE_DAYS, ``--cold-days`` / ROLLBOX_COLD_DAYS, ``--cold-class`` / ROLLBOX_COLD_CLASS,
+``--no-transition`` / ROLLBOX_NO_TRANSITION); ``rollbox store show`` prints the bucket's rules.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -33,7 +38,15 @@ from rollbox.runtime.runtime import default_home
 from rollbox.snapshots.build import build
 from rollbox.snapshots.store import ByteCallback, Store, copy_snapshot
 from rollbox.snapshots.store_local import LocalStore
-from rollbox.snapshots.store_s3 import S3Store
+from rollbox.snapshots.store_s3 import (
+    COLD_CLASS,
+    COLD_CLASSES,
+    COLD_DAYS,
+    STATE_DAYS,
+    LifecycleRule,
+    S3Store,
+    is_own_rule,
+)
 from rollbox.snapshots.template import PipOptions, load_template
 
 
@@ -46,20 +59,31 @@ def _env_bool(name: str, env: Mapping[str, str]) -> bool:
     raise InvalidRequest(f"{name}={env[name]!r}: not a valid bool (use 1/0, true/false, yes/no, on/off)")
 
 
+def _env_int(name: str, env: Mapping[str, str], default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidRequest(f"{name}={env[name]!r}: not a whole number of days") from None
+
+
 def add_parser(subparsers: Any) -> None:
     env = os.environ
-    common = argparse.ArgumentParser(add_help=False)
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--store", default=env.get("ROLLBOX_STORE") or None,
+                        help="store to talk to: a directory or s3://bucket/prefix (ROLLBOX_STORE)")
+    remote.add_argument("--s3-endpoint-url", default=env.get("AWS_ENDPOINT_URL") or None,
+                        help="S3 endpoint, e.g. http://127.0.0.1:8333 (AWS_ENDPOINT_URL)")
+    remote.add_argument("--s3-region", default=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+                        help="S3 region (AWS_REGION)")
+    remote.add_argument("--aws-profile", default=env.get("AWS_PROFILE") or None,
+                        help="credentials profile (AWS_PROFILE)")
+    remote.add_argument("--json", action="store_true", default=False, help="machine-readable output")
+    common = argparse.ArgumentParser(add_help=False, parents=[remote])
     common.add_argument("--home", default=env.get("ROLLBOX_HOME") or None,
                         help=f"local store and cache directory (ROLLBOX_HOME; default: {default_home()})")
-    common.add_argument("--store", default=env.get("ROLLBOX_STORE") or None,
-                        help="store to talk to: a directory or s3://bucket/prefix (ROLLBOX_STORE)")
-    common.add_argument("--s3-endpoint-url", default=env.get("AWS_ENDPOINT_URL") or None,
-                        help="S3 endpoint, e.g. http://127.0.0.1:8333 (AWS_ENDPOINT_URL)")
-    common.add_argument("--s3-region", default=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
-                        help="S3 region (AWS_REGION)")
-    common.add_argument("--aws-profile", default=env.get("AWS_PROFILE") or None,
-                        help="credentials profile (AWS_PROFILE)")
-    common.add_argument("--json", action="store_true", default=False, help="machine-readable output")
 
     snap = subparsers.add_parser("snapshot", help="build, list, show, remove, push and pull snapshots",
                                  description=__doc__.splitlines()[0] if __doc__ else None)
@@ -89,6 +113,25 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("snapshot", help="name or id")
     p.set_defaults(func=_guard(_pull))
 
+    store = subparsers.add_parser("store", help="retention tiers of an S3 store (bucket lifecycle rules)",
+                                  description="Set or show an S3 store's retention tiers (bucket lifecycle rules).")
+    sub = store.add_subparsers(dest="store_command", required=True)
+    p = sub.add_parser("init", parents=[remote], help="set the store's lifecycle rules (keeps other rules)")
+    p.add_argument("--state-days", type=int, default=None,
+                   help=f"expire sandbox step state after N days; blobs a sandbox lifetime later (ROLLBOX_STATE_DAYS; "
+                        f"default {STATE_DAYS}, more than the longest sandbox lifetime)")
+    p.add_argument("--cold-days", type=int, default=None,
+                   help=f"move trajectories to --cold-class after M days (ROLLBOX_COLD_DAYS; default {COLD_DAYS})")
+    p.add_argument("--cold-class", choices=COLD_CLASSES, default=None, metavar="CLASS",
+                   help=f"storage class for cold trajectories: {', '.join(COLD_CLASSES)} (ROLLBOX_COLD_CLASS; "
+                        f"default {COLD_CLASS})")
+    p.add_argument("--no-transition", action="store_true", default=None,
+                   help="no transition rule for trajectories, for servers without storage classes such as "
+                        "SeaweedFS (ROLLBOX_NO_TRANSITION)")
+    p.set_defaults(func=_guard(_store_init))
+    p = sub.add_parser("show", parents=[remote], help="show the bucket's lifecycle rules")
+    p.set_defaults(func=_guard(_store_show))
+
 
 def _guard(fn: Callable[[argparse.Namespace, Console], int]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
@@ -96,7 +139,7 @@ def _guard(fn: Callable[[argparse.Namespace, Console], int]) -> Callable[[argpar
         try:
             return fn(args, Console(soft_wrap=True))
         except RollboxError as exc:
-            err.print(f"[bold red]error:[/] {exc.message}", highlight=False, markup=True)
+            err.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, markup=True)
             return 2 if isinstance(exc, InvalidRequest) else 1
     return run
 
@@ -206,6 +249,87 @@ def _pull(args: argparse.Namespace, console: Console) -> int:
         m = copy_snapshot(remote, local, args.snapshot, tmp_dir=str(local.root / "tmp"), on_layer=on_layer)
     console.print(f"pulled {m.id} into {local.root}", highlight=False)
     return 0
+
+
+def _s3(args: argparse.Namespace) -> S3Store:
+    store = _remote(args, required=True)
+    if not isinstance(store, S3Store):
+        raise InvalidRequest(f"retention tiers are S3 bucket lifecycle rules, and --store {store.url} is a "
+                             "directory: give --store s3://bucket[/prefix] (or ROLLBOX_STORE)")
+    return store
+
+
+def _store_init(args: argparse.Namespace, console: Console) -> int:
+    env = os.environ
+    no_transition = args.no_transition
+    if no_transition is None:
+        no_transition = _env_bool("ROLLBOX_NO_TRANSITION", env)
+    elif args.cold_class:
+        raise InvalidRequest(f"--cold-class {args.cold_class} and --no-transition contradict each other: give one")
+    cold_class = args.cold_class or env.get("ROLLBOX_COLD_CLASS", "").strip() or COLD_CLASS
+    store = _s3(args)
+    rules = store.set_lifecycle(
+        state_days=args.state_days if args.state_days is not None else _env_int("ROLLBOX_STATE_DAYS", env, STATE_DAYS),
+        cold_days=args.cold_days if args.cold_days is not None else _env_int("ROLLBOX_COLD_DAYS", env, COLD_DAYS),
+        cold_class=None if no_transition else cold_class)
+    _print_rules(args, console, store, rules)
+    return 0
+
+
+def _store_show(args: argparse.Namespace, console: Console) -> int:
+    store = _s3(args)
+    _print_rules(args, console, store, store.lifecycle())
+    return 0
+
+
+def _print_rules(args: argparse.Namespace, console: Console, store: S3Store, rules: list[LifecycleRule]) -> None:
+    if args.json:
+        print(json.dumps({"store": store.url, "bucket": store.bucket, "rules": rules}, default=str))
+        return
+    if not rules:
+        console.print(f"no lifecycle rules on bucket {store.bucket!r}: nothing in {store.url} expires",
+                      highlight=False)
+        return
+    table = Table(title=f"lifecycle rules of bucket {store.bucket!r}")
+    for column in ("id", "prefix", "status", "action", "owner"):
+        table.add_column(column, overflow="fold")
+    for r in rules:
+        table.add_row(str(r.get("ID", "")), repr(_rule_prefix(r)), str(r.get("Status", "")), _rule_action(r),
+                      "this store" if is_own_rule(r, store.prefix) else "other")
+    console.print(table)
+    base = f"{store.prefix}/" if store.prefix else ""
+    console.print(f"no rule for {base}usage/ (the bill), {base}layers/, {base}manifests/, {base}names/ "
+                  "(snapshots) unless another rule covers them", highlight=False)
+
+
+def _rule_prefix(rule: LifecycleRule) -> str:
+    filt = rule.get("Filter") or {}
+    return str(filt.get("Prefix", (filt.get("And") or {}).get("Prefix", rule.get("Prefix", ""))))
+
+
+def _rule_action(rule: LifecycleRule) -> str:
+    parts = []
+    exp = rule.get("Expiration") or {}
+    if "Days" in exp:
+        parts.append(f"expire after {_days(exp['Days'])}")
+    elif "Date" in exp:
+        parts.append(f"expire on {exp['Date']}")
+    elif exp:
+        parts.append(f"Expiration: {exp}")
+    for t in rule.get("Transitions") or []:
+        when = f"after {_days(t['Days'])}" if "Days" in t else f"on {t.get('Date')}"
+        parts.append(f"to {t.get('StorageClass')} {when}")
+    if "AbortIncompleteMultipartUpload" in rule:
+        days = rule["AbortIncompleteMultipartUpload"].get("DaysAfterInitiation")
+        parts.append(f"abort incomplete uploads after {_days(days)}")
+    other = sorted(set(rule) - {"ID", "Filter", "Prefix", "Status", "Expiration", "Transitions",
+                                "AbortIncompleteMultipartUpload"})
+    parts.extend(f"{k}: {rule[k]}" for k in other)
+    return "; ".join(parts)
+
+
+def _days(n: Any) -> str:
+    return f"{n} day" if n == 1 else f"{n} days"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,15 @@ boto3's ``TransferConfig``. botocore/s3transfer errors are converted here, once,
 unreachable or 5xx -> ``StoreUnavailable``; missing key -> ``SnapshotNotFound``/``StoreError``;
 denied, missing bucket, no credentials -> ``StoreError`` saying what to fix. Every layer and manifest
 read is verified against its sha256 before it is returned.
+
+Retention tiers are bucket lifecycle rules (``lifecycle_rules``, ``S3Store.set_lifecycle``), one per
+tier, each filtered on a prefix under the store's::
+
+    prefix/sandboxes/, prefix/blobs/   hot: durable step state, expires (blobs a lifetime later)
+    prefix/trajectories/               warm Parquet, moved to a cold storage class
+    prefix/usage/                      warm Parquet, the bill: no rule, never expires
+    prefix/                            incomplete multipart uploads aborted after a day
+    layers/, manifests/, names/        snapshots: no rule
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -33,11 +43,13 @@ import botocore.exceptions
 from boto3.s3.transfer import TransferConfig
 from rollbox.runtime.errors import (
     IntegrityError,
+    InvalidRequest,
     RollboxError,
     SnapshotNotFound,
     StoreError,
     StoreUnavailable,
 )
+from rollbox.runtime.spec import Limits
 from rollbox.snapshots.layers import check_layer_id
 from rollbox.snapshots.manifest import Manifest, check_name, check_snapshot_id
 from rollbox.snapshots.store import ByteCallback
@@ -52,6 +64,69 @@ _UNREACHABLE = (
 )
 _NOT_FOUND = ("NoSuchKey", "404", "NotFound")
 _DENIED = ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden")
+
+
+# Retention tiers (see the module docstring). A sandbox lives at most Limits.lifetime_s, so its state
+# must outlive that; a blob can be first uploaded by one sandbox and named by another created up to
+# a lifetime later, so blobs live one lifetime longer than step records.
+DAY_S = 24 * 3600
+MAX_LIFETIME_DAYS = math.ceil(next(
+    float(m.le) for m in Limits.model_fields["lifetime_s"].metadata if hasattr(m, "le")) / DAY_S)
+STATE_DAYS = MAX_LIFETIME_DAYS + 1
+COLD_DAYS = 30
+COLD_CLASS = "GLACIER_IR"  # readable without a restore (GLACIER needs one before the Parquet can be read)
+COLD_CLASSES = ("GLACIER", "DEEP_ARCHIVE", "GLACIER_IR", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING")
+_MIN_DAYS = {"STANDARD_IA": 30, "ONEZONE_IA": 30}  # S3 refuses earlier transitions to these
+RULE_ID_PREFIX = "rollbox-"
+_RULE_ID_MAX = 255
+LifecycleRule = dict[str, Any]
+
+
+def lifecycle_rules(prefix: str, *, state_days: int = STATE_DAYS, cold_days: int = COLD_DAYS,
+                    cold_class: str | None = COLD_CLASS) -> list[LifecycleRule]:
+    """The lifecycle rules of a store at ``prefix`` (as in ``S3Store.prefix``), in the shape of boto3's
+    ``put_bucket_lifecycle_configuration``. ``cold_class`` None leaves trajectories where they are
+    (for servers without storage classes). Raises ``InvalidRequest`` naming the bad value."""
+    if state_days <= MAX_LIFETIME_DAYS:
+        raise InvalidRequest(
+            f"state_days {state_days} is too short: a sandbox lives up to {MAX_LIFETIME_DAYS} days and its "
+            f"durable state must outlive it; use at least {MAX_LIFETIME_DAYS + 1}")
+    if cold_days < 1:
+        raise InvalidRequest(f"cold_days {cold_days}: must be at least 1")
+    if cold_class is not None:
+        if cold_class not in COLD_CLASSES:
+            raise InvalidRequest(f"cold_class {cold_class!r} is not an S3 transition storage class; use one "
+                                 f"of {', '.join(COLD_CLASSES)}")
+        if cold_days < _MIN_DAYS.get(cold_class, 1):
+            raise InvalidRequest(f"cold_days {cold_days}: S3 moves objects to {cold_class} after "
+                                 f"{_MIN_DAYS[cold_class]} days at the earliest")
+    prefix = prefix.strip("/")
+    base, suffix = (f"{prefix}/", f":{prefix}") if prefix else ("", "")
+    if len(RULE_ID_PREFIX + "trajectories" + suffix) > _RULE_ID_MAX:
+        raise InvalidRequest(f"store prefix {prefix!r} is too long for S3 lifecycle rule ids "
+                             f"({_RULE_ID_MAX} characters at most, with {RULE_ID_PREFIX}<tier>:)")
+
+    def rule(tier: str, sub: str, action: LifecycleRule) -> LifecycleRule:
+        return {"ID": f"{RULE_ID_PREFIX}{tier}{suffix}", "Filter": {"Prefix": base + sub}, "Status": "Enabled",
+                **action}
+
+    rules = [
+        rule("sandboxes", "sandboxes/", {"Expiration": {"Days": state_days}}),
+        rule("blobs", "blobs/", {"Expiration": {"Days": state_days + MAX_LIFETIME_DAYS}}),
+    ]
+    if cold_class is not None:
+        rules.append(rule("trajectories", "trajectories/",
+                          {"Transitions": [{"Days": cold_days, "StorageClass": cold_class}]}))
+    rules.append(rule("multipart", "", {"AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1}}))
+    return rules
+
+
+def is_own_rule(rule: LifecycleRule, prefix: str) -> bool:
+    """Is ``rule`` one ``lifecycle_rules`` makes for a store at ``prefix``? Rule ids are
+    ``rollbox-<tier>:<prefix>`` (``rollbox-<tier>`` at the bucket's root), so stores at other prefixes
+    of the same bucket, and rules that are not rollbox's, are told apart."""
+    rule_id = str(rule.get("ID", ""))
+    return rule_id.startswith(RULE_ID_PREFIX) and rule_id.partition(":")[2] == prefix.strip("/")
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -207,6 +282,53 @@ class S3Store:
                     raise StoreError(f"S3 {self.endpoint} bucket {self.bucket!r} does not exist; create the "
                                      "bucket first") from exc
                 raise
+
+    # ----------------------------------------------------------------------- lifecycle rules
+    def lifecycle(self) -> list[LifecycleRule]:
+        """Every lifecycle rule on the bucket (this store's, other stores', not rollbox's); [] if none."""
+        with self._errors("reading the bucket's lifecycle rules"):
+            try:
+                resp = self._client.get_bucket_lifecycle_configuration(Bucket=self.bucket)
+            except botocore.exceptions.ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code")) == "NoSuchLifecycleConfiguration":
+                    return []
+                raise
+        return list(resp.get("Rules") or [])
+
+    def set_lifecycle(self, *, state_days: int = STATE_DAYS, cold_days: int = COLD_DAYS,
+                      cold_class: str | None = COLD_CLASS) -> list[LifecycleRule]:
+        """Replace this store's lifecycle rules with ``lifecycle_rules(...)``, keeping every other rule
+        on the bucket (read, merge, write: the same arguments twice give the same configuration; S3 has
+        no conditional write for it, so two concurrent writers can lose each other's change). Returns the
+        bucket's rules as read back afterwards."""
+        ours = lifecycle_rules(self.prefix, state_days=state_days, cold_days=cold_days, cold_class=cold_class)
+        merged = [r for r in self.lifecycle() if not is_own_rule(r, self.prefix)] + ours
+        where = f"S3 {self.endpoint} bucket {self.bucket!r}"
+        with self._errors("setting the bucket's lifecycle rules"):
+            try:
+                self._client.put_bucket_lifecycle_configuration(
+                    Bucket=self.bucket, LifecycleConfiguration={"Rules": merged})
+            except botocore.exceptions.ClientError as exc:
+                err = exc.response.get("Error", {})
+                if str(err.get("Code")) != "NotImplemented":
+                    raise  # 501 is not an outage: _convert would call it StoreUnavailable
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                said = f"NotImplemented, HTTP {status}: {err.get('Message', '')!r}"
+                moves = [r for r in ours if "Transitions" in r]
+                if moves:
+                    raise StoreError(
+                        f"{where} does not implement storage-class transitions ({said}), which rule "
+                        f"{moves[0]['ID']} needs to move trajectories/ to {cold_class}; nothing was changed. Set "
+                        "the other rules without it (rollbox store init --no-transition) or use a server "
+                        "with storage classes") from exc
+                raise StoreError(f"{where} does not implement lifecycle rules ({said}); nothing was "
+                                 "changed") from exc
+        back = self.lifecycle()
+        lost = sorted({r["ID"] for r in ours} - {r.get("ID") for r in back})
+        if lost:
+            raise StoreError(f"{where} accepted the lifecycle rules but did not keep {', '.join(lost)}; "
+                             "it may not support them")
+        return back
 
     # -------------------------------------------------------------------------------- layers
     def has_layer(self, layer_id: str) -> bool:
