@@ -1,4 +1,4 @@
-"""The ``rollbox`` command: run, doctor, serve, snapshot.
+"""The ``rollbox`` command: run, doctor, serve, snapshot, store, trajectories.
 
 Every flag is mirrored by an environment variable (``--port`` / ``PORT``), cast strictly.
 Subcommands live with the code they drive; this module only wires them up.
@@ -30,6 +30,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         snapshot_cli = None  # type: ignore[assignment]
     if snapshot_cli is not None and hasattr(snapshot_cli, "add_parser"):
         snapshot_cli.add_parser(sub)
+
+    from rollbox.functions import replay, trajectories
+
+    trajectories.add_parser(sub)
+    replay.add_parser(sub)
+
+    from rollbox.functions import report
+
+    report.add_parser(sub)
 
     args = parser.parse_args(argv)
     rc: int = args.func(args)

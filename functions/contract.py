@@ -12,6 +12,7 @@ runtime cannot drift apart.
     dev.rollbox.sandbox.destroy     DestroyData      dev.rollbox.sandbox.destroyed  Usage
     dev.rollbox.sandbox.snapshot    SnapshotData     dev.rollbox.sandbox.snapshotted SnapshotRecord
     dev.rollbox.sandbox.fork        ForkData         dev.rollbox.sandbox.forked     ForkRecord
+    dev.rollbox.episode.annotate    AnnotateData     dev.rollbox.episode.annotated  AnnotateData
     (any, on failure)                                dev.rollbox.error              ErrorData
 """
 
@@ -24,6 +25,8 @@ from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, U
 
 __all__ = [
     "CONTRACT",
+    "EPISODE_ANNOTATE",
+    "EPISODE_ANNOTATED",
     "ERROR",
     "EVENT_SOURCE",
     "MAX_FORK",
@@ -38,6 +41,7 @@ __all__ = [
     "SANDBOX_RUN",
     "SANDBOX_SNAPSHOT",
     "SANDBOX_SNAPSHOTTED",
+    "AnnotateData",
     "CreateData",
     "DestroyData",
     "ErrorCode",
@@ -49,6 +53,7 @@ __all__ = [
     "ForkData",
     "ForkRecord",
     "Limits",
+    "Outcome",
     "RunData",
     "SandboxInfo",
     "SnapshotData",
@@ -68,6 +73,8 @@ SANDBOX_SNAPSHOT: Final = "dev.rollbox.sandbox.snapshot"
 SANDBOX_SNAPSHOTTED: Final = "dev.rollbox.sandbox.snapshotted"
 SANDBOX_FORK: Final = "dev.rollbox.sandbox.fork"
 SANDBOX_FORKED: Final = "dev.rollbox.sandbox.forked"
+EPISODE_ANNOTATE: Final = "dev.rollbox.episode.annotate"
+EPISODE_ANNOTATED: Final = "dev.rollbox.episode.annotated"
 ERROR: Final = "dev.rollbox.error"
 
 # The `source` attribute of every reply this service sends (a URI-reference, as CloudEvents asks).
@@ -152,10 +159,48 @@ class RunData(ExecRequest):
         return ExecRequest.model_validate(self.model_dump(exclude={"snapshot", "limits", "metadata"}))
 
 
+def _check_labels(v: dict[str, str]) -> dict[str, str]:
+    if len(v) > MAX_METADATA_ITEMS:
+        raise ValueError(f"at most {MAX_METADATA_ITEMS} labels, got {len(v)}")
+    for k, val in v.items():
+        if not 0 < len(k) <= 64 or len(val) > 1024:
+            raise ValueError(f"label {k[:64]!r}: keys are 1-64 chars, values at most 1024 chars")
+    return v
+
+
+class Outcome(_Data):
+    """What a trainer scored: recorded with the episode's steps (trajectories), never used by rollbox."""
+
+    reward: float | None = Field(default=None, allow_inf_nan=False)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    _labels = field_validator("labels")(_check_labels)
+
+
 class DestroyData(_Data):
-    """``dev.rollbox.sandbox.destroy``: end the sandbox and bill it. Repeating it returns the same usage."""
+    """``dev.rollbox.sandbox.destroy``: end the sandbox and bill it. Repeating it returns the same usage.
+    ``outcome``: the episode's reward and labels, recorded with its steps."""
 
     sandbox_id: SandboxId
+    outcome: Outcome | None = None
+
+
+class AnnotateData(_Data):
+    """``dev.rollbox.episode.annotate``: attach an outcome to an episode at any time (recorded as a row
+    of its trajectory; the reply echoes it)."""
+
+    experiment: Annotated[str, StringConstraints(min_length=1, max_length=1024)] | None = None
+    episode: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+    reward: float | None = Field(default=None, allow_inf_nan=False)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    _labels = field_validator("labels")(_check_labels)
+
+    @model_validator(mode="after")
+    def _something(self) -> AnnotateData:
+        if self.reward is None and not self.labels:
+            raise ValueError("give a 'reward', 'labels', or both")
+        return self
 
 
 class SnapshotData(_Data):
@@ -274,4 +319,5 @@ CONTRACT: Final[tuple[EventSpec, ...]] = (
         request_type=SANDBOX_SNAPSHOT, data=SnapshotData, reply_type=SANDBOX_SNAPSHOTTED, reply=SnapshotRecord
     ),
     EventSpec(request_type=SANDBOX_FORK, data=ForkData, reply_type=SANDBOX_FORKED, reply=ForkRecord),
+    EventSpec(request_type=EPISODE_ANNOTATE, data=AnnotateData, reply_type=EPISODE_ANNOTATED, reply=AnnotateData),
 )

@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel
@@ -74,6 +74,9 @@ from rollbox.snapshots.state import (
     record_key,
     scan_upper,
 )
+
+if TYPE_CHECKING:
+    from rollbox.functions.steps import StepLog
 
 __all__ = ["DurableRuntime"]
 
@@ -137,6 +140,7 @@ class DurableRuntime:
         self._blob_lock = threading.Lock()
         self.blob_cache_max_bytes = 64 * 1024 * 1024
         self.metrics = _Metrics(registry)
+        self.journal: StepLog | None = None  # trajectories and the usage ledger, when recording is on
         rt.on_reaped = self._reaped
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -188,6 +192,7 @@ class DurableRuntime:
             if ev is not None:
                 first = await self._io(self._get, sid, 0)
                 if first is not None:  # a redelivered create: the sandbox it made, as it replied then
+                    self._note_replay()
                     return await self._replayed(first, ev, SandboxInfo) or SandboxInfo.model_validate(first.reply)
             await self._make_room()
             info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
@@ -198,6 +203,7 @@ class DurableRuntime:
                 first = await self._io(self._get, sid, 0)
                 if first is None or first.reply is None:
                     raise
+                self._note_replay()
                 return SandboxInfo.model_validate(first.reply)
             return info
 
@@ -218,6 +224,7 @@ class DurableRuntime:
             if ev is not None and (replay := await self._replayed(head, ev, Usage)) is not None:
                 return replay
             if head.state == "destroyed":  # repeating a destroy returns the same record
+                self._note_replay()
                 return Usage.model_validate(head.reply)
             if live is not None:
                 local = await self.rt.destroy(sandbox_id, reason="destroyed")
@@ -244,6 +251,7 @@ class DurableRuntime:
     def _new_live(self, info: SandboxInfo, forked_from: str | None) -> _Live:
         """The live copy of a sandbox just made here, before its first generation is committed."""
         now = time.time()
+        self._not_metered(info.sandbox_id)
         live = _Live(record=SandboxRecord(sandbox_id=info.sandbox_id, generation=-1, snapshot=info.snapshot_id,
                                           limits=info.limits, metadata=info.metadata, forked_from=forked_from,
                                           created_at=now, last_used=now))
@@ -298,7 +306,10 @@ class DurableRuntime:
     @contextlib.asynccontextmanager
     async def _holding(self, sandbox_id: str) -> Any:
         lock = self._locks.setdefault(sandbox_id, asyncio.Lock())
+        t0 = time.perf_counter()
         async with lock:
+            if self.journal is not None:
+                self.journal.queued(time.perf_counter() - t0)
             self._busy.add(sandbox_id)
             try:
                 yield
@@ -367,7 +378,19 @@ class DurableRuntime:
         if rec is None or rec.reply is None:
             raise IntegrityError(f"sandbox {head.sandbox_id}: the record holding the reply of event "
                                  f"{ev.id!r} (generation {gen}) is missing", sandbox_id=head.sandbox_id)
+        self._note_replay()
         return model.model_validate(rec.reply)
+
+    def _note_replay(self) -> None:
+        if self.journal is not None:  # answered from the store: the step was recorded when it ran
+            self.journal.replayed()
+
+    def _not_metered(self, sandbox_id: str) -> None:
+        """A durable sandbox's lives on replicas are one life, billed once when it ends (``_commit`` of
+        its tombstone), not by the runtime at each hibernation."""
+        sb = self.rt.sandboxes.get(sandbox_id)
+        if sb is not None:
+            sb.metered = None
 
     def _drop(self, sandbox_id: str, reason: str) -> None:
         """Forget the live copy here without committing (stale, conflicted, died, hibernated): its id
@@ -401,6 +424,7 @@ class DurableRuntime:
         sid = prev.sandbox_id
         gen = prev.generation + 1
         t0 = time.perf_counter()
+        token = None
         try:
             sb = self.rt.sandboxes.get(sid)
             if sb is not None and state == "live":
@@ -423,13 +447,19 @@ class DurableRuntime:
                 "generation": gen, "state": state, "reason": reason, "files": files if state == "live" else Files(),
                 "inline": inline, "events": events, "last_used": time.time(), "usage": usage_now,
                 "reply": None if reply is None else reply.model_dump(mode="json"), "writer": self.replica})
+            if self.journal is not None:  # spooled beside the write; the reply waits for both
+                token = await self.journal.before_commit(record, reply, ev is not None)
             ok = await self._io(self.objects.put_new, record_key(sid, gen), record.to_bytes())
         except BaseException:
+            if self.journal is not None:
+                self.journal.settle(token, False)
             if state == "live":
                 self._drop(sid, "commit failed")
             raise
         finally:
             self.metrics.store_write_seconds.observe(time.perf_counter() - t0)
+        if self.journal is not None:
+            self.journal.settle(token, ok)
         if not ok:
             self.metrics.conflicts.inc()
             self._drop(sid, "conflict")
@@ -495,6 +525,7 @@ class DurableRuntime:
         contents = await self._contents(head)
         await self._make_room()
         await self.rt.create(head.snapshot, head.limits, head.metadata, sandbox_id=sid, forked_from=head.forked_from)
+        self._not_metered(sid)
         try:
             if head.files.entries or head.files.whiteouts or head.files.opaque:
                 diff = diff_of(head.files, contents)

@@ -57,6 +57,8 @@ class Metrics:
             registry=r,
         )
         self.execs = Counter("rollbox_execs", "Execs run (exec and run events)", ["type"], registry=r)
+        self.record_failures = Counter("rollbox_record_failures",
+                                       "Answered steps whose trajectory row could not be spooled", registry=r)
         self.exit_codes = Counter("rollbox_exec_exit_codes", "Exit codes of execs", ["code"], registry=r)
         self.timeouts = Counter("rollbox_exec_timeouts", "Execs killed at their timeout", registry=r)
         self.oom_kills = Counter("rollbox_exec_oom_kills", "Execs killed for memory", registry=r)

@@ -54,6 +54,17 @@ def seconds_or_never(raw: str) -> float:
     return _seconds(raw, zero_ok=True)
 
 
+def amount(raw: str) -> float:
+    """A finite number >= 0 (a price)."""
+    try:
+        v = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"not a valid number: {raw!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"must be a finite number >= 0, got {raw!r}")
+    return v
+
+
 def choice(*allowed: str) -> Callable[[str], str]:
     def cast(raw: str) -> str:
         v = raw.strip().lower()

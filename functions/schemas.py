@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 from rollbox.functions.contract import CONTRACT, ERROR, ErrorData
+from rollbox.functions.records import USAGE_TYPE, StepRecord, UsageRecord
 
 __all__ = ["SCHEMA_DIR", "render", "stale"]
 
@@ -39,6 +40,10 @@ def render() -> dict[str, str]:
         out[f"{spec.request_type}.json"] = _document(spec.request_type, spec.data, "request")
         out.setdefault(f"{spec.reply_type}.json", _document(spec.reply_type, spec.reply, "reply"))
     out[f"{ERROR}.json"] = _document(ERROR, ErrorData, "reply")
+    # what is recorded (functions/records.py): a usage record is the data of a dev.rollbox.usage event;
+    # a trajectory step is a row of trajectories/*.parquet
+    out[f"{USAGE_TYPE}.json"] = _document(USAGE_TYPE, UsageRecord, "record")
+    out["trajectory-step.json"] = _document("trajectory-step", StepRecord, "record")
     return out
 
 

@@ -22,13 +22,14 @@ from typing import Any
 
 import uvicorn
 import uvloop
-from rollbox.functions import logs, sandbox, snapshot
+from rollbox.functions import episodes, logs, sandbox, snapshot
 from rollbox.functions.durable import DurableRuntime
 from rollbox.functions.logs import lifecycle, logger
 from rollbox.functions.options import (
     ConfigError,
     Option,
     add_options,
+    amount,
     choice,
     integer,
     level,
@@ -38,7 +39,9 @@ from rollbox.functions.options import (
     seconds_or_never,
     text,
 )
+from rollbox.functions.recorder import Prices, Recorder
 from rollbox.functions.service import Service, ServiceConfig
+from rollbox.functions.steps import StepLog
 from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_store, state_objects
 from rollbox.runtime.errors import RollboxError, StoreUnavailable
 from rollbox.snapshots.store_s3 import S3Store
@@ -148,6 +151,35 @@ OPTIONS: tuple[Option, ...] = (
         60.0,
         "with durability: how often expired and destroyed sandboxes' state is cleaned from the store",
     ),
+    Option(
+        "record",
+        "--record",
+        "ROLLBOX_RECORD",
+        choice("on", "off"),
+        "on",
+        "on: every step is a trajectory row and every sandbox life a usage record, spooled before the "
+        "reply and flushed to the store as Parquet (trajectories/, usage/)",
+    ),
+    Option(
+        "flush_records",
+        "--flush-records",
+        "ROLLBOX_FLUSH_RECORDS",
+        integer(1),
+        1000,
+        "with recording: write the spool to the store every this many rows",
+    ),
+    Option(
+        "flush_interval_s",
+        "--flush-interval-s",
+        "ROLLBOX_FLUSH_INTERVAL_S",
+        seconds,
+        10.0,
+        "with recording: ... and at least this often (and on drain)",
+    ),
+    Option("price_vcpu_s", "--price-vcpu-s", "ROLLBOX_PRICE_VCPU_S", amount, Prices.vcpu_s,
+           "dollars per vCPU-second of a sandbox's cpu limit (usage records, metrics, rollbox report)"),
+    Option("price_gib_s", "--price-gib-s", "ROLLBOX_PRICE_GIB_S", amount, Prices.gib_s,
+           "dollars per GiB-second of a sandbox's memory limit"),
     Option("log_level", "--log-level", "ROLLBOX_LOG_LEVEL", level, "info", "debug, info, warning or error"),
     Option(
         "home",
@@ -205,6 +237,11 @@ class ServeConfig:
     durability: str = "step"
     hibernate_after_s: float = 30.0
     sweep_interval_s: float = 60.0
+    record: str = "on"
+    flush_records: int = 1000
+    flush_interval_s: float = 10.0
+    price_vcpu_s: float = Prices.vcpu_s
+    price_gib_s: float = Prices.gib_s
     store: StoreConfig = field(default_factory=StoreConfig)
 
 
@@ -294,16 +331,32 @@ async def serve(cfg: ServeConfig) -> int:
     resolver.cache.in_use = in_use_of(rt.layers_in_use)
     await rt.start()
     durable: DurableRuntime | None = None
+    recorder: Recorder | None = None
     watch: asyncio.Task[None] | None = None
     rc = 0
+    replica = f"{socket.gethostname()}-{os.getpid()}"
     try:
+        objects = state_objects(resolver.cache)
         if durable_on:
-            durable = DurableRuntime(rt, state_objects(resolver.cache), hibernate_after_s=cfg.hibernate_after_s,
+            durable = DurableRuntime(rt, objects, hibernate_after_s=cfg.hibernate_after_s,
                                      sweep_interval_s=cfg.sweep_interval_s,
-                                     tombstone_ttl_s=cfg.service.idempotency_ttl_s)
+                                     tombstone_ttl_s=cfg.service.idempotency_ttl_s, replica=replica)
             await durable.start()
-        snapshots = snapshot.Snapshots(rt, resolver.cache, durable)
-        service = Service(durable or rt, cfg.service, routes=(*sandbox.ROUTES, *snapshot.routes(snapshots)))
+        steps: StepLog | None = None
+        routes = (*sandbox.ROUTES, *snapshot.routes(snapshots := snapshot.Snapshots(rt, resolver.cache, durable)))
+        if cfg.record == "on":
+            recorder = Recorder(Path(home) / "spool", objects, replica, flush_records=cfg.flush_records,
+                                flush_interval_s=cfg.flush_interval_s,
+                                prices=Prices(vcpu_s=cfg.price_vcpu_s, gib_s=cfg.price_gib_s))
+            await recorder.start()
+            steps = StepLog(recorder, env_version=rt.env_version, labels=rt.labels)
+            rt.on_life_ended = steps.life_ended
+            if durable is not None:
+                durable.journal = steps
+            routes = (*routes, *episodes.ROUTES)
+        service = Service(durable or rt, cfg.service, routes=routes, steps=steps)
+        if recorder is not None:
+            recorder.bind_metrics(service.metrics.registry)
         if isinstance(remote, S3Store):
             service.store_ok = store_ok
             watch = asyncio.create_task(_watch_store(remote, service))
@@ -359,12 +412,19 @@ async def serve(cfg: ServeConfig) -> int:
         if durable is not None:  # every acknowledged step is in the store: ending live copies loses nothing
             n = await durable.hibernate_all("drain")
             lifecycle.info("hibernated", extra={"fields": {"sandboxes": n}})
+        if recorder is not None:  # every spooled row to the store before exit (kept in the spool if it fails)
+            rows = await recorder.close()
+            recorder = None
+            lifecycle.info("flushed", extra={"fields": {"rows": rows}})
         server.config.timeout_graceful_shutdown = max(1, math.ceil(cfg.grace_s - (loop.time() - t0)))
         server.should_exit = True
         await serving
         if watch is not None:
             watch.cancel()
     finally:
+        if recorder is not None:
+            with contextlib.suppress(Exception):
+                await recorder.close()
         if durable is not None:
             await durable.close()
         try:

@@ -29,12 +29,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from rollbox.functions import sandbox
 from rollbox.functions.admission import Admission, Rejected
-from rollbox.functions.contract import SANDBOX_CREATED, SANDBOX_DESTROY, SANDBOX_DESTROYED, ErrorCode
+from rollbox.functions.contract import SANDBOX_CREATED, SANDBOX_DESTROY, SANDBOX_DESTROYED, ErrorCode, ErrorData
 from rollbox.functions.events import ReplyError, content_mode, decode, encode, error_event, reply_event
 from rollbox.functions.idempotency import Conflict, IdempotencyCache
 from rollbox.functions.logs import logger
 from rollbox.functions.metrics import Metrics
 from rollbox.functions.routing import EventRef, Route, SandboxRuntime, current_event
+from rollbox.functions.steps import StepLog, current_step
 from rollbox.runtime import errors as rterr
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -153,8 +154,10 @@ class Service:
         runtime: SandboxRuntime,
         config: ServiceConfig | None = None,
         routes: Iterable[Route] = sandbox.ROUTES,
+        steps: StepLog | None = None,
     ):
         self.runtime = runtime
+        self.steps = steps  # trajectories and usage: every final reply is recorded before it is sent
         self.config = cfg = config or ServiceConfig()
         self.routes: dict[str, Route] = {}
         for r in routes:
@@ -250,7 +253,7 @@ class Service:
             ).hexdigest()
             reply, replayed = await self.cache.run(
                 (source, eid), fingerprint,
-                lambda: self._execute(route, data, fields, EventRef(source, eid, fingerprint))
+                lambda: self._execute(route, data, fields, EventRef(source, eid, fingerprint), event.get("time"))
             )
         except ReplyError as err:
             reply = _error(err)
@@ -328,7 +331,22 @@ class Service:
                 sandbox_id=sid if isinstance(sid, str) and len(sid) <= 128 else None,
             ) from None
 
-    async def _execute(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef) -> _Reply:
+    async def _execute(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef,
+                       time_attr: Any = None) -> _Reply:
+        if self.steps is None:
+            return await self._call(route, data, fields, event)
+        ctx = self.steps.begin(route.spec.request_type, event.source, event.id, time_attr, data)
+        reply = await self._call(route, data, fields, event)
+        if reply.status == 200 or reply.cacheable:  # a final answer: the step (retryable ones are not)
+            payload = ctx.result if reply.status == 200 else ErrorData.model_validate(reply.event.data)
+            try:
+                await self.steps.finish(ctx, reply.status, payload)
+            except Exception:  # the step happened and is answered; its row is what is lost
+                self.metrics.record_failures.inc()
+                logger.exception("recording the step failed", extra={"fields": fields})
+        return reply
+
+    async def _call(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef) -> _Reply:
         task = asyncio.current_task()
         current_event.set(event)  # this request's own task: seen by the handler and what it awaits
         try:
@@ -363,6 +381,8 @@ class Service:
             logger.exception("handler failed", extra={"fields": fields})
             return _error(ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details"))
         self.metrics.record_reply(route.spec.request_type, result)
+        if (ctx := current_step.get()) is not None:
+            ctx.result = result
         subject = getattr(result, "sandbox_id", None)
         return _Reply(200, reply_event(route.spec.reply_type, result, subject))
 

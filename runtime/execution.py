@@ -214,6 +214,7 @@ class Sandbox:
     execs: int = 0
     forked_from: str | None = None
     pooled: bool = False
+    metered: str | None = "sandbox"  # how its life is billed when it ends here: sandbox | run | None (elsewhere)
     create_ms: float = 0.0
     cpu_s: float = 0.0
     peak_memory_bytes: int = 0

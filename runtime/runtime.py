@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import resource
 import secrets
@@ -44,6 +45,7 @@ from rollbox.runtime.restore import WarmSource, Zygote
 from rollbox.runtime.snapshot import BuiltinResolver, SnapshotResolver, SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
 
+log = logging.getLogger("rollbox.runtime")
 MiB = 1024 * 1024
 
 
@@ -121,6 +123,9 @@ class Runtime:
         # Called after the reaper destroyed a sandbox for its lifetime or idle limit (the durable
         # layer records that the sandbox is gone): (sandbox id, reason, usage).
         self.on_reaped: Callable[[str, str, Usage], Awaitable[None]] | None = None
+        # Called when a sandbox life that is billed here ends (the usage ledger): (usage, its limits,
+        # "sandbox" | "run"). Durable sandboxes are billed by the durable layer, once, at their end.
+        self.on_life_ended: Callable[[Usage, Limits, str], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -211,6 +216,19 @@ class Runtime:
 
     def pool_sizes(self) -> dict[str, int]:
         return {str(k[0]): len(p.ready) for k, p in self.pools.items()}
+
+    def env_version(self, snapshot_id: str) -> dict[str, Any] | None:
+        """The VERSION block of a snapshot this runtime has resolved (None if it has not)."""
+        hit = self._views.get(snapshot_id)
+        return dict(hit[0].version) if hit is not None else None
+
+    def labels(self, sandbox_id: str) -> dict[str, str] | None:
+        """The metadata of a sandbox live here, or ended here recently."""
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is not None:
+            return dict(sb.metadata)
+        usage = self.usages.get(sandbox_id)
+        return dict(usage.metadata) if usage is not None else None
 
     async def resolve(self, snapshot: str) -> SnapshotView:
         """The snapshot's view; a resolver that may download (S3) is asked off the event loop.
@@ -641,6 +659,11 @@ class Runtime:
                     self._drop_scratch(scratch)
         if keep_usage:
             self.usages[sandbox_id] = usage
+            if self.on_life_ended is not None and sb.metered is not None:
+                try:
+                    self.on_life_ended(usage, sb.limits, sb.metered)
+                except Exception:
+                    log.exception("recording the usage of %s failed", sandbox_id)
         while len(self.usages) > 100_000:
             self.usages.pop(next(iter(self.usages)))
         return usage
@@ -649,6 +672,7 @@ class Runtime:
                   metadata: dict[str, str] | None = None) -> ExecResult:
         for attempt in range(3):
             sb = await self._acquire(snapshot, limits, metadata)
+            sb.metered = "run"
             try:
                 result = await self.exec(sb.id, request, last=True)
                 return result.model_copy(update={"pooled": sb.pooled, "create_ms": round(sb.create_ms, 3)})

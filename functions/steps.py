@@ -1,0 +1,234 @@
+"""The step log: turns each handled event into a ``StepRecord`` row and each ended sandbox life into a
+``UsageRecord`` row, and hands them to the ``Recorder``.
+
+The service opens a ``StepContext`` per event (a context variable, so the durable layer reached
+through the handler sees it). Which row is written when:
+
+    durable create/exec/destroy/snapshot   the row is spooled just before the step's state is committed
+                                           (``before_commit``), the commit settles it; spooling and the
+                                           store write run side by side, the reply waits for both
+    a reply the durable layer found in     no row: the step was recorded when it ran
+    the store (a redelivered event)
+    anything else answered (run, fork,     the row is spooled after the handler, before the reply
+    durability off, final errors)
+    retryable errors (409, 429, 503, ...)  no row: nothing happened, the retry is the step
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from rollbox.functions.contract import (
+    SANDBOX_CREATE,
+    SANDBOX_DESTROY,
+    SANDBOX_EXEC,
+    SANDBOX_SNAPSHOT,
+    AnnotateData,
+    ErrorData,
+    ForkRecord,
+    RunData,
+    SnapshotRecord,
+)
+from rollbox.functions.recorder import Recorder, Token, usage_row
+from rollbox.functions.records import DEFAULT_EXPERIMENT, FileRef, StepRecord, to_json
+from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
+from rollbox.snapshots.state import SandboxRecord
+
+__all__ = ["StepContext", "StepLog", "current_step"]
+
+# events whose one durable commit carries their row (fork commits once per child: recorded after)
+_COMMIT_ROWS = {SANDBOX_CREATE, SANDBOX_EXEC, SANDBOX_DESTROY, SANDBOX_SNAPSHOT}
+
+
+@dataclass
+class StepContext:
+    event_type: str
+    source: str
+    event_id: str
+    event_time: float
+    data: BaseModel
+    t0: float = field(default_factory=time.perf_counter)
+    queued_ms: float = 0.0
+    replayed: bool = False  # the durable layer answered with the recorded reply
+    token: Token | None = None  # the row spooled before a durable commit
+    result: BaseModel | None = None  # the handler's reply data
+    spooled: asyncio.Future[None] | None = None
+
+
+current_step: ContextVar[StepContext | None] = ContextVar("rollbox_current_step", default=None)
+
+
+def event_time(value: Any) -> float:
+    """A CloudEvent ``time`` (RFC 3339) as unix seconds; now if absent or unreadable."""
+    if isinstance(value, str) and value:
+        with contextlib.suppress(ValueError):
+            return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return time.time()
+
+
+class StepLog:
+    def __init__(self, recorder: Recorder, *, env_version: Callable[[str], dict[str, Any] | None] | None = None,
+                 labels: Callable[[str], dict[str, str] | None] | None = None):
+        self.recorder = recorder
+        self.replica = recorder.replica
+        self._env_version = env_version
+        self._labels_of = labels
+        self._meta: OrderedDict[str, tuple[dict[str, str], str | None, str | None]] = OrderedDict()
+
+    # --------------------------------------------------------------------------- the service
+    def begin(self, event_type: str, source: str, event_id: str, time_attr: Any, data: BaseModel) -> StepContext:
+        ctx = StepContext(event_type, source, event_id, event_time(time_attr), data)
+        current_step.set(ctx)
+        return ctx
+
+    async def finish(self, ctx: StepContext, status: int, reply: BaseModel | None) -> None:
+        """After the handler, before the reply: the event's row is on disk when this returns (or the
+        event needs none: a recorded reply from the store)."""
+        if ctx.replayed:
+            return
+        if ctx.token is not None and ctx.spooled is not None and status == 200:
+            await ctx.spooled  # spooled before its commit, which succeeded
+            return
+        # (a failed commit settled its row as dropped; the error, if final, is a row of its own)
+        _, fut = self.recorder.append([("step", self.row(ctx, status, reply, None))])
+        await fut
+
+    # ----------------------------------------------------------------------- the durable layer
+    async def before_commit(self, record: SandboxRecord, reply: BaseModel | None, mine: bool) -> Token | None:
+        """Spool what the commit of ``record`` acknowledges: the step's row (``mine``: the commit of the
+        current event), and the usage record of a sandbox that ends. Returns the token to settle."""
+        rows: list[tuple[str, dict[str, Any]]] = []
+        ctx = current_step.get()
+        if mine and ctx is not None and ctx.event_type in _COMMIT_ROWS and ctx.token is None:
+            rows.append(("step", self.row(ctx, 200, reply, record)))
+        if record.state == "destroyed" and isinstance(reply, Usage):
+            rows.append(("usage", self.usage_row(reply, record.limits, "sandbox", usage_id=record.sandbox_id)))
+        if not rows:
+            return None
+        token, fut = self.recorder.append(rows, pending=(record.sandbox_id, record.generation))
+        if mine and ctx is not None and rows[0][0] == "step":
+            ctx.token, ctx.spooled = token, fut
+        return token
+
+    def settle(self, token: Token | None, committed: bool) -> None:
+        self.recorder.settle(token, committed)
+
+    def replayed(self) -> None:
+        ctx = current_step.get()
+        if ctx is not None:
+            ctx.replayed = True
+
+    def queued(self, seconds: float) -> None:
+        ctx = current_step.get()
+        if ctx is not None:
+            ctx.queued_ms += seconds * 1000
+
+    # ------------------------------------------------------------------------------ the runtime
+    def life_ended(self, usage: Usage, limits: Limits, kind: str) -> None:
+        """A sandbox life that no durable state outlives (a one-shot run; any with durability off)."""
+        row = self.usage_row(usage, limits, kind, usage_id=f"{usage.sandbox_id}/{time.time_ns()}")
+        self.recorder.append([("usage", row)])  # before the run's own row, which is waited for
+
+    def usage_row(self, usage: Usage, limits: Limits, kind: str, *, usage_id: str) -> dict[str, Any]:
+        return usage_row(usage, limits, kind=kind, replica=self.replica, prices=self.recorder.prices,
+                         usage_id=usage_id)
+
+    # ----------------------------------------------------------------------------------- rows
+    def _sandbox_meta(self, sid: str | None) -> tuple[dict[str, str], str | None, str | None]:
+        if sid is None:
+            return {}, None, None
+        hit = self._meta.get(sid)
+        if hit is not None:
+            self._meta.move_to_end(sid)
+            return hit
+        meta = self._labels_of(sid) if self._labels_of is not None else None
+        return (meta or {}), None, None
+
+    def _keep_meta(self, sid: str, meta: dict[str, str], snapshot: str | None, forked_from: str | None) -> None:
+        self._meta[sid] = (meta, snapshot, forked_from)
+        self._meta.move_to_end(sid)
+        while len(self._meta) > 65536:
+            self._meta.popitem(last=False)
+
+    def row(self, ctx: StepContext, status: int, reply: BaseModel | None,
+            record: SandboxRecord | None) -> dict[str, Any]:
+        data = ctx.data
+        sid: str | None = getattr(data, "sandbox_id", None) or getattr(reply, "sandbox_id", None)
+        meta: dict[str, str]
+        snapshot: str | None
+        forked_from: str | None
+        if record is not None:
+            meta, snapshot, forked_from = dict(record.metadata), record.snapshot, record.forked_from
+        else:
+            meta, snapshot, forked_from = self._sandbox_meta(sid)
+        given = getattr(data, "metadata", None)
+        if isinstance(given, dict) and given:
+            meta = dict(given)
+        if isinstance(reply, SandboxInfo):
+            meta, snapshot, forked_from = dict(reply.metadata), reply.snapshot_id, reply.forked_from
+        now = time.time()
+        row: dict[str, Any] = {
+            "experiment": meta.get("experiment") or DEFAULT_EXPERIMENT, "episode": meta.get("episode"),
+            "task": meta.get("task"), "sandbox_id": sid,
+            "step": record.generation if record is not None else None,
+            "event_source": ctx.source, "event_id": ctx.event_id, "event_type": ctx.event_type,
+            "event_time": ctx.event_time, "recorded_at": now, "status": status, "replica": self.replica,
+            "snapshot_id": snapshot, "forked_from": forked_from,
+            "queued_ms": round(ctx.queued_ms, 3),
+            "total_ms": round((time.perf_counter() - ctx.t0) * 1000, 3),
+        }
+        if isinstance(data, ExecRequest):
+            row.update(code=data.code, command=data.command, stdin=data.stdin, timeout_s=data.timeout_s,
+                       files_in=[FileRef(path=p, bytes=len(c.encode())).model_dump() for p, c in data.files.items()],
+                       files_in_text=to_json(data.files) if data.files else None,
+                       env=to_json(data.env) if data.env else None, read_files=list(data.read_files))
+        if isinstance(data, RunData) and data.limits is not None:
+            row["limits"] = to_json(data.limits.model_dump(exclude_unset=True))
+        outcome = getattr(data, "outcome", None)
+        if outcome is not None:
+            row.update(reward=outcome.reward, labels=to_json(outcome.labels) if outcome.labels else None)
+        if isinstance(data, AnnotateData):
+            row.update(experiment=data.experiment or DEFAULT_EXPERIMENT, episode=data.episode, reward=data.reward,
+                       labels=to_json(data.labels) if data.labels else None)
+        if isinstance(reply, ErrorData):
+            row.update(error_code=reply.code, error=reply.message[:2000])
+        elif isinstance(reply, ExecResult):
+            row.update(
+                exit_code=reply.exit_code, stdout=reply.stdout, stderr=reply.stderr,
+                stdout_truncated=reply.stdout_truncated, stderr_truncated=reply.stderr_truncated,
+                timed_out=reply.timed_out, oom_killed=reply.oom_killed,
+                files_out=[FileRef(path=p, bytes=None if t is None else len(t.encode())).model_dump()
+                           for p, t in reply.files.items()],
+                files_out_text=to_json(reply.files) if reply.files else None,
+                snapshot_id=reply.snapshot_id or snapshot, forked_from=reply.forked_from or forked_from,
+                create_ms=reply.create_ms, resume_ms=reply.resume_ms, resumed=reply.resumed,
+                exec_ms=round(reply.wall_s * 1000, 3), wall_s=reply.wall_s, cpu_s=reply.cpu_s,
+                peak_memory_bytes=reply.peak_memory_bytes)
+        elif isinstance(reply, SandboxInfo):
+            row.update(create_ms=reply.create_ms, env_version=to_json(reply.env_version),
+                       limits=to_json(reply.limits.model_dump()))
+        elif isinstance(reply, Usage):
+            row.update(wall_s=reply.wall_s, cpu_s=reply.cpu_s, peak_memory_bytes=reply.peak_memory_bytes)
+        elif isinstance(reply, SnapshotRecord):
+            row.update(labels=row.get("labels") or to_json({"new_snapshot_id": reply.snapshot_id}))
+        elif isinstance(reply, ForkRecord):
+            row.update(labels=to_json({"children": [i.sandbox_id for i in reply.sandboxes]}),
+                       snapshot_id=reply.snapshot_id)
+            for info in reply.sandboxes:
+                self._keep_meta(info.sandbox_id, dict(info.metadata), info.snapshot_id, info.forked_from)
+        if row.get("env_version") is None and row.get("snapshot_id") and self._env_version is not None:
+            version = self._env_version(row["snapshot_id"])
+            row["env_version"] = to_json(version) if version else None
+        if sid is not None and status == 200 and (meta or snapshot):
+            self._keep_meta(sid, meta, row.get("snapshot_id"), row.get("forked_from"))
+        return StepRecord.model_validate(row).model_dump()
+
