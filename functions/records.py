@@ -18,6 +18,7 @@ import json
 from typing import Any, Final
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
@@ -168,15 +169,13 @@ USAGE_SCHEMA: Final = _schema(UsageRecord)
 
 def arrow_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     """Rows (model dumps) as a table of ``schema``; partition keys and unknown keys are left out."""
-    cols = {}
-    for f in schema:
-        values = [r.get(f.name) for r in rows]
-        if f.name in TIMESTAMPS:
-            values = [None if v is None else round(v * 1e6) for v in values]
-            cols[f.name] = pa.array(values, pa.int64()).cast(f.type)
-        else:
-            cols[f.name] = pa.array(values, f.type)
-    return pa.Table.from_pydict(cols, schema=schema)
+    floats = pa.schema([pa.field(f.name, pa.float64()) if f.name in TIMESTAMPS else f for f in schema])
+    table = pa.Table.from_pylist(rows, schema=floats)
+    for name in TIMESTAMPS & set(schema.names):
+        i = schema.get_field_index(name)
+        micros = pc.cast(pc.round(pc.multiply(table[name], 1e6)), pa.int64())
+        table = table.set_column(i, schema.field(i), micros.cast(schema.field(i).type))
+    return table.replace_schema_metadata(schema.metadata)
 
 
 def to_json(value: Any) -> str | None:

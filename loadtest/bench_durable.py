@@ -87,21 +87,24 @@ async def main() -> None:
             servers.append(srv)
             return srv
 
-        off = start("off", "--durability", "off")
-        local = start("local", "--hibernate-after-s", "0", store=False)  # the embedded default: local store
-        a = start("a", "--hibernate-after-s", "0")
-        b = start("b", "--hibernate-after-s", "0")
+        # durability measured without trajectory recording; recording's own cost is the last pair
+        off = start("off", "--durability", "off", "--record", "off")
+        local = start("local", "--hibernate-after-s", "0", "--record", "off", store=False)  # local store
+        rec = start("rec", "--hibernate-after-s", "0", store=False)  # the embedded default: recording on
+        a = start("a", "--hibernate-after-s", "0", "--record", "off")
+        b = start("b", "--hibernate-after-s", "0", "--record", "off")
         hib = start("hib", "--hibernate-after-s", "1")
         rows: list[tuple[str, int, float, float, float]] = []
         async with httpx.AsyncClient(timeout=120) as http:
             for size in (1 * KiB, 64 * KiB, 1024 * KiB, 10 * 1024 * KiB):
-                for name, srv in (("off", off), ("step", a), ("local", local)):
+                for name, srv in (("off", off), ("step", a), ("local", local), ("rec", rec)):
                     sid = await create(http, srv)
                     await step(http, srv, sid, code=write_code(size))  # warm: the first step pays the zygote
                     c0 = busy_s()
                     lat = [(await step(http, srv, sid, code=write_code(size)))[0] for _ in range(args.n)]
                     cpu = (busy_s() - c0) * 1000 / args.n
-                    label = {"off": "off       ", "step": "step (S3) ", "local": "step local"}[name]
+                    label = {"off": "off       ", "step": "step (S3) ", "local": "step local",
+                             "rec": "step local"}[name] + (" + recording" if name == "rec" else "")
                     rows.append((f"durability {label} write {size // KiB:>5} KiB/step", len(lat),
                                  statistics.median(lat), pct(lat, 0.99), cpu))
             # cross-replica: each step on the replica that did not run the previous one
@@ -139,6 +142,10 @@ async def main() -> None:
             d3 = by[f"durability step (S3)  write {size:>5} KiB/step"] - off_ms
             dl = by[f"durability step local write {size:>5} KiB/step"] - off_ms
             print(f"durability adds {d3:6.2f} ms p50 (S3), {dl:6.2f} ms p50 (local store) to a step writing {size} KiB")
+        for size in (1, 64, 1024, 10240):
+            plain = by[f"durability step local write {size:>5} KiB/step"]
+            recorded = by[f"durability step local + recording write {size:>5} KiB/step"]
+            print(f"recording adds {recorded - plain:6.2f} ms p50 to a durable step (local store) writing {size} KiB")
         print("(SeaweedFS `weed mini` on 127.0.0.1; every server a real `rollbox serve`; one client, sequential steps;"
               " CPU ms/step: busy CPU of the whole machine per step, SeaweedFS and this client included)")
     finally:

@@ -2,6 +2,9 @@
 
     .venv/bin/python loadtest/bench_service.py                  # concurrency 1, 16, 64
     .venv/bin/python loadtest/bench_service.py -c 16 -n 2000
+    .venv/bin/python loadtest/bench_service.py --record off   # one server, recording off
+
+Recording (trajectories and usage) on and off are two servers, measured side by side at each level.
 
 Starts its own `rollbox serve` on 127.0.0.1 (a free port), sends binary-mode CloudEvents with httpx
 from this process, checks every reply (200, exit code 0, stdout "1\\n"), stops the server by pid.
@@ -197,6 +200,9 @@ def main() -> int:
         action="store_true",
         help="also run the same work on an embedded Runtime without HTTP, for comparison",
     )
+    p.add_argument("--record", choices=("both", "on", "off"), default="both",
+                   help="trajectory recording of the server(s): both (side by side, default), on or off")
+    p.add_argument("--repeat", type=int, default=1, help="measure every level this many times (medians compared)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines too")
     args = p.parse_args()
     levels = args.concurrency or [1, 16, 64]
@@ -205,17 +211,31 @@ def main() -> int:
         return int(args.requests or min(2000, max(200, 50 * c)))
 
     rows: list[dict[str, Any]] = []
+    modes = ["on", "off"] if args.record == "both" else [args.record]
+    rc = 0
     with tempfile.TemporaryDirectory(prefix="rollbox-bench-") as tmp:
-        proc, url = start(Path(tmp) / "serve.log", ["--log-level", args.log_level, "--max-queued", "4096"])
+        servers = {}
         try:
-            for c in levels:
-                rows.append({"path": "http", **uvloop.run(level(url, proc.pid, c, count(c)))})
+            for mode in modes:  # each its own home: recording writes its spool and Parquet there
+                servers[mode] = start(Path(tmp) / f"serve-{mode}.log",
+                                      ["--log-level", args.log_level, "--max-queued", "4096", "--record", mode,
+                                       "--home", str(Path(tmp) / f"home-{mode}")])
+            for rep in range(args.repeat):
+                for c in levels:  # the modes side by side at each level (alternating which goes first),
+                    for mode in modes if rep % 2 == 0 else modes[::-1]:  # so drift hits both alike
+                        proc, url = servers[mode]
+                        rows.append({"path": f"rec {mode}", **uvloop.run(level(url, proc.pid, c, count(c)))})
         except Exception:
-            tail = (Path(tmp) / "serve.log").read_text(errors="replace").splitlines()[-20:]
-            print("server log (last lines):", *tail, sep="\n", file=sys.stderr)
+            for mode in servers:
+                tail = (Path(tmp) / f"serve-{mode}.log").read_text(errors="replace").splitlines()[-20:]
+                print("server log (last lines):", *tail, sep="\n", file=sys.stderr)
             raise
         finally:
-            rc = stop(proc)
+            for proc, _ in servers.values():
+                rc = stop(proc) or rc
+        if "on" in servers:
+            rows_on = sum(1 for _ in Path(tmp, "home-on").glob("trajectories/**/*.parquet"))
+            print(f"(recording on: {rows_on} Parquet files flushed to its store at exit)")
     if args.baseline:
         for c in levels:
             rows.append({"path": "in-process", **asyncio.run(level_inprocess(c, count(c)))})
@@ -227,11 +247,21 @@ def main() -> int:
         print(
             f"{r['path']:>10} {r['concurrency']:>11} {r['requests']:>8} {r['runs_per_s']:>8.1f} "
             f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} |             {r['cpu_ms_per_run']:>5.1f} "
-            f"{r['client_ms_per_run']:>6.1f} {r['server_ms_per_run'] if r['path'] == 'http' else 0.0:>6.1f} "
+            f"{r['client_ms_per_run']:>6.1f} {r['server_ms_per_run'] if r['path'] != 'in-process' else 0.0:>6.1f} "
             f"{r['sandbox_ms_per_run']:>5.1f}"
         )
         if args.json:
             print(json.dumps(r))
+    for c in levels:
+        on = [r for r in rows if r["concurrency"] == c and r["path"] == "rec on"]
+        off = [r for r in rows if r["concurrency"] == c and r["path"] == "rec off"]
+        if on and off:
+            def med(rs: list[dict[str, Any]], k: str) -> float:
+                return statistics.median(r[k] for r in rs)
+            cost = 100 * (1 - med(on, "runs_per_s") / med(off, "runs_per_s"))
+            print(f"recording on vs off at c{c}: {cost:+.1f} % runs/s lost (median of {len(on)}: "
+                  f"{med(on, 'runs_per_s'):.1f} vs {med(off, 'runs_per_s'):.1f} runs/s; server CPU "
+                  f"{med(on, 'server_ms_per_run'):.2f} vs {med(off, 'server_ms_per_run'):.2f} ms/run)")
     print(
         f"(server: rollbox serve --log-level {args.log_level}, exit status {rc}; client: httpx on uvloop in this "
         f"process; {os.cpu_count()} cores shared; load average {os.getloadavg()[0]:.1f} at the end)\n"
