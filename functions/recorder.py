@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +38,9 @@ import pyarrow.parquet as pq
 from prometheus_client import CollectorRegistry, Counter
 from rollbox.functions.records import (
     DEFAULT_EXPERIMENT,
+    SCHEMA_VERSION,
     STEP_SCHEMA,
     USAGE_SCHEMA,
-    UsageRecord,
     arrow_table,
 )
 from rollbox.runtime.errors import RollboxError
@@ -77,15 +78,16 @@ def usage_row(usage: Usage, limits: Limits, *, kind: str, replica: str, prices: 
     vcpu_s = billed * limits.cpu_max_cores
     gib_s = billed * limits.memory_max_bytes / GiB
     meta = usage.metadata
-    return UsageRecord(
-        usage_id=usage_id, experiment=meta.get("experiment") or DEFAULT_EXPERIMENT, episode=meta.get("episode"),
-        task=meta.get("task"), sandbox_id=usage.sandbox_id, snapshot_id=usage.snapshot_id, kind=kind,
-        reason=usage.reason, ended_at=ended_at or time.time(), wall_s=round(usage.wall_s, 6), billed_s=billed,
-        cpu_max_cores=limits.cpu_max_cores, memory_max_bytes=limits.memory_max_bytes, vcpu_s=round(vcpu_s, 6),
-        gib_s=round(gib_s, 6), cost_usd=round(vcpu_s * prices.vcpu_s + gib_s * prices.gib_s, 9),
-        cpu_s=round(usage.cpu_s, 6), peak_memory_bytes=usage.peak_memory_bytes, execs=usage.execs,
-        replica=replica,
-    ).model_dump()
+    return {  # UsageRecord's fields (tests validate rows against the model)
+        "schema_version": SCHEMA_VERSION, "usage_id": usage_id,
+        "experiment": meta.get("experiment") or DEFAULT_EXPERIMENT, "episode": meta.get("episode"),
+        "task": meta.get("task"), "sandbox_id": usage.sandbox_id, "snapshot_id": usage.snapshot_id, "kind": kind,
+        "reason": usage.reason, "ended_at": ended_at or time.time(), "wall_s": round(usage.wall_s, 6),
+        "billed_s": billed, "cpu_max_cores": limits.cpu_max_cores, "memory_max_bytes": limits.memory_max_bytes,
+        "vcpu_s": round(vcpu_s, 6), "gib_s": round(gib_s, 6),
+        "cost_usd": round(vcpu_s * prices.vcpu_s + gib_s * prices.gib_s, 9), "cpu_s": round(usage.cpu_s, 6),
+        "peak_memory_bytes": usage.peak_memory_bytes, "execs": usage.execs, "replica": replica,
+    }
 
 
 class _Metrics:
@@ -101,6 +103,21 @@ class _Metrics:
                              ["experiment"], registry=r)
         self.cost = Counter("rollbox_cost_usd", "Cost of billed sandbox time at the configured prices",
                             ["experiment"], registry=r)
+        self._rows: dict[str, Any] = {}
+        self._bills: dict[str, tuple[Any, Any, Any, Any]] = {}
+
+    def row(self, kind: str) -> Any:  # labelled children, looked up once (labels() costs ~3 µs a call)
+        child = self._rows.get(kind)
+        if child is None:
+            child = self._rows[kind] = self.rows.labels(kind)
+        return child
+
+    def bill(self, experiment: str) -> tuple[Any, Any, Any, Any]:
+        children = self._bills.get(experiment)
+        if children is None:
+            children = self._bills[experiment] = (self.billed_s.labels(experiment), self.vcpu_s.labels(experiment),
+                                                  self.gib_s.labels(experiment), self.cost.labels(experiment))
+        return children
 
 
 @dataclass
@@ -108,7 +125,7 @@ class _Segment:
     seq: int
     path: Path
     fd: int
-    rows: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    rows: list[bytes] = field(default_factory=list)  # its lines as written (bytes: no work for the GC)
     pending: set[int] = field(default_factory=set)
     void: set[int] = field(default_factory=set)
     closed: bool = False
@@ -139,8 +156,13 @@ class Recorder:
         self._seq = 0
         self._current: _Segment | None = None
         self._segments: dict[int, _Segment] = {}
+        # lines waiting for the spool's writer thread (guarded by _cv); _urgent: a reply waits for some
         self._queue: list[tuple[bytes, int, asyncio.Future[None]]] = []
-        self._wake = asyncio.Event()
+        self._cv = threading.Condition()
+        self._urgent = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._flush_lock = asyncio.Lock()
         self._leftovers = False
@@ -152,9 +174,13 @@ class Recorder:
     # ------------------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(_warm_up)
         await self._recover_left()
         self._open_segment()
-        self._tasks = [asyncio.create_task(self._writer()), asyncio.create_task(self._flush_loop())]
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._write_loop, name="rollbox-spool", daemon=True)
+        self._thread.start()
+        self._tasks = [asyncio.create_task(self._flush_loop())]
 
     async def _recover_left(self) -> None:
         try:
@@ -176,6 +202,11 @@ class Recorder:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         rows = await self.flush()
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
         for seg in list(self._segments.values()):  # the empty current one (rows left: kept for a restart)
             if not seg.rows and seg.fd >= 0:
                 os.close(seg.fd)
@@ -186,30 +217,34 @@ class Recorder:
         return rows
 
     # ------------------------------------------------------------------------------- recording
-    def append(self, rows: list[tuple[str, dict[str, Any]]], *,
-               pending: tuple[str, int] | None = None) -> tuple[Token | None, asyncio.Future[None]]:
+    def append(self, rows: list[tuple[str, dict[str, Any]]], *, pending: tuple[str, int] | None = None,
+               now: bool = True) -> tuple[Token | None, asyncio.Future[None]]:
         """Spool ``rows`` ((kind, row) pairs); the future is done once they are fsync'd. ``pending``:
         (sandbox id, generation) of the durable commit that acknowledges them; ``settle`` the token
-        it returns when that commit is done."""
+        it returns when that commit is done. ``now=False``: no reply waits for them, they go to disk
+        with the next rows that are waited for (or within a second), sharing their fsync."""
         seg = self._current
         assert seg is not None, "Recorder.start() first"
         first = len(seg.rows)
         lines = []
         for kind, row in rows:
             idx = len(seg.rows)
-            seg.rows.append((kind, row))
-            line: dict[str, Any] = {"k": kind, "r": row}
+            line: dict[str, Any] = {"k": kind, "r": {k: v for k, v in row.items() if v is not None}}
             if pending is not None:
                 line["p"] = [pending[0], pending[1], self.replica]
                 seg.pending.add(idx)
                 seg.settled.clear()
             lines.append(json.dumps(line, separators=(",", ":"), default=str).encode() + b"\n")
-            self.metrics.rows.labels(kind).inc()
+            seg.rows.append(lines[-1])
+            self.metrics.row(kind).inc()
             if kind == "usage":
                 self._bill(row)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append((b"".join(lines), seg.fd, fut))
-        self._wake.set()
+        with self._cv:
+            self._queue.append((b"".join(lines), seg.fd, fut))
+            if now:
+                self._urgent = True
+                self._cv.notify()
         if len(seg.rows) >= self.flush_records:
             self._rotate()
         return (Token(seg.seq, first, len(rows)) if pending is not None else None), fut
@@ -229,11 +264,11 @@ class Recorder:
             seg.settled.set()
 
     def _bill(self, row: dict[str, Any]) -> None:
-        exp = row.get("experiment") or DEFAULT_EXPERIMENT
-        self.metrics.billed_s.labels(exp).inc(row["billed_s"])
-        self.metrics.vcpu_s.labels(exp).inc(row["vcpu_s"])
-        self.metrics.gib_s.labels(exp).inc(row["gib_s"])
-        self.metrics.cost.labels(exp).inc(row["cost_usd"])
+        billed_s, vcpu_s, gib_s, cost = self.metrics.bill(row.get("experiment") or DEFAULT_EXPERIMENT)
+        billed_s.inc(row["billed_s"])
+        vcpu_s.inc(row["vcpu_s"])
+        gib_s.inc(row["gib_s"])
+        cost.inc(row["cost_usd"])
 
     # --------------------------------------------------------------------------------- spool
     def _open_segment(self) -> None:
@@ -252,33 +287,42 @@ class Recorder:
             self._current.closed = True
         self._open_segment()
 
-    async def _writer(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _write_loop(self) -> None:
+        """The spool's writer thread: takes every line queued so far, writes each to its segment (a
+        batch may straddle a rotation), one fdatasync per segment, then resolves their futures on the
+        event loop. Lines no reply waits for are taken within a second."""
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await self._write_queued(loop)
-
-    async def _write_queued(self, loop: asyncio.AbstractEventLoop) -> None:
-        batch, self._queue = self._queue, []
-        if not batch:
-            return
-        by_fd: dict[int, list[bytes]] = {}  # a batch may straddle a rotation: lines go to their segment
-        for data, fd, _ in batch:
-            by_fd.setdefault(fd, []).append(data)
-        try:
-            await loop.run_in_executor(None, _write_all, by_fd)
-        except OSError as exc:
-            for _, _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(exc)
-            return
-        for _, _, fut in batch:
-            if not fut.done():
-                fut.set_result(None)
+            with self._cv:
+                self._cv.wait_for(lambda: self._urgent or self._stopping, timeout=1.0)
+                batch, self._queue, self._urgent = self._queue, [], False
+                if not batch and self._stopping:
+                    return
+            if not batch:
+                continue
+            by_fd: dict[int, list[bytes]] = {}
+            for data, fd, _ in batch:
+                if data:
+                    by_fd.setdefault(fd, []).append(data)
+            error: OSError | None = None
+            try:
+                _write_all(by_fd)
+            except OSError as exc:
+                error = exc
+            assert self._loop is not None
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                self._loop.call_soon_threadsafe(_resolve, [fut for _, _, fut in batch], error)
 
     async def _drain_queue(self) -> None:
-        await self._write_queued(asyncio.get_running_loop())
+        """Return once every line queued before the call is on disk."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._cv:
+            self._queue.append((b"", -1, fut))
+            self._urgent = True
+            self._cv.notify()
+        with contextlib.suppress(OSError):
+            await fut
 
     # --------------------------------------------------------------------------------- flush
     async def _flush_loop(self) -> None:
@@ -310,9 +354,9 @@ class Recorder:
                 if seg.pending:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(seg.settled.wait(), 30.0)
-                rows = [r for i, r in enumerate(seg.rows) if i not in seg.void and i not in seg.pending]
+                lines = [r for i, r in enumerate(seg.rows) if i not in seg.void and i not in seg.pending]
                 try:
-                    await asyncio.to_thread(self._upload, rows, seg.path.stem)
+                    await asyncio.to_thread(self._upload_lines, lines, seg.path.stem)
                 except (RollboxError, OSError) as exc:
                     self.metrics.flushes.labels("failed").inc()
                     log.warning("could not flush %s to the store (kept, retried): %s", seg.path.name, exc)
@@ -323,8 +367,11 @@ class Recorder:
                 with contextlib.suppress(FileNotFoundError):
                     seg.path.unlink()
                 del self._segments[seq]
-                written += len(rows)
+                written += len(lines)
             return written
+
+    def _upload_lines(self, lines: list[bytes], name: str) -> None:
+        self._upload([(line["k"], line["r"]) for line in map(json.loads, lines)], name)
 
     def _upload(self, rows: list[tuple[str, dict[str, Any]]], name: str) -> None:
         groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -384,6 +431,22 @@ class Recorder:
         # missing: never committed; or the sandbox was destroyed and its records swept since, which
         # needs a generation after this one, so this one was committed
         return generation > 0 and not self.objects.keys(f"sandboxes/{sandbox_id}/")
+
+
+def _warm_up() -> None:
+    """Write a table once, in memory: pyarrow loads its compute kernels and Parquet writer lazily,
+    which would otherwise land on the first flush under load."""
+    for schema in (STEP_SCHEMA, USAGE_SCHEMA):
+        pq.write_table(arrow_table([], schema), io.BytesIO(), compression="zstd")
+
+
+def _resolve(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
+    for fut in futures:
+        if not fut.done():
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
 
 
 def _write_all(by_fd: dict[int, list[bytes]]) -> None:

@@ -14,6 +14,7 @@ changes meaning or goes away; new columns may be added within a version.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from typing import Any, Final
 
@@ -31,6 +32,7 @@ __all__ = [
     "StepRecord",
     "UsageRecord",
     "arrow_table",
+    "usage_event",
 ]
 
 SCHEMA_VERSION: Final = 1
@@ -176,6 +178,21 @@ def arrow_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
         micros = pc.cast(pc.round(pc.multiply(table[name], 1e6)), pa.int64())
         table = table.set_column(i, schema.field(i), micros.cast(schema.field(i).type))
     return table.replace_schema_metadata(schema.metadata)
+
+
+def usage_event(row: dict[str, Any]) -> dict[str, Any]:
+    """A usage record as a structured CloudEvent (JSON): ``type`` dev.rollbox.usage, ``subject`` the
+    sandbox id, ``id`` the usage id (a retried ingestion does not bill twice), ``time`` its end; the
+    record as ``data``. What OpenMeter's CloudEvents ingestion takes, one event per sandbox life."""
+    def iso(v: Any) -> Any:
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return dt.datetime.fromtimestamp(v, dt.UTC).isoformat()
+        return v.isoformat() if hasattr(v, "isoformat") else v
+
+    data = {k: (iso(v) if k in TIMESTAMPS else v) for k, v in row.items() if k != "date"}
+    return {"specversion": "1.0", "type": USAGE_TYPE, "source": f"/rollbox/{row.get('replica') or 'rollbox'}",
+            "id": row["usage_id"], "subject": row["sandbox_id"], "time": iso(row["ended_at"]),
+            "datacontenttype": "application/json", "data": data}
 
 
 def to_json(value: Any) -> str | None:

@@ -39,7 +39,7 @@ from rollbox.functions.contract import (
     SnapshotRecord,
 )
 from rollbox.functions.recorder import Recorder, Token, usage_row
-from rollbox.functions.records import DEFAULT_EXPERIMENT, FileRef, StepRecord, to_json
+from rollbox.functions.records import DEFAULT_EXPERIMENT, StepRecord, to_json
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
 from rollbox.snapshots.state import SandboxRecord
 
@@ -64,6 +64,9 @@ class StepContext:
     spooled: asyncio.Future[None] | None = None
 
 
+_STEP_DEFAULTS: dict[str, Any] = {name: (f.get_default(call_default_factory=True) if not f.is_required() else None)
+                                  for name, f in StepRecord.model_fields.items()}
+
 current_step: ContextVar[StepContext | None] = ContextVar("rollbox_current_step", default=None)
 
 
@@ -83,6 +86,7 @@ class StepLog:
         self._env_version = env_version
         self._labels_of = labels
         self._meta: OrderedDict[str, tuple[dict[str, str], str | None, str | None]] = OrderedDict()
+        self._versions: dict[str, str] = {}
 
     # --------------------------------------------------------------------------- the service
     def begin(self, event_type: str, source: str, event_id: str, time_attr: Any, data: BaseModel) -> StepContext:
@@ -136,7 +140,7 @@ class StepLog:
     def life_ended(self, usage: Usage, limits: Limits, kind: str) -> None:
         """A sandbox life that no durable state outlives (a one-shot run; any with durability off)."""
         row = self.usage_row(usage, limits, kind, usage_id=f"{usage.sandbox_id}/{time.time_ns()}")
-        self.recorder.append([("usage", row)])  # before the run's own row, which is waited for
+        self.recorder.append([("usage", row)], now=False)  # shares the fsync of the run's own row
 
     def usage_row(self, usage: Usage, limits: Limits, kind: str, *, usage_id: str) -> dict[str, Any]:
         return usage_row(usage, limits, kind=kind, replica=self.replica, prices=self.recorder.prices,
@@ -188,7 +192,7 @@ class StepLog:
         }
         if isinstance(data, ExecRequest):
             row.update(code=data.code, command=data.command, stdin=data.stdin, timeout_s=data.timeout_s,
-                       files_in=[FileRef(path=p, bytes=len(c.encode())).model_dump() for p, c in data.files.items()],
+                       files_in=[{"path": p, "bytes": len(c.encode())} for p, c in data.files.items()],
                        files_in_text=to_json(data.files) if data.files else None,
                        env=to_json(data.env) if data.env else None, read_files=list(data.read_files))
         if isinstance(data, RunData) and data.limits is not None:
@@ -206,7 +210,7 @@ class StepLog:
                 exit_code=reply.exit_code, stdout=reply.stdout, stderr=reply.stderr,
                 stdout_truncated=reply.stdout_truncated, stderr_truncated=reply.stderr_truncated,
                 timed_out=reply.timed_out, oom_killed=reply.oom_killed,
-                files_out=[FileRef(path=p, bytes=None if t is None else len(t.encode())).model_dump()
+                files_out=[{"path": p, "bytes": None if t is None else len(t.encode())}
                            for p, t in reply.files.items()],
                 files_out_text=to_json(reply.files) if reply.files else None,
                 snapshot_id=reply.snapshot_id or snapshot, forked_from=reply.forked_from or forked_from,
@@ -225,10 +229,20 @@ class StepLog:
                        snapshot_id=reply.snapshot_id)
             for info in reply.sandboxes:
                 self._keep_meta(info.sandbox_id, dict(info.metadata), info.snapshot_id, info.forked_from)
-        if row.get("env_version") is None and row.get("snapshot_id") and self._env_version is not None:
-            version = self._env_version(row["snapshot_id"])
-            row["env_version"] = to_json(version) if version else None
+        if row.get("env_version") is None and row.get("snapshot_id"):
+            row["env_version"] = self._version_json(row["snapshot_id"])
         if sid is not None and status == 200 and (meta or snapshot):
             self._keep_meta(sid, meta, row.get("snapshot_id"), row.get("forked_from"))
-        return StepRecord.model_validate(row).model_dump()
+        return {**_STEP_DEFAULTS, **row}  # StepRecord's fields (tests validate rows against the model)
+
+    def _version_json(self, snapshot_id: str) -> str | None:
+        """The snapshot's VERSION block as JSON (snapshots are immutable: kept once made)."""
+        hit = self._versions.get(snapshot_id)
+        if hit is None and self._env_version is not None:
+            version = self._env_version(snapshot_id)
+            if version:
+                hit = self._versions[snapshot_id] = to_json(version)
+                if len(self._versions) > 4096:
+                    self._versions.pop(next(iter(self._versions)))
+        return hit
 

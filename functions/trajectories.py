@@ -2,7 +2,7 @@
 
     rollbox trajectories ls [--experiment E]                     experiments, or one's episodes
     rollbox trajectories show EPISODE [--experiment E]           an episode's steps, in order
-    rollbox trajectories export --experiment E [--format parquet|jsonl] [--since YYYY-MM-DD] [--out F]
+    rollbox trajectories export --experiment E [--usage] [--format parquet|jsonl|cloudevents] [--since D] [--out F]
 
 From Python, the same from the local store or S3 alike::
 
@@ -30,7 +30,7 @@ from urllib.parse import quote, unquote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from rollbox.functions.records import DEFAULT_EXPERIMENT, STEP_SCHEMA, USAGE_SCHEMA
+from rollbox.functions.records import DEFAULT_EXPERIMENT, STEP_SCHEMA, USAGE_SCHEMA, usage_event
 from rollbox.runtime.errors import InvalidRequest, RollboxError
 from rollbox.runtime.runtime import default_home
 from rollbox.snapshots.state import LocalObjects, Objects
@@ -144,7 +144,8 @@ def add_parser(subparsers: Any, env: Mapping[str, str] = os.environ) -> None:
     q.add_argument("--json", action="store_true", help="one JSON object per step")
     q.set_defaults(func=_guard(_show))
     q = sub.add_parser("export", parents=[common], help="write an experiment's steps (or usage) to a file")
-    q.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
+    q.add_argument("--format", choices=("parquet", "jsonl", "cloudevents"), default="parquet",
+                   help="cloudevents (with --usage): one structured dev.rollbox.usage CloudEvent per line")
     q.add_argument("--since", default=None, help="dates from this one on (YYYY-MM-DD)")
     q.add_argument("--usage", action="store_true", help="the usage records instead of the steps")
     q.add_argument("--out", default="-", help="file to write (default: stdout)")
@@ -224,12 +225,17 @@ def _show(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     if not args.experiment:
         raise InvalidRequest("export needs --experiment")
+    if args.format == "cloudevents" and not args.usage:
+        raise InvalidRequest("--format cloudevents is for usage records: add --usage")
     table = read("usage" if args.usage else "trajectories", store_of(args), experiment=args.experiment,
                  since=args.since)
     out = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")  # noqa: SIM115
     try:
         if args.format == "parquet":
             pq.write_table(table, out)
+        elif args.format == "cloudevents":
+            for r in table.to_pylist():
+                out.write(json.dumps(usage_event(r), default=str).encode() + b"\n")
         else:
             for r in table.to_pylist():
                 out.write(json.dumps(r, default=str).encode() + b"\n")

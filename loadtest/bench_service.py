@@ -233,9 +233,7 @@ def main() -> int:
         finally:
             for proc, _ in servers.values():
                 rc = stop(proc) or rc
-        if "on" in servers:
-            rows_on = sum(1 for _ in Path(tmp, "home-on").glob("trajectories/**/*.parquet"))
-            print(f"(recording on: {rows_on} Parquet files flushed to its store at exit)")
+        flushed = sum(1 for _ in Path(tmp, "home-on").glob("trajectories/**/*.parquet")) if "on" in servers else 0
     if args.baseline:
         for c in levels:
             rows.append({"path": "in-process", **asyncio.run(level_inprocess(c, count(c)))})
@@ -262,6 +260,8 @@ def main() -> int:
             print(f"recording on vs off at c{c}: {cost:+.1f} % runs/s lost (median of {len(on)}: "
                   f"{med(on, 'runs_per_s'):.1f} vs {med(off, 'runs_per_s'):.1f} runs/s; server CPU "
                   f"{med(on, 'server_ms_per_run'):.2f} vs {med(off, 'server_ms_per_run'):.2f} ms/run)")
+    if "on" in modes:
+        print(f"(recording on: its server flushed {flushed} Parquet files of trajectories to its store)")
     print(
         f"(server: rollbox serve --log-level {args.log_level}, exit status {rc}; client: httpx on uvloop in this "
         f"process; {os.cpu_count()} cores shared; load average {os.getloadavg()[0]:.1f} at the end)\n"

@@ -96,6 +96,7 @@ def _flags(parser: Any) -> None:
     flag("--max-fail-ratio", "ROLLBOX_LOCUST_MAX_FAIL_RATIO", float, 0.01, "exit 1 above this failure ratio")
     flag("--max-p99-ms", "ROLLBOX_LOCUST_MAX_P99_MS", float, 5000.0, "exit 1 above this p99")
     flag("--server-pid", "ROLLBOX_LOCUST_SERVER_PID", int, None, "report the peak RSS of this pid and descendants")
+    flag("--experiment", "ROLLBOX_LOCUST_EXPERIMENT", str, "locust", "the experiment label of every episode")
     flag("--burst-users", "ROLLBOX_LOCUST_USERS", int, 50, "users in each burst of the burst shape")
     flag("--stage-s", "ROLLBOX_LOCUST_STAGE_S", float, 30.0, "seconds per stage of the burst shape")
 
@@ -115,6 +116,7 @@ class Settings:
     max_fail_ratio: float
     max_p99_ms: float
     server_pid: int | None
+    experiment: str = "locust"
 
     @classmethod
     def of(cls, o: Any) -> Settings:
@@ -134,7 +136,7 @@ class Settings:
         if problems := [text for ok, text in checks if not ok]:
             raise ValueError("; ".join(problems))
         return cls(o.think_min_s, o.think_max_s, o.steps, o.episodes, hosts, o.retry_attempts, o.retry_budget_s,
-                   o.retry_after_max_s, o.max_fail_ratio, o.max_p99_ms, o.server_pid)
+                   o.retry_after_max_s, o.max_fail_ratio, o.max_p99_ms, o.server_pid, o.experiment)
 
 
 @dataclass
@@ -311,7 +313,7 @@ class EpisodeUser(FastHttpUser):
     def play_episode(self) -> bool:
         """create, steps, destroy; True if every request passed."""
         episode = uuid.uuid4().hex[:12]
-        meta = {"experiment": "locust", "episode": episode}
+        meta = {"experiment": self.cfg.experiment, "episode": episode}
         created = self.send("create", {"snapshot": "python", "metadata": meta, "limits": LIMITS}, "created", _created)
         if created.data is None:
             return False
@@ -339,7 +341,9 @@ class EpisodeUser(FastHttpUser):
                 return f"usage counts {execs} execs, {replied} were answered"
             return None
 
-        done = self.send("destroy", {"sandbox_id": sid}, "destroyed", usage)
+        # the trainer's score of the episode, recorded with its trajectory: here, every step answered right
+        outcome = {"reward": 1.0 if complete and replied == self.cfg.steps else 0.0}
+        done = self.send("destroy", {"sandbox_id": sid, "outcome": outcome}, "destroyed", usage)
         self.live = None
         return complete and done.data is not None
 

@@ -107,6 +107,9 @@ def test_bench_service_runs(tmp_path: Path) -> None:
         timeout=120,
     )
     assert p.returncode == 0, p.stdout + p.stderr
-    header, row = p.stdout.splitlines()[:2]
-    assert header.split()[:3] == ["path", "concurrency", "requests"] and row.split()[:3] == ["http", "2", "10"]
-    assert float(row.split()[3]) > 0
+    header, on, off = p.stdout.splitlines()[:3]
+    assert header.split()[:3] == ["path", "concurrency", "requests"]
+    assert on.split()[:4] == ["rec", "on", "2", "10"] and off.split()[:4] == ["rec", "off", "2", "10"]
+    assert float(on.split()[4]) > 0 and float(off.split()[4]) > 0
+    assert "recording on vs off at c2:" in p.stdout
+    assert "flushed 1 Parquet files" in p.stdout  # 10 runs of one experiment, flushed at the server's exit

@@ -17,6 +17,7 @@ import duckdb
 import httpx
 import pandas as pd
 import pytest
+from cloudevents.http import from_dict
 from prometheus_client.parser import text_string_to_metric_families
 from rollbox.functions import cli
 from rollbox.functions.recorder import Recorder
@@ -191,6 +192,15 @@ async def test_a_sandbox_that_lived_2_3_s_is_3_billed_seconds_at_its_limits(
     row = usage(str(tmp_path / "home"), experiment="bill").iloc[0]
     assert (row.billed_s, row.vcpu_s, row.gib_s, row.kind, row.sandbox_id) == (3, 6.0, 3.0, "sandbox", sid)
     assert row.cost_usd == pytest.approx(6 * 0.000014 + 3 * 0.0000045)
+    # the same record as the CloudEvent a metering system ingests (OpenMeter takes these)
+    out = tmp_path / "usage.jsonl"
+    assert cli.main(["trajectories", "export", "--home", str(tmp_path / "home"), "--experiment", "bill", "--usage",
+                     "--format", "cloudevents", "--out", str(out)]) == 0
+    [ce] = [from_dict(json.loads(line)) for line in out.read_text().splitlines()]
+    assert (ce["type"], ce["subject"], ce["id"], ce.data["billed_s"], ce.data["vcpu_s"]) == (
+        "dev.rollbox.usage", sid, sid, 3, 6.0)
+    assert cli.main(["trajectories", "export", "--home", str(tmp_path / "home"), "--experiment", "bill",
+                     "--format", "cloudevents"]) == 2  # steps are not usage events
 
 
 def test_spool_left_by_a_dead_process_keeps_only_committed_pending_rows(tmp_path: Path) -> None:
@@ -260,3 +270,28 @@ async def test_trajectories_cli_and_replay_of_a_deterministic_and_a_random_episo
     assert await asyncio.to_thread(cli.main, ["replay", "det", "--home", str(home), "--from", "2", "--json"]) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [(r["step"], r["same"]) for r in rows] == [(2, True)]
+
+
+def test_rows_are_exactly_the_documented_models(tmp_path: Path) -> None:
+    """Rows are built as plain dicts on the hot path: they must validate against StepRecord and
+    UsageRecord and carry exactly their fields."""
+    from rollbox.functions.contract import ExecData
+    from rollbox.functions.recorder import Prices, usage_row
+    from rollbox.functions.records import StepRecord, UsageRecord
+    from rollbox.functions.steps import StepContext, StepLog
+    from rollbox.runtime.spec import ExecResult, Limits, Usage
+
+    log = StepLog(Recorder(tmp_path, LocalObjects(tmp_path / "s"), "r"), env_version=lambda _s: {"python": "3"},
+                  labels=lambda _s: {"experiment": "x", "episode": "e"})
+    data = ExecData(sandbox_id="sb-1", code="print(1)", files={"a.txt": "hé"}, read_files=["b"], env={"K": "v"})
+    ctx = StepContext(EXEC, "/src", "id-1", 1.0, data)
+    reply = ExecResult(sandbox_id="sb-1", snapshot_id="snap", exit_code=0, stdout="1\n", files={"b": None})
+    row = log.row(ctx, 200, reply, None)
+    assert set(row) == set(StepRecord.model_fields)
+    rec = StepRecord.model_validate(row)
+    assert (rec.experiment, rec.episode, rec.env_version, rec.files_in[0].bytes, rec.files_out[0].bytes) == (
+        "x", "e", '{"python":"3"}', 3, None)
+    u = usage_row(Usage(sandbox_id="sb-1", snapshot_id="snap", metadata={"experiment": "x"}, wall_s=0.2, cpu_s=0.1,
+                        peak_memory_bytes=1, billed_s=1, execs=1, reason="destroyed"),
+                  Limits(cpu_max_cores=0.5), kind="sandbox", replica="r", prices=Prices(), usage_id="u")
+    assert set(u) == set(UsageRecord.model_fields) and UsageRecord.model_validate(u).billed_s == 1
