@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import datetime as dt
 import time
 from collections import OrderedDict
@@ -241,7 +242,7 @@ class StepLog:
         if hit is None and self._env_version is not None:
             version = self._env_version(snapshot_id)
             if version:
-                hit = self._versions[snapshot_id] = to_json(version)
+                hit = self._versions[snapshot_id] = json.dumps(version, sort_keys=True, separators=(",", ":"))
                 if len(self._versions) > 4096:
                     self._versions.pop(next(iter(self._versions)))
         return hit
