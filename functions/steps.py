@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import datetime as dt
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
