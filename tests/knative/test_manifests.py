@@ -15,6 +15,7 @@ import pytest
 import yaml
 from rollbox.functions.contract import (
     CONTRACT,
+    EPISODE_ANNOTATE,
     ERROR,
     SANDBOX_CREATE,
     SANDBOX_DESTROY,
@@ -352,7 +353,8 @@ def test_triggers_cover_every_request_type_and_no_reply_type() -> None:
     assert all(set(f) == {"type"} for f in filtered)
     types = sorted(f["type"] for f in filtered)
     assert types == sorted(spec.request_type for spec in CONTRACT)
-    assert set(types) == {SANDBOX_CREATE, SANDBOX_EXEC, SANDBOX_RUN, SANDBOX_DESTROY, SANDBOX_SNAPSHOT, SANDBOX_FORK}
+    assert set(types) == {SANDBOX_CREATE, SANDBOX_EXEC, SANDBOX_RUN, SANDBOX_DESTROY, SANDBOX_SNAPSHOT, SANDBOX_FORK,
+                          EPISODE_ANNOTATE}
     replies = {spec.reply_type for spec in CONTRACT} | {ERROR}
     assert not set(types) & replies  # replies go back into the Broker: they must not loop
 
