@@ -18,6 +18,7 @@ runtime cannot drift apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
@@ -97,13 +98,20 @@ class _Data(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def _check_metadata(v: dict[str, str]) -> dict[str, str]:
-    if len(v) > MAX_METADATA_ITEMS:
-        raise ValueError(f"at most {MAX_METADATA_ITEMS} metadata items, got {len(v)}")
-    for k, val in v.items():
-        if not 0 < len(k) <= 64 or len(val) > 1024:
-            raise ValueError(f"metadata key {k[:64]!r}: keys are 1-64 chars, values at most 1024 chars")
-    return v
+def _check_pairs(what: str) -> Callable[[dict[str, str]], dict[str, str]]:
+    """A validator of string labels (``metadata``, an outcome's ``labels``): bounded count and sizes."""
+    def check(v: dict[str, str]) -> dict[str, str]:
+        if len(v) > MAX_METADATA_ITEMS:
+            raise ValueError(f"at most {MAX_METADATA_ITEMS} {what} items, got {len(v)}")
+        for k, val in v.items():
+            if not 0 < len(k) <= 64 or len(val) > 1024:
+                raise ValueError(f"{what} key {k[:64]!r}: keys are 1-64 chars, values at most 1024 chars")
+        return v
+    return check
+
+
+_check_metadata = _check_pairs("metadata")
+_check_labels = _check_pairs("labels")
 
 
 class CreateData(_Data):
@@ -157,15 +165,6 @@ class RunData(ExecRequest):
 
     def exec_request(self) -> ExecRequest:
         return ExecRequest.model_validate(self.model_dump(exclude={"snapshot", "limits", "metadata"}))
-
-
-def _check_labels(v: dict[str, str]) -> dict[str, str]:
-    if len(v) > MAX_METADATA_ITEMS:
-        raise ValueError(f"at most {MAX_METADATA_ITEMS} labels, got {len(v)}")
-    for k, val in v.items():
-        if not 0 < len(k) <= 64 or len(val) > 1024:
-            raise ValueError(f"label {k[:64]!r}: keys are 1-64 chars, values at most 1024 chars")
-    return v
 
 
 class Outcome(_Data):

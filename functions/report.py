@@ -32,6 +32,7 @@ from typing import Any
 
 from rollbox.functions.options import ConfigError, Option, add_options, amount, resolve_options
 from rollbox.functions.recorder import GiB, Prices
+from rollbox.functions.trajectories import add_store_arguments
 
 __all__ = ["add_parser", "choose_bucket", "render", "sandbox_lives", "summarize", "timeline"]
 
@@ -546,15 +547,8 @@ lives are placed on rollbox's clock (a step from <code>recorded_at - total_ms</c
 def add_parser(subparsers: Any, env: Mapping[str, str] = os.environ) -> None:
     p = subparsers.add_parser("report", help="an HTML cost report of one experiment",
                               description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--experiment", required=True, help="the experiment to report on")
+    add_store_arguments(p, env, experiment="the experiment to report on")
     p.add_argument("--out", default=None, help="directory to write (default ./rollbox-report-<experiment>/)")
-    p.add_argument("--store", default=env.get("ROLLBOX_STORE") or None,
-                   help="a directory or s3://bucket/prefix (ROLLBOX_STORE; default: the local store in --home)")
-    p.add_argument("--home", default=env.get("ROLLBOX_HOME") or None, help="the local store (ROLLBOX_HOME)")
-    p.add_argument("--s3-endpoint-url", default=env.get("AWS_ENDPOINT_URL") or None,
-                   help="S3 endpoint (AWS_ENDPOINT_URL)")
-    p.add_argument("--s3-region", default=env.get("AWS_REGION") or None, help="S3 region (AWS_REGION)")
-    p.add_argument("--aws-profile", default=env.get("AWS_PROFILE") or None, help="AWS_PROFILE")
     p.add_argument("--bucket-s", type=float, default=None, help="the plots' time bucket (default: from the span)")
     add_options(p, PRICE_OPTIONS)
     p.set_defaults(func=lambda args: _report(args, env))
@@ -577,7 +571,7 @@ def _progress() -> Iterator[Callable[[str], Callable[[int, int], None]]]:
 
 
 def _report(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from rollbox.functions.trajectories import open_objects, read
+    from rollbox.functions.trajectories import read, store_of
     from rollbox.runtime.errors import RollboxError
 
     try:
@@ -590,8 +584,7 @@ def _report(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         return 2
     prices = Prices(vcpu_s=values["price_vcpu_s"], gib_s=values["price_gib_s"])
     try:
-        objects = open_objects(args.store, home=args.home, endpoint_url=args.s3_endpoint_url,
-                               region=args.s3_region, profile=args.aws_profile)
+        objects = store_of(args)
         with _progress() as task:
             steps = read("trajectories", objects, experiment=args.experiment, progress=task("trajectories"))
             usage = read("usage", objects, experiment=args.experiment, progress=task("usage"))

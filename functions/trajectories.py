@@ -112,8 +112,10 @@ def usage(store: str | Objects | None = None, **kw: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def add_store_arguments(p: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
-    """The flags naming the store to read (and ``--experiment``), shared by trajectories, report, replay."""
+def add_store_arguments(p: argparse.ArgumentParser, env: Mapping[str, str] = os.environ, *,
+                        experiment: str | None = None) -> None:
+    """The flags naming the store to read, and ``--experiment`` (required when ``experiment`` gives its
+    help), shared by trajectories, report and replay."""
     p.add_argument("--store", default=env.get("ROLLBOX_STORE") or None,
                    help="a directory or s3://bucket/prefix (ROLLBOX_STORE; default: the local store in --home)")
     p.add_argument("--home", default=env.get("ROLLBOX_HOME") or None, help="the local store (ROLLBOX_HOME)")
@@ -121,7 +123,8 @@ def add_store_arguments(p: argparse.ArgumentParser, env: Mapping[str, str] = os.
                    help="S3 endpoint (AWS_ENDPOINT_URL)")
     p.add_argument("--s3-region", default=env.get("AWS_REGION") or None, help="S3 region (AWS_REGION)")
     p.add_argument("--aws-profile", default=env.get("AWS_PROFILE") or None, help="AWS_PROFILE")
-    p.add_argument("--experiment", default=None, help="only this experiment")
+    p.add_argument("--experiment", default=None, required=experiment is not None,
+                   help=experiment or "only this experiment")
 
 
 def store_of(args: argparse.Namespace) -> Objects:
