@@ -354,7 +354,9 @@ class Recorder:
                 if seg.pending:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(seg.settled.wait(), 30.0)
-                lines = [r for i, r in enumerate(seg.rows) if i not in seg.void and i not in seg.pending]
+                if seg.pending:  # a commit still running (a hung store): keep the segment, try again later
+                    return written
+                lines = [r for i, r in enumerate(seg.rows) if i not in seg.void]
                 try:
                     await asyncio.to_thread(self._upload_lines, lines, seg.path.stem)
                 except (RollboxError, OSError) as exc:

@@ -343,7 +343,8 @@ async def serve(cfg: ServeConfig) -> int:
                                      tombstone_ttl_s=cfg.service.idempotency_ttl_s, replica=replica)
             await durable.start()
         steps: StepLog | None = None
-        routes = (*sandbox.ROUTES, *snapshot.routes(snapshots := snapshot.Snapshots(rt, resolver.cache, durable)))
+        snapshots = snapshot.Snapshots(rt, resolver.cache, durable)
+        routes = (*sandbox.ROUTES, *snapshot.routes(snapshots))
         if cfg.record == "on":
             recorder = Recorder(Path(home) / "spool", objects, replica, flush_records=cfg.flush_records,
                                 flush_interval_s=cfg.flush_interval_s,

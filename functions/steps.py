@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -240,9 +239,9 @@ class StepLog:
         """The snapshot's VERSION block as JSON (snapshots are immutable: kept once made)."""
         hit = self._versions.get(snapshot_id)
         if hit is None and self._env_version is not None:
-            version = self._env_version(snapshot_id)
-            if version:
-                hit = self._versions[snapshot_id] = json.dumps(version, sort_keys=True, separators=(",", ":"))
+            hit = to_json(self._env_version(snapshot_id) or None)
+            if hit is not None:
+                self._versions[snapshot_id] = hit
                 if len(self._versions) > 4096:
                     self._versions.pop(next(iter(self._versions)))
         return hit
