@@ -23,10 +23,10 @@ import contextlib
 import datetime as dt
 import fcntl
 import io
-import json
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,14 +34,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily
 from rollbox.functions.records import (
     DEFAULT_EXPERIMENT,
     SCHEMA_VERSION,
     STEP_SCHEMA,
     USAGE_SCHEMA,
     arrow_table,
+    arrow_table_of_lines,
 )
 from rollbox.runtime.errors import RollboxError
 from rollbox.runtime.spec import Limits, Usage
@@ -62,13 +67,25 @@ class Prices:
     gib_s: float = 0.0000045
 
 
-def partition_key(kind: str, experiment: str | None, when: float, name: str) -> str:
+def partition_key(kind: str, experiment: str | None, when: float | str, name: str) -> str:
     """``trajectories|usage/experiment=<e>/date=<yyyy-mm-dd>/<name>.parquet`` (the experiment URI-quoted,
-    which hive partitioning decodes)."""
+    which hive partitioning decodes); ``when``: unix seconds, or the date itself."""
     prefix, _ = KINDS[kind]
-    date = dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%d")
+    date = when if isinstance(when, str) else dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%d")
     exp = quote(experiment or DEFAULT_EXPERIMENT, safe="-_.")
     return f"{prefix}/experiment={exp}/date={date}/{name}.parquet"
+
+
+def spool_line(kind: str, row: dict[str, Any], pending: list[Any] | None = None) -> bytes:
+    """A row as one line of the spool: ``{"k": kind, "r": row[, "p": pending]}`` (``k`` first: the flush
+    sorts lines by kind without parsing them)."""
+    line: dict[str, Any] = {"k": kind, "r": row}
+    if pending is not None:
+        line["p"] = pending
+    return orjson.dumps(line, default=str, option=orjson.OPT_APPEND_NEWLINE)
+
+
+_KIND_PREFIX = {kind: b'{"k":"%s"' % kind.encode() for kind in KINDS}
 
 
 def usage_row(usage: Usage, limits: Limits, *, kind: str, replica: str, prices: Prices, usage_id: str,
@@ -91,33 +108,47 @@ def usage_row(usage: Usage, limits: Limits, *, kind: str, replica: str, prices: 
 
 
 class _Metrics:
+    """The recording's counters. Those the reply path adds to (rows, billed seconds) are plain numbers
+    that /metrics reads when scraped: a ``Counter.inc`` takes a lock, ~1 µs each, six per run."""
+
+    _BILLS = (("rollbox_billed_seconds", "Billed sandbox seconds"),
+              ("rollbox_billed_vcpu_seconds", "Billed vCPU-seconds (billed s x cores limit)"),
+              ("rollbox_billed_gib_seconds", "Billed GiB-seconds (billed s x memory limit)"),
+              ("rollbox_cost_usd", "Cost of billed sandbox time at the configured prices"))
+
     def __init__(self, registry: CollectorRegistry | None):
         r = registry or CollectorRegistry()
-        self.rows = Counter("rollbox_recorded_rows", "Rows spooled (steps and usage records)", ["kind"], registry=r)
         self.flushes = Counter("rollbox_spool_flushes", "Spool segments written to the store as Parquet",
                                ["result"], registry=r)
-        self.billed_s = Counter("rollbox_billed_seconds", "Billed sandbox seconds", ["experiment"], registry=r)
-        self.vcpu_s = Counter("rollbox_billed_vcpu_seconds", "Billed vCPU-seconds (billed s x cores limit)",
-                              ["experiment"], registry=r)
-        self.gib_s = Counter("rollbox_billed_gib_seconds", "Billed GiB-seconds (billed s x memory limit)",
-                             ["experiment"], registry=r)
-        self.cost = Counter("rollbox_cost_usd", "Cost of billed sandbox time at the configured prices",
-                            ["experiment"], registry=r)
-        self._rows: dict[str, Any] = {}
-        self._bills: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self.rows: dict[str, int] = {}
+        self.bills: dict[str, list[float]] = {}  # experiment -> billed s, vCPU-s, GiB-s, dollars
+        r.register(self)
 
-    def row(self, kind: str) -> Any:  # labelled children, looked up once (labels() costs ~3 µs a call)
-        child = self._rows.get(kind)
-        if child is None:
-            child = self._rows[kind] = self.rows.labels(kind)
-        return child
+    def bill(self, row: dict[str, Any]) -> None:
+        sums = self.bills.get(row.get("experiment") or DEFAULT_EXPERIMENT)
+        if sums is None:
+            sums = self.bills[row.get("experiment") or DEFAULT_EXPERIMENT] = [0.0, 0.0, 0.0, 0.0]
+        sums[0] += row["billed_s"]
+        sums[1] += row["vcpu_s"]
+        sums[2] += row["gib_s"]
+        sums[3] += row["cost_usd"]
 
-    def bill(self, experiment: str) -> tuple[Any, Any, Any, Any]:
-        children = self._bills.get(experiment)
-        if children is None:
-            children = self._bills[experiment] = (self.billed_s.labels(experiment), self.vcpu_s.labels(experiment),
-                                                  self.gib_s.labels(experiment), self.cost.labels(experiment))
-        return children
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily("rollbox_recorded_rows", ""),
+                *(CounterMetricFamily(name, "") for name, _ in self._BILLS)]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        rows = CounterMetricFamily("rollbox_recorded_rows", "Rows spooled (steps and usage records)",
+                                   labels=["kind"])
+        for kind, n in list(self.rows.items()):
+            rows.add_metric([kind], n)
+        families = [rows]
+        for i, (name, text) in enumerate(self._BILLS):
+            family = CounterMetricFamily(name, text, labels=["experiment"])
+            for experiment, sums in list(self.bills.items()):
+                family.add_metric([experiment], sums[i])
+            families.append(family)
+        return families
 
 
 @dataclass
@@ -143,7 +174,7 @@ class Token:
 
 
 class Recorder:
-    def __init__(self, spool_dir: Path, objects: Objects, replica: str, *, flush_records: int = 1000,
+    def __init__(self, spool_dir: Path, objects: Objects, replica: str, *, flush_records: int = 5000,
                  flush_interval_s: float = 10.0, prices: Prices | None = None,
                  registry: CollectorRegistry | None = None):
         self.dir = Path(spool_dir)
@@ -156,11 +187,10 @@ class Recorder:
         self._seq = 0
         self._current: _Segment | None = None
         self._segments: dict[int, _Segment] = {}
-        # lines waiting for the spool's writer thread (guarded by _cv); _urgent: a reply waits for some
-        self._queue: list[tuple[bytes, int, asyncio.Future[None]]] = []
-        self._cv = threading.Condition()
-        self._urgent = False
-        self._stopping = False
+        # batches for the spool's writer thread: ([(segment fd, lines)], future), None to stop
+        self._queue: queue.SimpleQueue[tuple[list[tuple[int, bytes]], asyncio.Future[None]] | None] = \
+            queue.SimpleQueue()
+        self._lazy: list[tuple[int, bytes, asyncio.Future[None]]] = []  # lines no reply waits for yet
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -202,9 +232,7 @@ class Recorder:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         rows = await self.flush()
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
+        self._queue.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
         for seg in list(self._segments.values()):  # the empty current one (rows left: kept for a restart)
@@ -226,25 +254,22 @@ class Recorder:
         seg = self._current
         assert seg is not None, "Recorder.start() first"
         first = len(seg.rows)
+        mark = None if pending is None else [pending[0], pending[1], self.replica]
         lines = []
         for kind, row in rows:
-            idx = len(seg.rows)
-            line: dict[str, Any] = {"k": kind, "r": {k: v for k, v in row.items() if v is not None}}
-            if pending is not None:
-                line["p"] = [pending[0], pending[1], self.replica]
-                seg.pending.add(idx)
+            if mark is not None:
+                seg.pending.add(len(seg.rows))
                 seg.settled.clear()
-            lines.append(json.dumps(line, separators=(",", ":"), default=str).encode() + b"\n")
+            lines.append(spool_line(kind, row, mark))
             seg.rows.append(lines[-1])
-            self.metrics.row(kind).inc()
+            self.metrics.rows[kind] = self.metrics.rows.get(kind, 0) + 1
             if kind == "usage":
-                self._bill(row)
+                self.metrics.bill(row)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        with self._cv:
-            self._queue.append((b"".join(lines), seg.fd, fut))
-            if now:
-                self._urgent = True
-                self._cv.notify()
+        if now:
+            self._push([(seg.fd, b"".join(lines), fut)])
+        else:
+            self._lazy.append((seg.fd, b"".join(lines), fut))
         if len(seg.rows) >= self.flush_records:
             self._rotate()
         return (Token(seg.seq, first, len(rows)) if pending is not None else None), fut
@@ -263,18 +288,11 @@ class Recorder:
         if not seg.pending:
             seg.settled.set()
 
-    def _bill(self, row: dict[str, Any]) -> None:
-        billed_s, vcpu_s, gib_s, cost = self.metrics.bill(row.get("experiment") or DEFAULT_EXPERIMENT)
-        billed_s.inc(row["billed_s"])
-        vcpu_s.inc(row["vcpu_s"])
-        gib_s.inc(row["gib_s"])
-        cost.inc(row["cost_usd"])
-
     # --------------------------------------------------------------------------------- spool
     def _open_segment(self) -> None:
         self._seq += 1
         path = self.dir / f"{self._stem}.{self._seq:06d}.jsonl"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_DSYNC | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours while this process lives
         seg = _Segment(self._seq, path, fd)
         seg.settled.set()
@@ -287,40 +305,54 @@ class Recorder:
             self._current.closed = True
         self._open_segment()
 
+    def _push(self, items: list[tuple[int, bytes, asyncio.Future[None]]]) -> None:
+        """Hand lines to the writer thread, with every lazy line so far (they share its write)."""
+        if self._lazy:
+            items, self._lazy = self._lazy + items, []
+        if not items:
+            return
+        fut = items[-1][2]
+        for _, _, f in items[:-1]:
+            _chain(fut, f)
+        self._queue.put(([(fd, data) for fd, data, _ in items], fut))
+
     def _write_loop(self) -> None:
-        """The spool's writer thread: takes every line queued so far, writes each to its segment (a
-        batch may straddle a rotation), one fdatasync per segment, then resolves their futures on the
-        event loop. Lines no reply waits for are taken within a second."""
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._urgent or self._stopping, timeout=1.0)
-                batch, self._queue, self._urgent = self._queue, [], False
-                if not batch and self._stopping:
-                    return
-            if not batch:
-                continue
+        """The spool's writer thread: takes every batch queued so far, one write per segment (opened
+        O_DSYNC: the write returns once its data is on disk), then resolves the futures on the event
+        loop. One disk sync serves every reply that arrived while the previous one ran."""
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            batch = [first]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(self._queue.get_nowait())
             by_fd: dict[int, list[bytes]] = {}
-            for data, fd, _ in batch:
-                if data:
-                    by_fd.setdefault(fd, []).append(data)
+            futures = []
+            for item in batch:
+                if item is None:
+                    stop = True
+                    continue
+                for fd, data in item[0]:
+                    if data:
+                        by_fd.setdefault(fd, []).append(data)
+                futures.append(item[1])
             error: OSError | None = None
             try:
                 _write_all(by_fd)
             except OSError as exc:
                 error = exc
             assert self._loop is not None
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                self._loop.call_soon_threadsafe(_resolve, [fut for _, _, fut in batch], error)
+            if futures:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    self._loop.call_soon_threadsafe(_resolve, futures, error)
 
     async def _drain_queue(self) -> None:
-        """Return once every line queued before the call is on disk."""
+        """Return once every line appended before the call is on disk."""
         if self._thread is None or not self._thread.is_alive():
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        with self._cv:
-            self._queue.append((b"", -1, fut))
-            self._urgent = True
-            self._cv.notify()
+        self._push([(-1, b"", fut)])
         with contextlib.suppress(OSError):
             await fut
 
@@ -328,6 +360,7 @@ class Recorder:
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.flush_interval_s))
+            self._push([])  # lines no reply waited for: on disk within a second
             seg = self._current
             due = seg is not None and seg.rows and (
                 seg.closed or time.monotonic() - seg.opened >= self.flush_interval_s)
@@ -372,18 +405,28 @@ class Recorder:
                 written += len(lines)
             return written
 
-    def _upload_lines(self, lines: list[bytes], name: str) -> None:
-        self._upload([(line["k"], line["r"]) for line in map(json.loads, lines)], name)
-
     def _upload(self, rows: list[tuple[str, dict[str, Any]]], name: str) -> None:
-        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        for kind, row in rows:
-            when = row.get("recorded_at") or row.get("ended_at") or time.time()
-            groups.setdefault((kind, partition_key(kind, row.get("experiment"), when, name)), []).append(row)
-        for (kind, key), group in sorted(groups.items()):
-            buf = io.BytesIO()
-            pq.write_table(arrow_table(group, KINDS[kind][1]), buf, compression="zstd")
-            self.objects.put_new(key, buf.getvalue())  # False: flushed before a crash, already there
+        self._upload_lines([spool_line(kind, row) for kind, row in rows], name)
+
+    def _upload_lines(self, lines: list[bytes], name: str) -> None:
+        """Spool lines as Parquet files, one per (kind, experiment, date), each with a create-only write."""
+        for kind, (_, schema) in KINDS.items():
+            mine = [line for line in lines if line.startswith(_KIND_PREFIX[kind])]
+            if not mine:
+                continue
+            table = arrow_table_of_lines(b"".join(mine), schema)
+            when = "recorded_at" if "recorded_at" in schema.names else "ended_at"
+            dates = pc.strftime(table[when], format="%Y-%m-%d").fill_null(
+                dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"))
+            experiments = table["experiment"].fill_null(DEFAULT_EXPERIMENT)
+            table = table.select(schema.names)
+            keys = pa.table({"e": experiments, "d": dates})
+            for part in keys.group_by(["e", "d"]).aggregate([]).to_pylist():
+                group = table.filter(pc.and_(pc.equal(experiments, part["e"]), pc.equal(dates, part["d"])))
+                buf = io.BytesIO()
+                pq.write_table(group, buf, compression="zstd")
+                # False: flushed before a crash, already there
+                self.objects.put_new(partition_key(kind, part["e"], part["d"], name), buf.getvalue())
 
     # ------------------------------------------------------------------------------ recovery
     def _recover(self) -> int:
@@ -400,21 +443,24 @@ class Recorder:
                 except BlockingIOError:
                     continue  # a live process is writing it
                 rows = self._read_left(path)
-                self._upload(rows, path.stem)
+                self._upload_lines(rows, path.stem)
                 path.unlink()
                 total += len(rows)
             finally:
                 os.close(fd)
         return total
 
-    def _read_left(self, path: Path) -> list[tuple[str, dict[str, Any]]]:
-        rows: list[tuple[str, dict[str, Any]]] = []
+    def _read_left(self, path: Path) -> list[bytes]:
+        """The lines of a dead process's segment that were acknowledged."""
+        kept: list[bytes] = []
         committed: dict[tuple[str, int, str], bool] = {}
-        for raw in path.read_bytes().splitlines():
+        for raw in path.read_bytes().splitlines(keepends=True):
             try:
-                line = json.loads(raw)
-            except ValueError:
+                line = orjson.loads(raw)
+            except orjson.JSONDecodeError:
                 continue  # a line torn by the crash was never acknowledged
+            if not isinstance(line, dict) or line.get("k") not in KINDS or not isinstance(line.get("r"), dict):
+                continue
             p = line.get("p")
             if p is not None:
                 key = (p[0], int(p[1]), p[2])
@@ -422,8 +468,8 @@ class Recorder:
                     committed[key] = self._was_committed(*key)
                 if not committed[key]:
                     continue
-            rows.append((line["k"], line["r"]))
-        return rows
+            kept.append(spool_line(line["k"], line["r"]))  # as this version writes it
+        return kept
 
     def _was_committed(self, sandbox_id: str, generation: int, writer: str) -> bool:
         rkey = record_key(sandbox_id, generation)
@@ -440,6 +486,7 @@ def _warm_up() -> None:
     which would otherwise land on the first flush under load."""
     for schema in (STEP_SCHEMA, USAGE_SCHEMA):
         pq.write_table(arrow_table([], schema), io.BytesIO(), compression="zstd")
+    arrow_table_of_lines(spool_line("step", {"recorded_at": 0.0}), STEP_SCHEMA)
 
 
 def _resolve(futures: list[asyncio.Future[None]], error: OSError | None) -> None:
@@ -451,10 +498,18 @@ def _resolve(futures: list[asyncio.Future[None]], error: OSError | None) -> None
                 fut.set_exception(error)
 
 
+def _chain(outer: asyncio.Future[None], inner: asyncio.Future[None]) -> None:
+    """``inner`` ends as ``outer`` does (lines written by the same write)."""
+    def done(f: asyncio.Future[None]) -> None:
+        if not inner.done():
+            exc = f.exception()
+            inner.set_result(None) if exc is None else inner.set_exception(exc)
+    outer.add_done_callback(done)
+
+
 def _write_all(by_fd: dict[int, list[bytes]]) -> None:
-    for fd, chunks in by_fd.items():
-        data = b"".join(chunks)
+    for fd, chunks in by_fd.items():  # the segments are O_DSYNC: each write is on disk when it returns
+        data = b"".join(chunks) if len(chunks) > 1 else chunks[0]
         while data:
             n = os.write(fd, data)
             data = data[n:]
-        os.fdatasync(fd)

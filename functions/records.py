@@ -15,11 +15,13 @@ changes meaning or goes away; new columns may be added within a version.
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 from typing import Any, Final
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.json as pajson
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "StepRecord",
     "UsageRecord",
     "arrow_table",
+    "arrow_table_of_lines",
     "usage_event",
 ]
 
@@ -169,15 +172,56 @@ STEP_SCHEMA: Final = _schema(StepRecord)
 USAGE_SCHEMA: Final = _schema(UsageRecord)
 
 
+def _defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """The model's non-null defaults: what a row that leaves the field out means."""
+    out = {}
+    for name, f in model.model_fields.items():
+        if not f.is_required():
+            value = f.get_default(call_default_factory=True)
+            if value is not None:
+                out[name] = value
+    return out
+
+
+_DEFAULTS: Final = {STEP_SCHEMA: _defaults(StepRecord), USAGE_SCHEMA: _defaults(UsageRecord)}
+
+
+def _float_fields(schema: pa.Schema) -> list[pa.Field]:
+    return [pa.field(f.name, pa.float64()) if f.name in TIMESTAMPS else f for f in schema]
+
+
+def _timestamps(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Unix-seconds columns (float64) as ``schema``'s UTC timestamps, and its metadata."""
+    for name in TIMESTAMPS & set(schema.names):
+        i = table.schema.get_field_index(name)
+        micros = pc.cast(pc.round(pc.multiply(table[name], 1e6)), pa.int64())
+        table = table.set_column(i, schema.field(name), micros.cast(schema.field(name).type))
+    return table.replace_schema_metadata(schema.metadata)
+
+
 def arrow_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     """Rows (model dumps) as a table of ``schema``; partition keys and unknown keys are left out."""
-    floats = pa.schema([pa.field(f.name, pa.float64()) if f.name in TIMESTAMPS else f for f in schema])
-    table = pa.Table.from_pylist(rows, schema=floats)
-    for name in TIMESTAMPS & set(schema.names):
-        i = schema.get_field_index(name)
-        micros = pc.cast(pc.round(pc.multiply(table[name], 1e6)), pa.int64())
-        table = table.set_column(i, schema.field(i), micros.cast(schema.field(i).type))
-    return table.replace_schema_metadata(schema.metadata)
+    return _timestamps(pa.Table.from_pylist(rows, schema=pa.schema(_float_fields(schema))), schema)
+
+
+def arrow_table_of_lines(data: bytes, schema: pa.Schema, key: str = "r") -> pa.Table:
+    """JSON lines each holding a row under ``key`` (the spool's format) as a table of ``schema`` plus
+    an ``experiment`` column (the partition key), parsed by Arrow's JSON reader: no Python object per
+    row. Other keys of a line are skipped; a field the row lacks is null."""
+    fields = [*_float_fields(schema), pa.field("experiment", pa.string())]
+    parsed = pajson.read_json(
+        io.BytesIO(data),
+        read_options=pajson.ReadOptions(use_threads=False, block_size=min(len(data) + 1, 2**31 - 1)),
+        parse_options=pajson.ParseOptions(explicit_schema=pa.schema([pa.field(key, pa.struct(fields))]),
+                                          unexpected_field_behavior="ignore"))
+    rows = parsed.column(key).combine_chunks()
+    table = pa.Table.from_struct_array(rows) if len(rows) else pa.schema(fields).empty_table()
+    for name, value in _DEFAULTS.get(schema, {}).items():  # a field the row left out: the model's default
+        column = table[name]
+        if column.null_count:
+            i = table.schema.get_field_index(name)
+            table = table.set_column(i, table.field(i), column.fill_null(pa.scalar(value, column.type)))
+    return _timestamps(table, schema)
 
 
 def usage_event(row: dict[str, Any]) -> dict[str, Any]:

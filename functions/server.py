@@ -165,7 +165,7 @@ OPTIONS: tuple[Option, ...] = (
         "--flush-records",
         "ROLLBOX_FLUSH_RECORDS",
         integer(1),
-        1000,
+        5000,
         "with recording: write the spool to the store every this many rows",
     ),
     Option(
@@ -238,7 +238,7 @@ class ServeConfig:
     hibernate_after_s: float = 30.0
     sweep_interval_s: float = 60.0
     record: str = "on"
-    flush_records: int = 1000
+    flush_records: int = 5000
     flush_interval_s: float = 10.0
     price_vcpu_s: float = Prices.vcpu_s
     price_gib_s: float = Prices.gib_s

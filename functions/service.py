@@ -336,15 +336,18 @@ class Service:
         if self.steps is None:
             return await self._call(route, data, fields, event)
         ctx = self.steps.begin(route.spec.request_type, event.source, event.id, time_attr, data)
-        reply = await self._call(route, data, fields, event)
-        if reply.status == 200 or reply.cacheable:  # a final answer: the step (retryable ones are not)
-            payload = ctx.result if reply.status == 200 else ErrorData.model_validate(reply.event.data)
-            try:
-                await self.steps.finish(ctx, reply.status, payload)
-            except Exception:  # the step happened and is answered; its row is what is lost
-                self.metrics.record_failures.inc()
-                logger.exception("recording the step failed", extra={"fields": fields})
-        return reply
+        try:
+            reply = await self._call(route, data, fields, event)
+            if reply.status == 200 or reply.cacheable:  # a final answer: the step (retryable ones are not)
+                payload = ctx.result if reply.status == 200 else ErrorData.model_validate(reply.event.data)
+                try:
+                    await self.steps.finish(ctx, reply.status, payload)
+                except Exception:  # the step happened and is answered; its row is what is lost
+                    self.metrics.record_failures.inc()
+                    logger.exception("recording the step failed", extra={"fields": fields})
+            return reply
+        finally:
+            self.steps.end(ctx)
 
     async def _call(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef) -> _Reply:
         task = asyncio.current_task()

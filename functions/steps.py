@@ -39,7 +39,7 @@ from rollbox.functions.contract import (
     SnapshotRecord,
 )
 from rollbox.functions.recorder import Recorder, Token, usage_row
-from rollbox.functions.records import DEFAULT_EXPERIMENT, StepRecord, to_json
+from rollbox.functions.records import DEFAULT_EXPERIMENT, to_json
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
 from rollbox.snapshots.state import SandboxRecord
 
@@ -62,10 +62,9 @@ class StepContext:
     token: Token | None = None  # the row spooled before a durable commit
     result: BaseModel | None = None  # the handler's reply data
     spooled: asyncio.Future[None] | None = None
+    held: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # rows spooled with the step's own
+    open: bool = True  # until the event is answered (a task it started may outlive it, with this context)
 
-
-_STEP_DEFAULTS: dict[str, Any] = {name: (f.get_default(call_default_factory=True) if not f.is_required() else None)
-                                  for name, f in StepRecord.model_fields.items()}
 
 current_step: ContextVar[StepContext | None] = ContextVar("rollbox_current_step", default=None)
 
@@ -103,8 +102,18 @@ class StepLog:
             await ctx.spooled  # spooled before its commit, which succeeded
             return
         # (a failed commit settled its row as dropped; the error, if final, is a row of its own)
-        _, fut = self.recorder.append([("step", self.row(ctx, status, reply, None))])
+        rows, ctx.held = [*ctx.held, ("step", self.row(ctx, status, reply, None))], []
+        ctx.open = False
+        _, fut = self.recorder.append(rows)
         await fut
+
+    def end(self, ctx: StepContext) -> None:
+        """The event is answered: rows it held that no step row took with it (a run answered with a
+        retryable error still used its sandbox) are spooled now, with the next fsync."""
+        ctx.open = False
+        if ctx.held:
+            rows, ctx.held = ctx.held, []
+            self.recorder.append(rows, now=False)
 
     # ----------------------------------------------------------------------- the durable layer
     async def before_commit(self, record: SandboxRecord, reply: BaseModel | None, mine: bool) -> Token | None:
@@ -140,7 +149,11 @@ class StepLog:
     def life_ended(self, usage: Usage, limits: Limits, kind: str) -> None:
         """A sandbox life that no durable state outlives (a one-shot run; any with durability off)."""
         row = self.usage_row(usage, limits, kind, usage_id=f"{usage.sandbox_id}/{time.time_ns()}")
-        self.recorder.append([("usage", row)], now=False)  # shares the fsync of the run's own row
+        ctx = current_step.get()
+        if ctx is not None and ctx.open and ctx.token is None:
+            ctx.held.append(("usage", row))  # spooled with the event's own row (StepLog.finish, or end)
+        else:
+            self.recorder.append([("usage", row)], now=False)  # shares the next fsync
 
     def usage_row(self, usage: Usage, limits: Limits, kind: str, *, usage_id: str) -> dict[str, Any]:
         return usage_row(usage, limits, kind=kind, replica=self.replica, prices=self.recorder.prices,
@@ -166,7 +179,8 @@ class StepLog:
     def row(self, ctx: StepContext, status: int, reply: BaseModel | None,
             record: SandboxRecord | None) -> dict[str, Any]:
         data = ctx.data
-        sid: str | None = getattr(data, "sandbox_id", None) or getattr(reply, "sandbox_id", None)
+        fields = data.__dict__  # a pydantic model's fields (getattr of a missing one raises inside pydantic: slow)
+        sid: str | None = fields.get("sandbox_id") or (reply.__dict__.get("sandbox_id") if reply is not None else None)
         meta: dict[str, str]
         snapshot: str | None
         forked_from: str | None
@@ -174,7 +188,7 @@ class StepLog:
             meta, snapshot, forked_from = dict(record.metadata), record.snapshot, record.forked_from
         else:
             meta, snapshot, forked_from = self._sandbox_meta(sid)
-        given = getattr(data, "metadata", None)
+        given = fields.get("metadata")
         if isinstance(given, dict) and given:
             meta = dict(given)
         if isinstance(reply, SandboxInfo):
@@ -197,7 +211,7 @@ class StepLog:
                        env=to_json(data.env) if data.env else None, read_files=list(data.read_files))
         if isinstance(data, RunData) and data.limits is not None:
             row["limits"] = to_json(data.limits.model_dump(exclude_unset=True))
-        outcome = getattr(data, "outcome", None)
+        outcome = fields.get("outcome")
         if outcome is not None:
             row.update(reward=outcome.reward, labels=to_json(outcome.labels) if outcome.labels else None)
         if isinstance(data, AnnotateData):
@@ -233,7 +247,7 @@ class StepLog:
             row["env_version"] = self._version_json(row["snapshot_id"])
         if sid is not None and status == 200 and (meta or snapshot):
             self._keep_meta(sid, meta, row.get("snapshot_id"), row.get("forked_from"))
-        return {**_STEP_DEFAULTS, **row}  # StepRecord's fields (tests validate rows against the model)
+        return row  # StepRecord's fields; those left out take the model's defaults (the flush fills them in)
 
     def _version_json(self, snapshot_id: str) -> str | None:
         """The snapshot's VERSION block as JSON (snapshots are immutable: kept once made)."""
