@@ -11,17 +11,26 @@ import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from rollbox.runtime.errors import Overloaded, RollboxError, ShuttingDown
+
 __all__ = ["Admission", "Rejected"]
 
 
 class Rejected(Exception):
-    """Admission refused the request; ``reason`` is a metric label: queue, live or draining."""
+    """Admission refused the request; ``reason`` is a metric label: queue, live or draining.
+    ``error`` is the runtime's exception it stands for (the service answers it from ERROR_TABLE)."""
 
     def __init__(self, reason: str, message: str, retry_after_s: float):
         super().__init__(message)
         self.reason = reason
         self.message = message
         self.retry_after_s = retry_after_s
+
+    @property
+    def error(self) -> RollboxError:
+        if self.reason == "draining":
+            return ShuttingDown(self.message, retry_after_s=self.retry_after_s)
+        return Overloaded(self.message, retry_after_s=self.retry_after_s)
 
 
 class Admission:
@@ -45,7 +54,7 @@ class Admission:
         """``ends_sandbox`` (destroy) is admitted while draining: it frees what draining waits for."""
         if self.draining and not ends_sandbox:
             raise Rejected(
-                "draining", "the server is shutting down; retry on another replica", self.retry_after_s
+                "draining", "draining; only destroy events are still accepted", self.retry_after_s
             )
         if self.inflight >= self.max_queued:
             raise Rejected(

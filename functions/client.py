@@ -6,37 +6,57 @@
 
     r = await Client("http://127.0.0.1:8080").run(code="print(1)")   # one-shot
 
-Exceptions (one root; each carries ``sandbox_id`` when there is one):
+Exceptions (one root; each carries ``sandbox_id`` when there is one, and ``attempts``). Every error
+code of the contract (``contract.ErrorCode``) has its own class (``ERROR_CLASSES``), grouped by what
+a caller does about it:
 
     ClientError
-    ├── TransportError          the service could not be reached, or its reply was not an event
-    ├── ServiceError            an error event (``status``, ``code``, ``message``, ``details``)
-    │   ├── InvalidRequestError     400, 409, 413, 415: fix the request
-    │   ├── NotFoundError           404: no such sandbox or snapshot
-    │   │   └── SandboxGoneError    410 sandbox_gone: destroyed or expired (``details['reason']``)
-    │   ├── SandboxDiedError        410 sandbox_died: it ended while in use
-    │   ├── SandboxBusyError        409 sandbox_busy (after the retries): another replica was first
-    │   ├── OverloadedError         429, 503 (after the retries): ``retry_after_s``
-    │   │   ├── StoreUnavailableError   503 store_unavailable: the store cannot be reached
-    │   │   └── ShuttingDownError       503 shutting_down: the replica is draining
-    │   └── InternalError           500 and anything else (502: the snapshot store failed)
-    └── CommandExitError        ``check=True`` and the command failed; it is also the result
-                                (``exit_code``, ``stdout``, ``stderr``, ``result``)
+    ├── TransportError                  no usable reply: connection failed, or the reply was not an event
+    ├── ServiceError                    an error event (``status``, ``code``, ``message``, ``details``)
+    │   ├── InvalidRequestError             fix the request
+    │   │   ├── InvalidEventError               400 invalid_event: not a CloudEvents 1.0 event
+    │   │   ├── InvalidDataError                400 invalid_data: the message names the field
+    │   │   ├── UnknownTypeError                400 unknown_type
+    │   │   ├── MethodNotAllowedError           405 method_not_allowed
+    │   │   ├── IdempotencyConflictError        409 idempotency_conflict: an event id reused for other content
+    │   │   ├── PayloadTooLargeError            413 payload_too_large
+    │   │   ├── UnsupportedMediaTypeError       415 unsupported_media_type
+    │   │   └── UnsupportedError                422 unsupported: valid, not servable here (a process image)
+    │   ├── NotFoundError                   404
+    │   │   ├── EndpointNotFoundError           404 not_found: no such HTTP path (the URL is wrong)
+    │   │   ├── SnapshotNotFoundError           404 snapshot_not_found
+    │   │   └── SandboxNotFoundError            404 sandbox_not_found
+    │   │       └── SandboxGoneError            410 sandbox_gone: destroyed or expired (``details['reason']``)
+    │   ├── SandboxDiedError                410 sandbox_died: it ended while in use
+    │   ├── SandboxBusyError                409 sandbox_busy (retried): another replica committed a step first
+    │   ├── OverloadedError                 429 overloaded (retried): ``retry_after_s``
+    │   │   ├── StoreUnavailableError           503 store_unavailable (retried): the store cannot be reached
+    │   │   └── ShuttingDownError               503 shutting_down (retried): the replica is draining
+    │   └── InternalError                   500 internal, and any code this client does not know
+    │       └── StoreError                      502 store_error: the snapshot store refused
+    │           └── StoreCorruptError           502 store_corrupt: it returned data that failed its sha256
+    └── CommandExitError                ``check=True`` and the command failed; it is also the result
+                                        (``exit_code``, ``stdout``, ``stderr``, ``result``)
 
-Every request is retried on 429, 503, 409 sandbox_busy and transport failures with the same event id
-(waiting Retry-After), so the service's idempotency guarantees it runs at most once.
+Retried, with the same event id (the service's idempotency runs an event at most once): what the
+contract says to retry — the classes marked above (``retryable``), and lost connections — never
+anything else. Each retry waits the reply's Retry-After (else a backoff from 0.2 s to 2 s), and no
+retry starts later than ``retry_budget_s`` (30 s by default) after the first attempt: then the last
+error is raised, typed by its code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import itertools
 import json
 import time
 import uuid
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Final, TypeVar
 
 import httpx
 from cloudevents.conversion import to_binary
@@ -55,6 +75,7 @@ from rollbox.functions.contract import (
     SANDBOX_RUN,
     SANDBOX_SNAPSHOT,
     SANDBOX_SNAPSHOTTED,
+    ErrorCode,
     ErrorData,
     ForkRecord,
     SnapshotRecord,
@@ -62,27 +83,43 @@ from rollbox.functions.contract import (
 from rollbox.runtime.spec import ExecResult, Limits, SandboxInfo, Usage
 
 __all__ = [
+    "ERROR_CLASSES",
     "Client",
     "ClientError",
     "CommandExitError",
+    "EndpointNotFoundError",
+    "IdempotencyConflictError",
     "InternalError",
+    "InvalidDataError",
+    "InvalidEventError",
     "InvalidRequestError",
+    "MethodNotAllowedError",
     "NotFoundError",
     "OverloadedError",
+    "PayloadTooLargeError",
     "Sandbox",
     "SandboxBusyError",
     "SandboxDiedError",
     "SandboxGoneError",
+    "SandboxNotFoundError",
     "ServiceError",
     "ShuttingDownError",
+    "SnapshotNotFoundError",
+    "StoreCorruptError",
+    "StoreError",
     "StoreUnavailableError",
     "TransportError",
+    "UnknownTypeError",
+    "UnsupportedError",
+    "UnsupportedMediaTypeError",
 ]
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class ClientError(Exception):
+    attempts: int = 1  # how many times the event was sent before this error was raised
+
     def __init__(self, message: str, *, sandbox_id: str | None = None):
         super().__init__(message)
         self.message = message
@@ -94,6 +131,10 @@ class TransportError(ClientError):
 
 
 class ServiceError(ClientError):
+    """An error event. ``retryable``: the contract says a retry of the same event may succeed."""
+
+    retryable: ClassVar[bool] = False
+
     def __init__(
         self,
         status: int,
@@ -110,14 +151,58 @@ class ServiceError(ClientError):
 
 
 class InvalidRequestError(ServiceError):
+    """The request cannot be served as it is: fix it (the message names what is wrong)."""
+
+
+class InvalidEventError(InvalidRequestError):
     pass
+
+
+class InvalidDataError(InvalidRequestError):
+    pass
+
+
+class UnknownTypeError(InvalidRequestError):
+    pass
+
+
+class MethodNotAllowedError(InvalidRequestError):
+    pass
+
+
+class IdempotencyConflictError(InvalidRequestError):
+    pass
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    pass
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    pass
+
+
+class UnsupportedError(InvalidRequestError):
+    """Valid, but not servable by this service (a snapshot carrying a process image)."""
 
 
 class NotFoundError(ServiceError):
     pass
 
 
-class SandboxGoneError(NotFoundError):
+class EndpointNotFoundError(NotFoundError):
+    pass
+
+
+class SnapshotNotFoundError(NotFoundError):
+    pass
+
+
+class SandboxNotFoundError(NotFoundError):
+    pass
+
+
+class SandboxGoneError(SandboxNotFoundError):
     pass
 
 
@@ -126,11 +211,11 @@ class SandboxDiedError(ServiceError):
 
 
 class SandboxBusyError(ServiceError):
-    pass
+    retryable = True
 
 
 class OverloadedError(ServiceError):
-    pass
+    retryable = True
 
 
 class StoreUnavailableError(OverloadedError):
@@ -143,6 +228,43 @@ class ShuttingDownError(OverloadedError):
 
 class InternalError(ServiceError):
     pass
+
+
+class StoreError(InternalError):
+    pass
+
+
+class StoreCorruptError(StoreError):
+    pass
+
+
+# One class per error code of the contract (a test checks that none is missing).
+ERROR_CLASSES: Final[Mapping[str, type[ServiceError]]] = {
+    ErrorCode.INVALID_EVENT: InvalidEventError,
+    ErrorCode.INVALID_DATA: InvalidDataError,
+    ErrorCode.UNKNOWN_TYPE: UnknownTypeError,
+    ErrorCode.SANDBOX_NOT_FOUND: SandboxNotFoundError,
+    ErrorCode.SNAPSHOT_NOT_FOUND: SnapshotNotFoundError,
+    ErrorCode.NOT_FOUND: EndpointNotFoundError,
+    ErrorCode.METHOD_NOT_ALLOWED: MethodNotAllowedError,
+    ErrorCode.IDEMPOTENCY_CONFLICT: IdempotencyConflictError,
+    ErrorCode.SANDBOX_BUSY: SandboxBusyError,
+    ErrorCode.SANDBOX_GONE: SandboxGoneError,
+    ErrorCode.SANDBOX_DIED: SandboxDiedError,
+    ErrorCode.PAYLOAD_TOO_LARGE: PayloadTooLargeError,
+    ErrorCode.UNSUPPORTED: UnsupportedError,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: UnsupportedMediaTypeError,
+    ErrorCode.OVERLOADED: OverloadedError,
+    ErrorCode.INTERNAL: InternalError,
+    ErrorCode.SHUTTING_DOWN: ShuttingDownError,
+    ErrorCode.STORE_UNAVAILABLE: StoreUnavailableError,
+    ErrorCode.STORE_CORRUPT: StoreCorruptError,
+    ErrorCode.STORE_ERROR: StoreError,
+}
+
+# Connection failures worth a retry of the same event: it never arrived, or its reply was lost on a
+# connection the server closed. A read timeout is not one (the event is still running there).
+_RETRYABLE_TRANSPORT: Final = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
 
 
 class CommandExitError(ClientError):
@@ -167,27 +289,40 @@ class CommandExitError(ClientError):
 
 
 def _error_class(status: int, code: str = "") -> type[ServiceError]:
-    by_code = {"sandbox_busy": SandboxBusyError, "sandbox_gone": SandboxGoneError,
-               "store_unavailable": StoreUnavailableError, "shutting_down": ShuttingDownError}
-    if code in by_code:
-        return by_code[code]
-    if status in (400, 409, 413, 415):
-        return InvalidRequestError
+    """The class of an error event: by its code; a code this client does not know, by its status."""
+    if code in ERROR_CLASSES:
+        return ERROR_CLASSES[code]
     if status == 404:
         return NotFoundError
     if status == 410:
-        return SandboxDiedError
+        return SandboxGoneError
     if status in (429, 503):
         return OverloadedError
+    if 400 <= status < 500:
+        return InvalidRequestError
     return InternalError
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
+    """Retry-After in seconds: delay-seconds or an HTTP date (RFC 9110); None if absent or unreadable."""
     raw = resp.headers.get("retry-after")
-    try:
-        return float(raw) if raw is not None else None
-    except ValueError:
+    if raw is None:
         return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
+
+
+def _backoff(attempt: int) -> float:
+    return float(min(2.0, 0.1 * 2**attempt))
 
 
 def _exec_data(
@@ -219,8 +354,8 @@ class Client:
         url: str,
         *,
         source: str = "/rollbox/client",
-        retries: int = 3,
-        retry_budget_s: float = 10.0,
+        retries: int | None = None,
+        retry_budget_s: float = 30.0,
         connect_timeout_s: float = 10.0,
         reply_margin_s: float = 60.0,
         pools: int = 16,
@@ -229,8 +364,9 @@ class Client:
         """``pools``: requests are spread round-robin over this many httpx clients. One connection pool
         shared by dozens of concurrent requests costs ~10 ms of CPU per request in its bookkeeping
         (measured at 64); small pools keep it near 1 ms. Ignored when ``http`` is given.
-        ``retries`` and ``retry_budget_s`` bound the retries of one request: at most that many, and no
-        wait that would end past the budget (then the last error is raised, typed by its code)."""
+        ``retry_budget_s`` bounds the retries of one request in time: no retry starts later than that
+        after its first attempt (nor one whose Retry-After would end past it); ``retries``, if given,
+        also bounds their number. Then the last error is raised, typed by its code."""
         self.url = url.rstrip("/") + "/"
         self.source = source
         self.retries = retries
@@ -288,21 +424,28 @@ class Client:
         attempt = 0
         give_up_at = time.monotonic() + self.retry_budget_s
         while True:
+            attempt += 1
+            err: ClientError
             try:
                 resp = await http.post(self.url, headers=headers, content=body, timeout=timeout)
             except httpx.TransportError as exc:
-                if attempt >= self.retries:
-                    raise TransportError(f"{event_type} to {self.url}: {exc!r}", sandbox_id=sandbox_id) from exc
-                attempt += 1
-                await asyncio.sleep(0.1 * 2**attempt)
-                continue
-            retryable = resp.status_code in (429, 503) or (resp.status_code == 409 and "retry-after" in resp.headers)
-            wait = _retry_after(resp) or 0.1 * 2 ** (attempt + 1)
-            if retryable and attempt < self.retries and time.monotonic() + wait <= give_up_at:
-                attempt += 1
-                await asyncio.sleep(wait)
-                continue
-            return self._reply(resp, expect, model, sandbox_id)
+                err = TransportError(f"{event_type} to {self.url}: {exc!r}", sandbox_id=sandbox_id)
+                err.__cause__ = exc
+                retryable, wait = isinstance(exc, _RETRYABLE_TRANSPORT), _backoff(attempt)
+            else:
+                try:
+                    return self._reply(resp, expect, model, sandbox_id)
+                except ServiceError as exc:
+                    err, retryable = exc, exc.retryable
+                except TransportError as exc:  # not an event: a proxy's 429/503 page is still "retry later"
+                    err, retryable = exc, resp.status_code in (429, 503)
+                told = _retry_after(resp)
+                wait = _backoff(attempt) if told is None else told
+            err.attempts = attempt
+            if (not retryable or (self.retries is not None and attempt > self.retries)
+                    or time.monotonic() + wait > give_up_at):
+                raise err
+            await asyncio.sleep(wait)
 
     def _reply(self, resp: httpx.Response, expect: str, model: type[M], sandbox_id: str | None) -> M:
         try:
@@ -528,7 +671,7 @@ class Sandbox:
                     read_timeout_s=self.client.reply_margin_s,
                     sandbox_id=self.id,
                 )
-            except NotFoundError:
+            except SandboxNotFoundError:  # not a wrong URL (EndpointNotFoundError): that is raised
                 self._usage = None
             self._killed = True
             if self._owns_client:

@@ -59,7 +59,9 @@ from rollbox.runtime.errors import (
 )
 from rollbox.runtime.runtime import LimitsArg, Runtime
 from rollbox.runtime.spec import ExecRequest, ExecResult, SandboxInfo, Usage
+from rollbox.snapshots.calls import StoreCalls, StoreDeadline
 from rollbox.snapshots.state import (
+    REFRESH_AFTER_S,
     FileHashes,
     Files,
     Objects,
@@ -81,6 +83,10 @@ if TYPE_CHECKING:
 __all__ = ["DurableRuntime"]
 
 log = logging.getLogger("rollbox.durable")
+# what a store call of this layer is doing, for the 503 a hung store gets
+_DOING = {"_get": "reading a sandbox's state", "_get_blob": "reading a sandbox's files",
+          "_put_blob": "writing a sandbox's files", "put_new": "committing a sandbox's step",
+          "keys": "listing sandbox state", "delete": "deleting sandbox state"}
 M = TypeVar("M", bound=BaseModel)
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -131,8 +137,9 @@ class DurableRuntime:
         self.live: dict[str, _Live] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._busy: set[str] = set()
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="rollbox-state")
-        self._blobs_known: set[str] = set()
+        self._calls = StoreCalls(io_threads, name="rollbox-state")  # store calls, each with a deadline
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rollbox-scan")  # reading upper dirs
+        self._blobs_known: dict[str, float] = {}  # blob -> when it was last written or refreshed here
         self._tasks: list[asyncio.Task[None]] = []
         self._seen: OrderedDict[str, SandboxRecord] = OrderedDict()
         self._blob_cache: OrderedDict[str, bytes] = OrderedDict()  # content-addressed, so never stale
@@ -158,6 +165,7 @@ class DurableRuntime:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._pool.shutdown(wait=True)
+        self._calls.shutdown()  # a call stuck on a hung store ends with its socket timeout
 
     async def hibernate_all(self, reason: str = "drain") -> int:
         """End every idle live sandbox (on SIGTERM, after in-flight events: every acknowledged step is in
@@ -300,7 +308,11 @@ class DurableRuntime:
 
     # ----------------------------------------------------------------------------- internals
 
-    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:  # store calls, off the event loop
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A store call, off the event loop, with a deadline (``StoreDeadline``: a hung store is a 503)."""
+        return await self._calls.run(fn, *args, doing=_DOING.get(getattr(fn, "__name__", ""), "reading sandbox state"))
+
+    async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:  # local files, off the event loop
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     @contextlib.asynccontextmanager
@@ -425,6 +437,7 @@ class DurableRuntime:
         gen = prev.generation + 1
         t0 = time.perf_counter()
         token = None
+        writing = False
         try:
             sb = self.rt.sandboxes.get(sid)
             if sb is not None and state == "live":
@@ -435,7 +448,7 @@ class DurableRuntime:
             if scan and sb is not None:
                 files, inline, blobs = await self._scan(sid, live, gen)
             for sha, path in blobs.items():
-                if sha not in self._blobs_known:
+                if time.monotonic() - self._blobs_known.get(sha, float("-inf")) >= REFRESH_AFTER_S:
                     await self._io(self._put_blob, sha, path)
             events = dict(prev.events)
             if ev is not None:
@@ -449,10 +462,11 @@ class DurableRuntime:
                 "reply": None if reply is None else reply.model_dump(mode="json"), "writer": self.replica})
             if self.journal is not None:  # spooled beside the write; the reply waits for both
                 token = await self.journal.before_commit(record, reply, ev is not None)
+            writing = True
             ok = await self._io(self.objects.put_new, record_key(sid, gen), record.to_bytes())
-        except BaseException:
-            if self.journal is not None:
-                self.journal.settle(token, False)
+        except BaseException as exc:
+            if self.journal is not None:  # a write past its deadline may still land: the flush asks the store
+                self.journal.settle(token, None if writing and isinstance(exc, StoreDeadline) else False)
             if state == "live":
                 self._drop(sid, "commit failed")
             raise
@@ -477,21 +491,23 @@ class DurableRuntime:
 
         try:
             async with self.rt.frozen(sandbox_id) as sb:
-                result: tuple[Files, dict[str, bytes], dict[str, str]] = await self._io(scan, sb.upper_path)
+                result: tuple[Files, dict[str, bytes], dict[str, str]] = await self._disk(scan, sb.upper_path)
                 return result
         except SandboxDied:  # nothing runs in it any more: its files can be read as they are
             dead = self.rt.sandboxes.get(sandbox_id)
             if dead is None or dead.upper_fd < 0:
                 raise
-            result = await self._io(scan, dead.upper_path)
+            result = await self._disk(scan, dead.upper_path)
             return result
 
     def _put_blob(self, sha: str, path: str) -> None:
         with open(path, "rb") as f:
             data = f.read()
         check_content(sha, data, path)
-        self.objects.put_new(blob_key(sha), data)
-        self._blobs_known.add(sha)
+        self.objects.put_content(blob_key(sha), data)  # an old copy is rewritten: its expiry restarts
+        self._blobs_known[sha] = time.monotonic()
+        while len(self._blobs_known) > 1_000_000:
+            self._blobs_known.pop(next(iter(self._blobs_known)))
         self._cache_blob(sha, data)
 
     def _cache_blob(self, sha: str, data: bytes) -> None:
@@ -540,7 +556,7 @@ class DurableRuntime:
         live = _Live(record=head)
         sb = self.rt.sandboxes.get(sid)
         if sb is not None and sb.upper_fd >= 0:  # the injected files are known: the first commit reads none
-            await self._io(prefill_hashes, sb.upper_path, head.files, live.hashes)
+            await self._disk(prefill_hashes, sb.upper_path, head.files, live.hashes)
         live.resume_ms = round((time.perf_counter() - t0) * 1000, 3)
         self.live[sid] = live
         self.metrics.resumes.inc()

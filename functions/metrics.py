@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel
+from rollbox.runtime.pool import Pool
 from rollbox.runtime.spec import ExecResult, SandboxInfo, Usage
 
 __all__ = ["Metrics"]
@@ -27,6 +28,46 @@ class _PoolCollector(Collector):
         yield fam
 
 
+class _PoolFailuresCollector(Collector):
+    """What the warm pools failed to do, per snapshot, read from the pools at scrape time (each pool
+    counts and logs its own failures: runtime/pool.py)."""
+
+    def __init__(self, pools: Callable[[], Iterable[Pool]]):
+        self._pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        builds = CounterMetricFamily("rollbox_pool_build_failures",
+                                     "Sandboxes a warm pool failed to build (each run of failures is logged once)",
+                                     labels=["snapshot"])
+        shortfalls = CounterMetricFamily("rollbox_pool_prewarm_shortfalls",
+                                         "Waits for N ready sandboxes (prewarm) that ran out of time",
+                                         labels=["snapshot"])
+        totals: dict[str, tuple[int, int]] = {}
+        for pool in self._pools():
+            b, p = totals.get(pool.snapshot_id, (0, 0))
+            totals[pool.snapshot_id] = (b + pool.build_failures, p + pool.prewarm_shortfalls)
+        for snapshot, (b, p) in sorted(totals.items()):
+            builds.add_metric([snapshot], b)
+            shortfalls.add_metric([snapshot], p)
+        yield builds
+        yield shortfalls
+
+
+class _CleanupFailuresCollector(Collector):
+    """Clean-up the runtime could not do (a sandbox cgroup that would not go, ...), by kind, read from
+    the runtime's counter at scrape time (each failure is logged once where it happens)."""
+
+    def __init__(self, failures: Callable[[], Mapping[str, int]]):
+        self._failures = failures
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily("rollbox_cleanup_failures",
+                                  "Things the runtime could not clean up and left in place", labels=["kind"])
+        for kind, n in sorted(self._failures().items()):
+            fam.add_metric([kind], n)
+        yield fam
+
+
 class Metrics:
     def __init__(
         self,
@@ -34,6 +75,7 @@ class Metrics:
         live_count: Callable[[], int],
         pool_sizes: Callable[[], dict[str, int]],
         inflight: Callable[[], int],
+        pools: Callable[[], Iterable[Pool]] | None = None,
     ):
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
@@ -71,6 +113,13 @@ class Metrics:
         inf = Gauge("rollbox_inflight_requests", "Requests admitted and not yet answered", registry=r)
         inf.set_function(lambda: float(inflight()))
         r.register(_PoolCollector(pool_sizes))
+        if pools is not None:
+            r.register(_PoolFailuresCollector(pools))
+
+    def watch_cleanup(self, failures: Callable[[], Mapping[str, int]]) -> None:
+        """Export the runtime's clean-up failures (``Runtime.cleanup_failures``) as
+        ``rollbox_cleanup_failures_total{kind}``."""
+        self.registry.register(_CleanupFailuresCollector(failures))
 
     def record_reply(self, request_type: str, data: BaseModel) -> None:
         if isinstance(data, SandboxInfo):

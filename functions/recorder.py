@@ -50,6 +50,7 @@ from rollbox.functions.records import (
 )
 from rollbox.runtime.errors import RollboxError
 from rollbox.runtime.spec import Limits, Usage
+from rollbox.snapshots.calls import StoreCalls
 from rollbox.snapshots.state import Objects, SandboxRecord, record_key
 
 __all__ = ["Prices", "Recorder", "partition_key", "usage_row"]
@@ -57,6 +58,7 @@ __all__ = ["Prices", "Recorder", "partition_key", "usage_row"]
 log = logging.getLogger("rollbox.recorder")
 GiB = 1024**3
 KINDS = {"step": ("trajectories", STEP_SCHEMA), "usage": ("usage", USAGE_SCHEMA)}
+FLUSH_DEADLINE_S = 120.0  # a flush the store does not finish in this time fails; its segment is kept
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ class _Segment:
     rows: list[bytes] = field(default_factory=list)  # its lines as written (bytes: no work for the GC)
     pending: set[int] = field(default_factory=set)
     void: set[int] = field(default_factory=set)
+    unknown: dict[int, tuple[str, int]] = field(default_factory=dict)  # row -> its commit, outcome unknown
     closed: bool = False
     opened: float = field(default_factory=time.monotonic)
     settled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -171,6 +174,7 @@ class Token:
     seq: int
     index: int
     count: int
+    commit: tuple[str, int]  # (sandbox id, generation) of the commit that acknowledges the rows
 
 
 class Recorder:
@@ -197,6 +201,7 @@ class Recorder:
         self._flush_lock = asyncio.Lock()
         self._leftovers = False
         self._stem = f"{replica}.{int(time.time() * 1000):013d}"
+        self.calls = StoreCalls(2, name="rollbox-flush")  # the store's writes, with deadlines
 
     def bind_metrics(self, registry: CollectorRegistry) -> None:
         self.metrics = _Metrics(registry)
@@ -214,7 +219,8 @@ class Recorder:
 
     async def _recover_left(self) -> None:
         try:
-            left = await asyncio.to_thread(self._recover)
+            left = await self.calls.run(self._recover, doing="flushing what a previous process left",
+                                        deadline_s=FLUSH_DEADLINE_S)
         except (RollboxError, OSError) as exc:  # the store is down: they stay, tried again at each flush
             self._leftovers = True
             log.warning("could not flush what a previous process left in the spool (kept): %s", exc)
@@ -235,6 +241,7 @@ class Recorder:
         self._queue.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self.calls.shutdown()
         for seg in list(self._segments.values()):  # the empty current one (rows left: kept for a restart)
             if not seg.rows and seg.fd >= 0:
                 os.close(seg.fd)
@@ -272,10 +279,11 @@ class Recorder:
             self._lazy.append((seg.fd, b"".join(lines), fut))
         if len(seg.rows) >= self.flush_records:
             self._rotate()
-        return (Token(seg.seq, first, len(rows)) if pending is not None else None), fut
+        return (Token(seg.seq, first, len(rows), pending) if pending is not None else None), fut
 
-    def settle(self, token: Token | None, committed: bool) -> None:
-        """The commit a pending token waited for is done: keep its rows (``committed``) or drop them."""
+    def settle(self, token: Token | None, committed: bool | None) -> None:
+        """The commit a pending token waited for is done: keep its rows (``committed``) or drop them;
+        None: its outcome is unknown (a write past its deadline may still land), the flush asks the store."""
         if token is None:
             return
         seg = self._segments.get(token.seq)
@@ -283,7 +291,9 @@ class Recorder:
             return
         for i in range(token.index, token.index + token.count):
             seg.pending.discard(i)
-            if not committed:
+            if committed is None:
+                seg.unknown[i] = token.commit
+            elif not committed:
                 seg.void.add(i)
         if not seg.pending:
             seg.settled.set()
@@ -389,9 +399,11 @@ class Recorder:
                         await asyncio.wait_for(seg.settled.wait(), 30.0)
                 if seg.pending:  # a commit still running (a hung store): keep the segment, try again later
                     return written
-                lines = [r for i, r in enumerate(seg.rows) if i not in seg.void]
                 try:
-                    await asyncio.to_thread(self._upload_lines, lines, seg.path.stem)
+                    lines = await self.calls.run(self._segment_lines, seg, doing=f"flushing {seg.path.name}",
+                                                 deadline_s=FLUSH_DEADLINE_S)
+                    await self.calls.run(self._upload_lines, lines, seg.path.stem, doing=f"flushing {seg.path.name}",
+                                         deadline_s=FLUSH_DEADLINE_S)
                 except (RollboxError, OSError) as exc:
                     self.metrics.flushes.labels("failed").inc()
                     log.warning("could not flush %s to the store (kept, retried): %s", seg.path.name, exc)
@@ -404,6 +416,18 @@ class Recorder:
                 del self._segments[seq]
                 written += len(lines)
             return written
+
+    def _segment_lines(self, seg: _Segment) -> list[bytes]:
+        """The segment's rows that were acknowledged: a row whose commit's outcome was unknown is kept
+        if the store holds that commit, written by this replica."""
+        void = set(seg.void)
+        known: dict[tuple[str, int], bool] = {}
+        for i, (sid, gen) in list(seg.unknown.items()):
+            if (sid, gen) not in known:
+                known[(sid, gen)] = self._was_committed(sid, gen, self.replica)
+            if not known[(sid, gen)]:
+                void.add(i)
+        return [r for i, r in enumerate(seg.rows) if i not in void]
 
     def _upload(self, rows: list[tuple[str, dict[str, Any]]], name: str) -> None:
         self._upload_lines([spool_line(kind, row) for kind, row in rows], name)

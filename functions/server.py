@@ -44,6 +44,7 @@ from rollbox.functions.service import Service, ServiceConfig
 from rollbox.functions.steps import StepLog
 from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_store, state_objects
 from rollbox.runtime.errors import RollboxError, StoreUnavailable
+from rollbox.snapshots.calls import StoreCalls
 from rollbox.snapshots.store_s3 import S3Store
 
 __all__ = ["ConfigError", "ServeConfig", "add_parser", "resolve", "serve"]
@@ -220,7 +221,7 @@ OPTIONS: tuple[Option, ...] = (
         "--s3-max-attempts",
         "ROLLBOX_S3_MAX_ATTEMPTS",
         integer(1),
-        5,
+        3,
         "attempts per S3 request (exponential backoff between them) before a store error",
     ),
 )
@@ -312,7 +313,7 @@ async def serve(cfg: ServeConfig) -> int:
     store_ok = True
     if isinstance(remote, S3Store):  # say at once what is wrong with it, not per request later
         try:
-            await asyncio.to_thread(remote.check)
+            await resolver.calls.run(remote.check, doing="checking the store at start", deadline_s=10.0)
         except StoreUnavailable as exc:  # an outage: start, but not ready until it answers
             store_ok = False
             logger.warning(f"the snapshot store cannot be reached; not ready until it can: {exc.message}")
@@ -355,7 +356,9 @@ async def serve(cfg: ServeConfig) -> int:
             if durable is not None:
                 durable.journal = steps
             routes = (*routes, *episodes.ROUTES)
-        service = Service(durable or rt, cfg.service, routes=routes, steps=steps)
+        service = Service(durable or rt, cfg.service, routes=routes, steps=steps, pools=lambda: list(rt.pools.values()))
+        # clean-up that failed, by what (each logged once): cgroups of this runtime, leftovers of dead ones
+        service.metrics.watch_cleanup(lambda: {**rt.cleanup_failures, "leftover": rt.sweeper.failed})
         if recorder is not None:
             recorder.bind_metrics(service.metrics.registry)
         if isinstance(remote, S3Store):
@@ -442,13 +445,14 @@ async def serve(cfg: ServeConfig) -> int:
 async def _watch_store(store: S3Store, service: Service, every_s: float = 5.0) -> None:
     """Keep ``service.store_ok`` current (``/readyz`` reports it): a replica that cannot commit steps
     should get none from the load balancer. Logs each change once."""
+    calls = StoreCalls(1, every_s, name="rollbox-store-check")  # one thread: a hung check does not pile up
     while True:
         await asyncio.sleep(every_s)
         try:
-            await asyncio.wait_for(asyncio.to_thread(store.check), every_s)
+            await calls.run(store.check, doing="checking the store")
             ok, why = True, ""
-        except (RollboxError, TimeoutError) as exc:
-            ok, why = False, getattr(exc, "message", "") or "no answer within the check's deadline"
+        except RollboxError as exc:
+            ok, why = False, exc.message
         if ok != service.store_ok:
             (lifecycle.info if ok else lifecycle.warning)(
                 "store reachable again" if ok else f"store unusable: {why}", extra={"fields": {"store": store.url}})

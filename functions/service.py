@@ -19,7 +19,7 @@ import math
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from rollbox.functions.metrics import Metrics
 from rollbox.functions.routing import EventRef, Route, SandboxRuntime, current_event
 from rollbox.functions.steps import StepLog, current_step
 from rollbox.runtime import errors as rterr
+from rollbox.runtime.pool import Pool
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -104,10 +105,13 @@ class _Maps:
     retry_after_s: float | None = None
 
 
-# Every runtime exception's reply, in one place; the first matching class wins (subclasses first).
-# README's errors table and the client's exception classes follow this table.
+# Every exception's reply, in one place: the runtime's, the service's own refusals (admission, drain,
+# an idempotency conflict) raised as the runtime's classes. The first matching class wins (subclasses
+# first); a class not here is a 500 ``internal``. README's errors table and the client's exception
+# classes follow this table; Retry-After is the exception's own when it carries one, else the row's.
 ERROR_TABLE: tuple[tuple[type[rterr.RollboxError], _Maps], ...] = (
     (rterr.InvalidRequest, _Maps(400, ErrorCode.INVALID_DATA)),
+    (Conflict, _Maps(409, ErrorCode.IDEMPOTENCY_CONFLICT)),
     (rterr.SandboxGone, _Maps(410, ErrorCode.SANDBOX_GONE)),
     (rterr.SandboxBusy, _Maps(409, ErrorCode.SANDBOX_BUSY, retry_after_s=1.0)),
     (rterr.SandboxNotFound, _Maps(404, ErrorCode.SANDBOX_NOT_FOUND)),
@@ -124,12 +128,16 @@ ERROR_TABLE: tuple[tuple[type[rterr.RollboxError], _Maps], ...] = (
 )
 
 
+def _internal() -> ReplyError:
+    """Anything unexpected: a 500 that leaks nothing (the log has the traceback and the event id)."""
+    return ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details")
+
+
 def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
-    """The runtime's errors as error replies (``ERROR_TABLE``); unknown ones become a 500 that leaks
-    nothing (the log has the traceback)."""
+    """An exception as its error reply (``ERROR_TABLE``); one not in the table is ``_internal()``."""
     m = next((maps for cls, maps in ERROR_TABLE if isinstance(exc, cls)), None)
     if m is None:
-        return ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details")
+        return _internal()
     details: dict[str, Any] = {}
     if exc.sandbox_id is not None:
         details["sandbox_id"] = exc.sandbox_id
@@ -139,7 +147,8 @@ def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
         details["snapshot_id"] = exc.snapshot_id
     if isinstance(exc, rterr.SandboxGone):
         details["reason"] = exc.reason
-    retry = exc.retry_after_s if isinstance(exc, rterr.Overloaded) else m.retry_after_s
+    own = exc.retry_after_s if isinstance(exc, rterr.Overloaded | rterr.ShuttingDown) else None
+    retry = own if own is not None else m.retry_after_s
     return ReplyError(m.status, m.code, m.prefix + exc.message, sandbox_id=exc.sandbox_id, retry_after_s=retry,
                       details=details)
 
@@ -155,7 +164,10 @@ class Service:
         config: ServiceConfig | None = None,
         routes: Iterable[Route] = sandbox.ROUTES,
         steps: StepLog | None = None,
+        pools: Callable[[], Iterable[Pool]] | None = None,
     ):
+        """``pools``: the runtime's warm pools, whose failures /metrics reports (``rt.pools.values()``;
+        the durable layer in front of a ``Runtime`` does not show them)."""
         self.runtime = runtime
         self.steps = steps  # trajectories and usage: every final reply is recorded before it is sent
         self.config = cfg = config or ServiceConfig()
@@ -175,6 +187,7 @@ class Service:
             live_count=runtime.live_count,
             pool_sizes=runtime.pool_sizes,
             inflight=lambda: self.admission.inflight,
+            pools=pools,
         )
         self.cache: IdempotencyCache[_Reply] = IdempotencyCache(
             cfg.idempotency_entries,
@@ -234,12 +247,8 @@ class Service:
             event = decode(request.headers, body)
             if self.admission.draining and event["type"] != SANDBOX_DESTROY:  # destroy still frees sandboxes
                 self.metrics.rejects.labels("draining").inc()
-                raise ReplyError(
-                    503,
-                    ErrorCode.SHUTTING_DOWN,
-                    "the server is shutting down; retry elsewhere",
-                    retry_after_s=self.config.retry_after_s,
-                )
+                raise _runtime_error(rterr.ShuttingDown("draining; only destroy events are still accepted",
+                                                        retry_after_s=self.config.retry_after_s))
             etype, source, eid = event["type"], event["source"], event["id"]
             fields.update(event_id=eid, source=source, type=etype)
             route = self.routes.get(etype)
@@ -257,11 +266,11 @@ class Service:
             )
         except ReplyError as err:
             reply = _error(err)
-        except Conflict as exc:
-            reply = _error(ReplyError(409, ErrorCode.IDEMPOTENCY_CONFLICT, str(exc)))
+        except rterr.RollboxError as exc:  # an idempotency conflict found by the cache
+            reply = _error(_runtime_error(exc))
         except Exception:  # a bug here still answers with an error event, never a bare 500 page
             logger.exception("event handling failed", extra={"fields": fields})
-            reply = _error(ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details"))
+            reply = _error(_internal())
         if replayed:
             self.metrics.replays.inc()
         fields.setdefault("sandbox_id", reply.event.get("subject"))
@@ -366,13 +375,12 @@ class Service:
             if not self.aborting or task is None:
                 raise
             task.uncancel()
-            err = ReplyError(503, ErrorCode.SHUTTING_DOWN, "the server shut down before this event finished "
-                             "(grace period over); retry it elsewhere", retry_after_s=self.config.retry_after_s)
-            return _error(err, cacheable=False)
+            stopped = rterr.ShuttingDown("this event did not finish within the grace period",
+                                         retry_after_s=self.config.retry_after_s)
+            return _error(_runtime_error(stopped), cacheable=False)
         except Rejected as rej:
             self.metrics.rejects.labels(rej.reason).inc()
-            status, code = (503, ErrorCode.SHUTTING_DOWN) if rej.reason == "draining" else (429, ErrorCode.OVERLOADED)
-            return _error(ReplyError(status, code, rej.message, retry_after_s=rej.retry_after_s), cacheable=False)
+            return _error(_runtime_error(rej.error), cacheable=False)
         except rterr.RollboxError as exc:
             err = _runtime_error(exc)
             if err.status == 429:
@@ -382,7 +390,7 @@ class Service:
             return _error(err, cacheable=err.status not in (409, 429, 502, 503))
         except Exception:
             logger.exception("handler failed", extra={"fields": fields})
-            return _error(ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details"))
+            return _error(_internal())
         self.metrics.record_reply(route.spec.request_type, result)
         if (ctx := current_step.get()) is not None:
             ctx.result = result

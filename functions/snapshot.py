@@ -37,9 +37,10 @@ from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreError
 from rollbox.runtime.snapshot import ROLLBOX_VERSION, SnapshotView
 from rollbox.runtime.spec import DEFAULT_LIMITS
 from rollbox.snapshots.cache import LayerCache
+from rollbox.snapshots.calls import StoreCalls
 from rollbox.snapshots.checkpoint import checkpoint
 from rollbox.snapshots.manifest import Manifest, Version, Warm
-from rollbox.snapshots.resolver import BUILTIN
+from rollbox.snapshots.resolver import BUILTIN, SLOW_LINK_BYTES_S
 from rollbox.snapshots.store import copy_snapshot
 
 __all__ = ["SnapshotRuntime", "Snapshots", "builtin_manifest", "routes"]
@@ -87,6 +88,7 @@ class Snapshots:
         self.rt = runtime
         self.cache = cache
         self.durable = durable  # when set, every step commits the sandbox's state (functions/durable.py)
+        self.calls = StoreCalls(2, name="rollbox-push")
 
     @property
     def store_url(self) -> str:
@@ -104,8 +106,9 @@ class Snapshots:
             t_frozen = time.perf_counter()
             child = await asyncio.to_thread(checkpoint, self.cache.local, parent, sb.upper_path, name=data.name)
             checkpoint_ms = (time.perf_counter() - t_frozen) * 1000
-        if self.cache.remote is not None:
-            await asyncio.to_thread(self._push, child, data.name)
+        if self.cache.remote is not None:  # the store's own pool, with a deadline: a hung store is a 503
+            await self.calls.run(self._push, child, data.name, doing=f"pushing snapshot {child.id}",
+                                 deadline_s=self.calls.deadline_s + child.size_bytes / SLOW_LINK_BYTES_S)
         top = child.layers[-1]
         logger.debug(
             "snapshot",

@@ -132,7 +132,7 @@ class StepLog:
             ctx.token, ctx.spooled = token, fut
         return token
 
-    def settle(self, token: Token | None, committed: bool) -> None:
+    def settle(self, token: Token | None, committed: bool | None) -> None:
         self.recorder.settle(token, committed)
 
     def replayed(self) -> None:

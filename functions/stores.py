@@ -35,7 +35,7 @@ class StoreConfig:
     cache_max_bytes: int | None = None
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
-    s3_max_attempts: int = 5
+    s3_max_attempts: int = 3
 
 
 def check_store_url(raw: str) -> str:

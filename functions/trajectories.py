@@ -73,7 +73,9 @@ def read(kind: str, store: str | Objects | None = None, *, experiment: str | Non
     for i, key in enumerate(keys):
         data = objects.get(key)
         if data is not None:
-            t = pq.read_table(io.BytesIO(data))
+            # one thread: Arrow's reader threads can outlive a short CLI run and abort its exit with
+            # "terminate called without an active exception" (exit 134; apache/arrow#34314)
+            t = pq.read_table(io.BytesIO(data), use_threads=False)
             part = _partition(key)
             t = t.append_column("experiment", pa.array([part.get("experiment", DEFAULT_EXPERIMENT)] * len(t),
                                                        pa.string()))

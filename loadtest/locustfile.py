@@ -17,7 +17,7 @@ request goes to the next host in turn, so consecutive steps of one episode hit d
     locust -f loadtest/locustfile.py --headless --host http://127.0.0.1:8080 --server-pid $!
     ROLLBOX_LOCUST_SHAPE=none locust -f loadtest/locustfile.py --headless -u 20 -r 5 -t 2m \\
         --hosts http://127.0.0.1:8080,http://127.0.0.1:8081 --think-min-s 0.5 --think-max-s 2
-    python loadtest/locustfile.py --host http://127.0.0.1:8080 --think-max-s 0   # one episode (run_single_user)
+    python loadtest/locustfile.py --host http://127.0.0.1:8080 --think-min-s 0 --think-max-s 0   # one episode (run_single_user)
 
 Load shape: ROLLBOX_LOCUST_SHAPE=burst (default) plays a burst, a pause at zero users, a second
 burst (`--burst-users`, `--stage-s` per stage) and ends; =none leaves Locust's own `-u -r -t`. It is
@@ -501,7 +501,7 @@ def _summary_and_thresholds(environment: Any, **_: Any) -> None:
 
 
 if __name__ == "__main__":
-    # one user, one episode, requests printed: for the debugger (flags as for locust, e.g. --host, --think-max-s 0)
+    # one user, one episode, requests printed: for the debugger (flags as for locust, e.g. --host, --think-min-s 0 --think-max-s 0)
     os.environ.setdefault("ROLLBOX_LOCUST_EPISODES", "1")
     EpisodeUser.host = os.environ.get("ROLLBOX_URL", "http://127.0.0.1:8080")
     run_single_user(EpisodeUser)

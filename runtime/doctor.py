@@ -1,6 +1,8 @@
 """``rollbox doctor``: which isolation layers are active on this host, and why any is not.
 
-Each layer is probed for real (in a throwaway child process), then one sandbox is created and used.
+Each layer is probed for real (in a throwaway child process), then one sandbox is created and used,
+and what is in force in that sandbox is printed per layer (runtime/report.py: read back from inside
+it and from what the runtime set up for it, each fallback with the probe's error).
 """
 
 from __future__ import annotations
@@ -102,12 +104,16 @@ async def diagnose() -> tuple[bool, list[str]]:
         lines.append(f"  ok   cgroups: {why}")
     try:
         async with Runtime(RuntimeConfig()) as rt:
-            r = await rt.run(ExecRequest(command="id -u; hostname"))
+            info = await rt.create()
+            try:
+                r = await rt.exec(info.sandbox_id, ExecRequest(command="id -u; hostname"))
+            finally:
+                await rt.destroy(info.sandbox_id)
             if r.exit_code != 0 or r.stdout.split() != ["1000", "sandbox"]:
                 raise RuntimeError(f"unexpected result: exit {r.exit_code}, {r.stdout!r} {r.stderr!r}")
             lines.append("  ok   sandbox: created, ran `id -u; hostname` as uid 1000 in host 'sandbox', destroyed")
-            lines.append("layers in force:")
-            lines.extend(f"  {k}: {v}" for k, v in rt.isolation_report().items())
+            lines.append(f"layers in force in that sandbox ({info.sandbox_id}):")
+            lines.extend(f"  {k}: {v}" for k, v in info.isolation.items())
     except Exception as exc:
         ok = False
         lines.append(f"  FAIL sandbox: {exc}")

@@ -8,14 +8,16 @@
     ├── SandboxDied             the sandbox ended while in use (carries sandbox_id, reason)
     ├── SnapshotNotFound        no snapshot by that name or id (carries snapshot_id)
     ├── Overloaded              admission control refused the work (carries retry_after_s)
-    ├── ShuttingDown            the runtime is closing (or not started): retry elsewhere
+    ├── ShuttingDown            the runtime or server is closing (or not started): retry elsewhere
     ├── Unsupported             a valid request this runtime cannot serve (a process-image snapshot)
     ├── IsolationError          a required isolation layer could not be applied (names the syscall)
     └── StoreError              a snapshot store failed (carries snapshot_id, layer_id)
         ├── StoreUnavailable    the store cannot be reached now (outage); retrying later may succeed
         └── IntegrityError      content does not match its sha256 or is unsafe; it was never used
 
-(functions/knative.py adds KnativeError(RollboxError) for the Kubernetes API, converted there.)
+(functions/knative.py adds KnativeError(RollboxError) for the Kubernetes API, converted there;
+functions/idempotency.py adds Conflict(RollboxError): an event id reused for other content.
+functions/service.py's ERROR_TABLE answers each of them with one HTTP status and code.)
 
 Third-party errors are converted once, at the boundary that calls them (``raise ... from exc``).
 """
@@ -74,7 +76,12 @@ class Overloaded(RollboxError):
 
 
 class ShuttingDown(RollboxError):
-    """The runtime is closing (or not started yet): nothing was done; retry on another replica."""
+    """The runtime or the server is closing (or not started yet): nothing was done; retry on another
+    replica, after ``retry_after_s`` if given."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, **kw: str | None):
+        super().__init__(message, **kw)
+        self.retry_after_s = retry_after_s
 
 
 class Unsupported(RollboxError):

@@ -4,6 +4,11 @@ Target size follows Little's law: N = Q x T_task / T_limit, where Q is the numbe
 the last window of T_limit seconds and T_task the measured time to restore one sandbox; at least the
 largest burst (a fork of N at once) seen in that window; clamped to [min, max]. After ``idle_s``
 without an acquisition the target falls to ``min`` (0 by default): scale-to-zero on one box.
+
+Failures are not silent: a build that fails is counted (``build_failures``) and the first of a run
+of failures is logged with its snapshot, limits and cause (then once more when builds work again);
+a wait for N ready sandboxes (``Runtime.prewarm``) that times out is counted (``prewarm_shortfalls``)
+and logged. ``rollbox serve`` exports both counters in /metrics, per snapshot.
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollbox.runtime.execution import Sandbox
+
+log = logging.getLogger("rollbox.runtime.pool")
 
 
 class Pool:
@@ -43,6 +51,22 @@ class Pool:
         self._task: asyncio.Task[None] | None = None
         self._builds: set[asyncio.Task[Any]] = set()
         self.closed = False
+        self.build_failures = 0  # sandboxes this pool failed to build, ever
+        self.prewarm_shortfalls = 0  # waits for N ready sandboxes that timed out, ever
+        self.failing = False  # the last build failed (its cause in last_error); logged once per run
+        self.last_error = ""
+
+    @property
+    def snapshot_id(self) -> str:
+        """The snapshot this pool's sandboxes are restored from (the runtime keys pools by
+        (snapshot id, limits))."""
+        return str(self.key[0] if isinstance(self.key, tuple) else self.key)
+
+    def _context(self) -> dict[str, Any]:
+        limits = self.key[1] if isinstance(self.key, tuple) and len(self.key) > 1 else None
+        dump = getattr(limits, "model_dump", None)
+        return {"snapshot_id": self.snapshot_id, "limits": dump() if callable(dump) else limits,
+                "ready": len(self.ready), "building": self.building, "build_failures": self.build_failures}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -90,11 +114,20 @@ class Pool:
     def observe_restore(self, seconds: float) -> None:
         self.t_task_s = 0.8 * self.t_task_s + 0.2 * seconds
 
-    async def wait_ready(self, n: int, timeout_s: float = 30.0) -> None:
+    async def wait_ready(self, n: int, timeout_s: float = 30.0) -> bool:
+        """Wait until ``n`` sandboxes are ready. False if ``timeout_s`` passed first: then the shortfall
+        is logged (how many are ready, why builds fail if they do) and counted."""
         deadline = time.monotonic() + timeout_s
         while len(self.ready) < n and time.monotonic() < deadline:
             self._wake.set()
             await asyncio.sleep(0.002)
+        if len(self.ready) >= n:
+            return True
+        self.prewarm_shortfalls += 1
+        log.warning(f"warm pool of {self.snapshot_id} has {len(self.ready)} of the {n} ready sandboxes asked for "
+                    f"after {timeout_s} s", extra={"fields": {**self._context(), "wanted": n, "timeout_s": timeout_s,
+                                                             "last_error": self.last_error or None}})
+        return False
 
     async def _build_one(self) -> None:
         try:
@@ -107,7 +140,18 @@ class Pool:
                 await sb.close("shutdown")
             else:
                 self.ready.append(sb)
-        except Exception:
+            if self.failing:
+                self.failing = False
+                log.info(f"warm pool of {self.snapshot_id} builds sandboxes again", extra={"fields": self._context()})
+        except Exception as exc:
+            if not self.closed:
+                self.build_failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                if not self.failing:  # once per run of failures, not every retry
+                    self.failing = True
+                    log.warning(f"warm pool of {self.snapshot_id} cannot build a sandbox; retrying every 0.5 s "
+                                f"while sandboxes of it are wanted: {self.last_error}",
+                                exc_info=True, extra={"fields": self._context()})
             await asyncio.sleep(0.5)  # the zygote is restarting or the host is out of room: back off
         finally:
             self.building -= 1

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import rollbox.runtime
+from rollbox.runtime import owners
 from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import IsolationError
 from rollbox.runtime.snapshot import SnapshotView
@@ -90,7 +91,7 @@ class Zygote:
         self.rootless = rootless
         self.proc: asyncio.subprocess.Process | None = None
         self.chan: Channel | None = None
-        self.staging = state_dir / "zygotes" / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.staging = state_dir / "zygotes" / f"{owners.tag()}-{uuid.uuid4().hex[:12]}"
         self.warm_info: dict[str, Any] = {}
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}

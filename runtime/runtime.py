@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -20,12 +21,13 @@ import secrets
 import shutil
 import socket
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from rollbox.runtime import skeleton
+from rollbox.runtime import owners, report, skeleton
 from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import (
     InvalidRequest,
@@ -37,7 +39,7 @@ from rollbox.runtime.errors import (
     Unsupported,
 )
 from rollbox.runtime.execution import Sandbox, pack_upper
-from rollbox.runtime.inside import proto
+from rollbox.runtime.inside import probe, proto
 from rollbox.runtime.isolation import cgroups, seccomp
 from rollbox.runtime.isolation.cgroups import Backend, Group
 from rollbox.runtime.pool import Pool
@@ -63,17 +65,32 @@ LimitsArg = Limits | Mapping[str, Any] | None
 
 
 def effective_limits(view: SnapshotView, limits: LimitsArg) -> Limits:
-    """The limits a sandbox gets: the snapshot's defaults, or those with the given fields changed."""
+    """The limits a sandbox gets: the snapshot's defaults, or those with the given fields changed (a
+    ``Limits`` counts only the fields it was given: ``Limits(memory_max_bytes=...)`` keeps the rest
+    of the snapshot's own)."""
     if limits is None:
         return view.limits
     if isinstance(limits, Limits):
-        return limits
+        if limits.model_fields_set >= set(Limits.model_fields):
+            return limits
+        limits = limits.model_dump(exclude_unset=True)
     try:
         return Limits.model_validate({**view.limits.model_dump(), **limits})
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
         raise InvalidRequest(f"limits.{where}: {first['msg']}", snapshot_id=view.id) from None
+
+
+def rlimit_params(limits: Limits, in_cgroup: bool) -> dict[str, int]:
+    """The rlimits a sandbox is given (runtime/isolation/rlimits.py). Without a cgroup, pids and memory
+    fall back to RLIMIT_NPROC (counted per user namespace) and RLIMIT_AS (with room for the mappings
+    an interpreter has that are not memory use)."""
+    params = {"nofile": limits.nofile_max, "fsize_bytes": limits.file_size_max_bytes}
+    if not in_cgroup:
+        params["nproc"] = limits.pids_max
+        params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
+    return params
 
 
 class RuntimeConfig(BaseModel):
@@ -103,6 +120,10 @@ class Runtime:
         self.resolver: SnapshotResolver = resolver or BuiltinResolver(str(self.layer_root))
         self.sandboxes: dict[str, Sandbox] = {}
         self._views: dict[str, tuple[SnapshotView, float | None]] = {}
+        self._resolving: dict[str, asyncio.Future[SnapshotView]] = {}  # one store lookup per name at a time
+        self.sweeper = owners.Sweep()  # leftovers of runtimes that died (cgroups, staging dirs, scratch layers)
+        self._leftovers = 0
+        self._swept = 0.0
         self._scratch: dict[str, set[str]] = {}  # fork scratch layer -> ids of the sandboxes on it
         self._layers_in_use: frozenset[str] = frozenset()
         self.usages: dict[str, Usage] = {}
@@ -115,6 +136,12 @@ class Runtime:
         self._tasks: set[asyncio.Task[None]] = set()
         self.cgroup_reason = ""
         self.seccomp_bpf = b""
+        self.host_namespaces: dict[str, int] = {}  # probed at start: what "unshared" is measured against
+        # What the first sandbox of each warm source read back from its own /proc after containment
+        # (runtime/inside/probe.py); held while the source is.
+        self._probed: weakref.WeakKeyDictionary[WarmSource, dict[str, Any]] = weakref.WeakKeyDictionary()
+        # Clean-up that failed, by what (each logged once): exported as rollbox_cleanup_failures_total.
+        self.cleanup_failures: collections.Counter[str] = collections.Counter({"cgroup": 0})
         self._reaper: asyncio.Task[None] | None = None
         self._creating = 0
         self.closing = False
@@ -141,37 +168,22 @@ class Runtime:
         self.layer_root.mkdir(parents=True, exist_ok=True)
         self.seccomp_bpf = await asyncio.to_thread(seccomp.build_filter)
         self.cgroup_backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup)
-        await asyncio.to_thread(self._sweep)
+        self.host_namespaces = probe.namespaces()
+        self._leftovers = await asyncio.to_thread(self._sweep)
+        self._swept = time.monotonic()
         self._reaper = asyncio.create_task(self._reap_loop())
         self.started = True
 
-    def _sweep(self) -> None:
-        """Remove what a supervisor that died left behind: empty sandbox cgroups (their processes died
-        with their zygote) and zygote staging directories (their mounts died with the zygote's mount
-        namespace). A cgroup that still has processes belongs to a live runtime: it is left alone."""
-        def dead_owner(name: str) -> bool:  # names start with the pid of the runtime that made them
-            head = name.split("-", 1)[0]
-            if not head.isdigit() or int(head) == os.getpid():
-                return False
-            try:
-                os.kill(int(head), 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                return False
-            return False
-
-        if self.cgroup_backend:
-            for path in self.cgroup_backend.leftovers():
-                if dead_owner(os.path.basename(path)):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(path)
+    def _sweep(self) -> int:
+        """Remove what runtimes that died left behind (``owners``: found by who made them, not by a
+        pid that may be a zombie or reused): sandbox cgroups (processes still in one are killed, the
+        cgroup goes on a later sweep), zygote staging directories and fork scratch layers. Returns
+        how many remain; the reaper sweeps again until none do (and every 30 s anyway)."""
+        cgroups = self.cgroup_backend.leftovers() if self.cgroup_backend else []
         staging = self.config.state_dir / "zygotes"
-        if staging.is_dir():
-            for d in staging.iterdir():
-                if dead_owner(d.name):
-                    with contextlib.suppress(OSError):
-                        d.rmdir()
+        dirs = list(staging.iterdir()) if staging.is_dir() else []
+        trees = list(self.layer_root.glob("scratch-*"))
+        return self.sweeper.run(cgroups, dirs, trees)
 
     async def close(self) -> None:
         """Destroy every sandbox and stop every zygote; creates still under way finish first (and
@@ -197,7 +209,7 @@ class Runtime:
         for task in list(self._tasks):
             await task
         for group in self.free_groups:
-            await asyncio.to_thread(group.close)
+            await self._remove_group(group)
         self.free_groups.clear()
         if self.cgroup_backend:
             self.cgroup_backend.close()
@@ -238,10 +250,27 @@ class Runtime:
         if hit is not None and (hit[1] is None or now - hit[1] < 5.0):
             return hit[0]
         resolve_async = getattr(self.resolver, "resolve_async", None)
-        if resolve_async is not None:
-            view: SnapshotView = await resolve_async(snapshot)
-        else:
-            view = self.resolver.resolve(snapshot)
+        if resolve_async is None:
+            return self._keep_view(snapshot, self.resolver.resolve(snapshot), now)
+        task = self._resolving.get(snapshot)
+        if task is None:
+            task = self._resolving[snapshot] = asyncio.ensure_future(resolve_async(snapshot))
+            task.add_done_callback(lambda t: self._resolved(snapshot, t, now))
+        if hit is None:
+            view: SnapshotView = await asyncio.shield(task)
+            return view
+        try:  # a name seen before: its last view serves if the store is slow to say where it points now
+            return await asyncio.wait_for(asyncio.shield(task), 0.5)
+        except TimeoutError:
+            log.warning("the store is slow resolving %r: using its last known snapshot %s", snapshot, hit[0].id)
+            return hit[0]
+
+    def _resolved(self, snapshot: str, task: asyncio.Future[SnapshotView], asked: float) -> None:
+        self._resolving.pop(snapshot, None)
+        if not task.cancelled() and task.exception() is None:
+            self._keep_view(snapshot, task.result(), asked)
+
+    def _keep_view(self, snapshot: str, view: SnapshotView, now: float) -> SnapshotView:
         self._views[view.id] = (view, None)
         if snapshot != view.id:
             self._views[snapshot] = (view, now)
@@ -291,7 +320,7 @@ class Runtime:
             raise InvalidRequest(f"{len(sandbox_ids)} sandbox ids for {count} children", sandbox_id=sandbox_id)
         parent = self.get(sandbox_id)
         ids = iter(sandbox_ids or ())
-        scratch = f"scratch-{secrets.token_hex(8)}"
+        scratch = f"scratch-{owners.tag()}-{secrets.token_hex(8)}"
         dst = self.layer_root / scratch
         async with self.frozen(sandbox_id) as sb:
             diff = await asyncio.to_thread(pack_upper, sb.upper_path, self.config.fork_inject_max_bytes)
@@ -366,18 +395,22 @@ class Runtime:
         groups += [*self.restoring.values(), *self.releasing, *self.free_groups]
         return {path for g in groups if g is not None for path in g.paths()}
 
-    def isolation_report(self) -> dict[str, str]:
-        cg = self.cgroup_reason if self.cgroup_backend else f"not applied ({self.cgroup_reason}); rlimits instead"
-        return {
-            "namespaces": "mount, pid, ipc, uts, net (loopback only)"
-            + (", user (rootless)" if self.config.rootless else ""),
-            "filesystem": "overlayfs over read-only snapshot layers, size-capped tmpfs upper",
-            "cgroups": cg,
-            "seccomp": f"BPF filter: {len(seccomp.DENIED_SYSCALLS)} syscalls denied, sockets AF_UNIX only",
-            "user": "uid 1000, no capabilities, no_new_privs"
-            + (" (user namespace mapped to the caller)" if self.config.rootless else ""),
-            "rlimits": "core 0, nofile, fsize" + ("" if self.cgroup_backend else ", nproc, address space"),
-        }
+    def isolation_report(self, sandbox_id: str | None = None) -> dict[str, str]:
+        """What is in force, per layer (runtime/report.py): for the live sandbox ``sandbox_id``, or
+        for this runtime (its start-up probes and the latest sandbox read-back)."""
+        if sandbox_id is not None:
+            return self._report(self.get(sandbox_id))
+        facts = next(reversed(list(self._probed.values())), None)
+        return report.render(rootless=self.config.rootless, uid=os.geteuid(), host_ns=self.host_namespaces,
+                             backend=self.cgroup_backend, backend_reason=self.cgroup_reason, bpf=self.seccomp_bpf,
+                             facts=facts)
+
+    def _report(self, sb: Sandbox) -> dict[str, str]:
+        facts = self._probed.get(sb.source) if sb.source is not None else None
+        return report.render(rootless=self.config.rootless, uid=os.geteuid(), host_ns=self.host_namespaces,
+                             backend=self.cgroup_backend, backend_reason=self.cgroup_reason, bpf=self.seccomp_bpf,
+                             facts=facts, limits=sb.limits, group=sb.group, pid=sb.pid,
+                             rlimit_params=rlimit_params(sb.limits, sb.group is not None))
 
     # ----------------------------------------------------------------- restore
     def _skel(self, view: SnapshotView) -> Path:
@@ -424,17 +457,15 @@ class Runtime:
                 self.drop_group(group)
                 raise
         elif self.cgroup_backend:
-            group = self.cgroup_backend.prepare(f"{os.getpid()}-{sid}", limits.memory_max_bytes, limits.pids_max,
+            group = self.cgroup_backend.prepare(f"{owners.tag()}-{sid}", limits.memory_max_bytes, limits.pids_max,
                                                 limits.cpu_max_cores)
         params: dict[str, Any] = {
             "layers": list(view.layers),
             "disk_bytes": limits.disk_max_bytes,
-            "nofile": limits.nofile_max,
-            "fsize_bytes": limits.file_size_max_bytes,
+            **rlimit_params(limits, group is not None),
         }
-        if group is None:  # no cgroup: fall back to rlimits (nproc counts per user namespace)
-            params["nproc"] = limits.pids_max
-            params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
+        if z not in self._probed:  # the first sandbox(es) of a source read back what is in force
+            params["probe"] = True
         self.restoring[sid] = group
         try:
             return await self._contain(view, limits, z, sid, group, params)
@@ -451,7 +482,7 @@ class Runtime:
                 self.drop_group(group)
             raise
         try:
-            sb = await self._handshake(view, limits, sid, group, sock)
+            sb = await self._handshake(view, limits, sid, group, sock, z)
         except BaseException:
             z.forget(zpid)
             raise
@@ -459,7 +490,7 @@ class Runtime:
         return sb
 
     async def _handshake(self, view: SnapshotView, limits: Limits, sid: str, group: Group | None,
-                         sock: socket.socket) -> Sandbox:
+                         sock: socket.socket, source: WarmSource) -> Sandbox:
         """The spawned sandbox's "ready": its host pid and its upper layer; it is in its cgroup already."""
         chan = Channel(sock, proto.SANDBOX_FRAME_BYTES)  # everything a sandbox sends is untrusted
         try:
@@ -482,6 +513,8 @@ class Runtime:
             why = msg.get("error") if msg else "sandbox exited during setup"
             raise IsolationError(f"sandbox setup failed: {why}", snapshot_id=view.id)
         pid = creds[0]
+        if isinstance(msg.get("probe"), dict):  # the uid/gid it runs as, seen from here: the host's view
+            self._probed[source] = {**msg["probe"], "host_uid": creds[1], "host_gid": creds[2]}
         fds = chan.take_fds()
         pidfd = -1
         try:
@@ -531,9 +564,18 @@ class Runtime:
                     await asyncio.to_thread(group.reclaim)
                 self.free_groups.append(group)
             else:
-                await asyncio.to_thread(group.close)
+                await self._remove_group(group)
         finally:
             self.releasing.discard(group)
+
+    async def _remove_group(self, group: Group) -> None:
+        """Remove a cgroup for good; one that will not go is logged once, counted, and left in place."""
+        try:
+            await asyncio.to_thread(group.close)
+        except OSError as exc:
+            self.cleanup_failures["cgroup"] += 1
+            log.warning("a sandbox cgroup stays behind: %s", exc.strerror or exc,
+                        extra={"fields": {"cgroup": group.paths(), "errno": exc.errno}})
 
     def _pool_for(self, view: SnapshotView, limits: Limits) -> Pool:
         key = (view.id, limits)
@@ -560,8 +602,8 @@ class Runtime:
     async def create(self, snapshot: str = "python", limits: LimitsArg = None,
                      metadata: dict[str, str] | None = None, sandbox_id: str | None = None,
                      forked_from: str | None = None) -> SandboxInfo:
-        """A sandbox restored from ``snapshot``. ``limits``: a full ``Limits``, or a mapping of the
-        fields to change from the snapshot's default limits, or None for those defaults.
+        """A sandbox restored from ``snapshot``. ``limits``: the fields to change from the snapshot's
+        default limits (a ``Limits`` with only those fields given, or a mapping), or None for those defaults.
         ``sandbox_id``: the id to give it (the durable layer resumes sandboxes under their own id)."""
         sb = await self._acquire(snapshot, limits, metadata, sandbox_id=sandbox_id)
         sb.forked_from = forked_from
@@ -610,7 +652,7 @@ class Runtime:
         return SandboxInfo(
             sandbox_id=sb.id, snapshot_id=sb.view.id, env_version=dict(sb.view.version), limits=sb.limits,
             metadata=sb.metadata, forked_from=sb.forked_from, pooled=sb.pooled, create_ms=round(sb.create_ms, 3),
-            isolation=self.isolation_report(),
+            isolation=self._report(sb),
         )
 
     def get(self, sandbox_id: str) -> Sandbox:
@@ -691,6 +733,12 @@ class Runtime:
             await asyncio.sleep(self.config.reaper_interval_s)
             self._note_layers()
             now = time.monotonic()
+            if now - self._swept >= (1.0 if self._leftovers else 30.0):  # what dead runtimes left
+                self._swept = now
+                try:
+                    self._leftovers = await asyncio.to_thread(self._sweep)
+                except Exception:
+                    log.exception("sweeping leftovers failed")
             for sid, sb in list(self.sandboxes.items()):
                 reason = None
                 if now - sb.created_at > sb.limits.lifetime_s:

@@ -154,7 +154,10 @@ class SandboxInfo(BaseModel):
     forked_from: str | None = Field(default=None, description="the live sandbox this one was forked from")
     pooled: bool
     create_ms: float
-    isolation: dict[str, str] = Field(default_factory=dict, description="layer -> how it is applied")
+    isolation: dict[str, str] = Field(
+        default_factory=dict,
+        description="layer (mode, namespaces, user, filesystem, cgroups, rlimits, seccomp, limits) -> what is in force "
+                    "for this sandbox, as probed and read back, or what fell back and why")
 
 
 class Usage(BaseModel):

@@ -58,6 +58,7 @@ __all__ = [
 INLINE_MAX_BYTES = 64 * 1024  # a file up to this size travels inside the record that changed it
 MAX_INLINE_GENERATIONS = 8  # past this many older records holding inline contents, re-inline them
 RECORD_VERSION = 1
+REFRESH_AFTER_S = 86400.0  # a reused blob older than this is rewritten (the blobs/ expiry has a day to spare)
 
 
 class Objects(Protocol):
@@ -69,6 +70,11 @@ class Objects(Protocol):
         """Create ``key`` with ``data`` unless it exists; False if it does (another writer was first)."""
 
     def get(self, key: str) -> bytes | None: ...
+
+    def put_content(self, key: str, data: bytes, *, refresh_after_s: float = REFRESH_AFTER_S) -> None:
+        """A content-addressed object (its key names its content): create it if absent; if present and
+        written more than ``refresh_after_s`` ago, rewrite it in place, so that an expiry rule counts
+        its age from this new reference and not from the first one."""
 
     def keys(self, prefix: str) -> list[str]:
         """Keys under ``prefix``, sorted."""
@@ -116,6 +122,9 @@ class LocalObjects:
         except OSError as exc:
             raise StoreError(f"cannot write {path}: {exc}") from exc
         return True
+
+    def put_content(self, key: str, data: bytes, *, refresh_after_s: float = REFRESH_AFTER_S) -> None:
+        self.put_new(key, data)  # a local directory has no expiry rules
 
     def get(self, key: str) -> bytes | None:
         try:

@@ -32,6 +32,7 @@ import hashlib
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
@@ -52,6 +53,7 @@ from rollbox.runtime.errors import (
 from rollbox.runtime.spec import Limits
 from rollbox.snapshots.layers import check_layer_id
 from rollbox.snapshots.manifest import Manifest, check_name, check_snapshot_id
+from rollbox.snapshots.state import REFRESH_AFTER_S
 from rollbox.snapshots.store import ByteCallback
 
 MiB = 1024 * 1024
@@ -112,7 +114,8 @@ def lifecycle_rules(prefix: str, *, state_days: int = STATE_DAYS, cold_days: int
 
     rules = [
         rule("sandboxes", "sandboxes/", {"Expiration": {"Days": state_days}}),
-        rule("blobs", "blobs/", {"Expiration": {"Days": state_days + MAX_LIFETIME_DAYS}}),
+        # a blob lives a lifetime past its last (re)write: reused ones older than a day are rewritten
+        rule("blobs", "blobs/", {"Expiration": {"Days": state_days + MAX_LIFETIME_DAYS + 1}}),
     ]
     if cold_class is not None:
         rules.append(rule("trajectories", "trajectories/",
@@ -149,9 +152,9 @@ class S3Store:
         profile: str | None = None,
         access_key_id: str | None = None,
         secret_access_key: str | None = None,
-        max_attempts: int = 5,
-        connect_timeout_s: float = 5.0,
-        read_timeout_s: float = 60.0,
+        max_attempts: int = 3,
+        connect_timeout_s: float = 3.0,
+        read_timeout_s: float = 15.0,  # between bytes; callers' deadlines bound a whole call (snapshots.calls)
         multipart_threshold_bytes: int = 64 * MiB,
         multipart_chunk_bytes: int = 16 * MiB,
         max_concurrency: int = 4,
@@ -487,6 +490,24 @@ class S3Objects:
                     return self.get(key) == data
                 raise
         return True
+
+    def put_content(self, key: str, data: bytes, *, refresh_after_s: float = REFRESH_AFTER_S) -> None:
+        st = self.store
+        full = st._key(key)
+        with st._errors(f"writing {key}"):
+            try:
+                st._client.put_object(Bucket=st.bucket, Key=full, Body=data, IfNoneMatch="*")
+                return
+            except botocore.exceptions.ClientError as exc:
+                status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+                if status not in (409, 412):
+                    raise
+            head = st._client.head_object(Bucket=st.bucket, Key=full)
+            age = time.time() - head["LastModified"].timestamp()
+            if age > refresh_after_s:  # the same bytes, written again: its expiry counts from now
+                st._client.copy_object(Bucket=st.bucket, Key=full, CopySource={"Bucket": st.bucket, "Key": full},
+                                       MetadataDirective="REPLACE", Metadata={"refreshed": str(int(time.time()))})
+                st._count("refreshes")
 
     def get(self, key: str) -> bytes | None:
         return self.store._get_bytes(self.store._key(key), f"reading {key}")

@@ -240,8 +240,9 @@ def _spare_main(chan: socket.socket, env: dict[str, str]) -> None:
     _worker(msg, reader.take_fds(), env)
 
 
-def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
-    """The agent loop. Never returns: when the supervisor hangs up, the sandbox ends."""
+def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[str, Any] | None = None) -> None:
+    """The agent loop. Never returns: when the supervisor hangs up, the sandbox ends. ``probed``: what
+    containment put in force, read back (runtime/inside/probe.py), sent with "ready" when asked for."""
     devnull = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
@@ -249,7 +250,7 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str]) -> None:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.signal(signal.SIGCHLD, _noop)
     signal.set_wakeup_fd(wake_w)
-    proto.send(sock, {"op": "ready"}, [upper_fd])
+    proto.send(sock, {"op": "ready"} if probed is None else {"op": "ready", "probe": probed}, [upper_fd])
     os.close(upper_fd)
     reader = proto.Reader()
     worker: int | None = None

@@ -17,7 +17,7 @@ import socket
 import sys
 from typing import Any
 
-from rollbox.runtime.inside import agent, proto
+from rollbox.runtime.inside import agent, probe, proto
 from rollbox.runtime.isolation import libc, mounts, rlimits, seccomp, users
 
 
@@ -51,8 +51,14 @@ def _sandbox_main(cfg: dict[str, Any], req: dict[str, Any], sock: socket.socket,
             proto.send(sock, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
         finally:
             os._exit(70)
+    facts = None
+    if req.get("probe"):  # asked of a zygote's first sandboxes: what is in force, read back from inside
+        try:
+            facts = probe.read_back()
+        except Exception as exc:
+            facts = {"errors": {"probe": f"{type(exc).__name__}: {exc}"}}
     try:
-        agent.serve(sock, upper_fd, cfg["env"])
+        agent.serve(sock, upper_fd, cfg["env"], facts)
     finally:
         os._exit(71)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ class Group(Protocol):
     def reclaim(self) -> None: ...
     def stats(self) -> CgroupStats: ...
     def reset_peak(self) -> None: ...
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Remove the group; raises OSError naming what stayed (a process that would not leave)."""
+        ...
 
 
 class Backend(Protocol):
@@ -70,15 +73,37 @@ def close_fds(fds: list[int]) -> None:
 
 
 def remove_dir(path: Path) -> None:
-    """rmdir a cgroup, retrying while its last tasks finish exiting (EBUSY); gone already is fine."""
+    """rmdir a cgroup, retrying for about 4 s while its last tasks finish exiting (EBUSY); gone
+    already is fine. Raises OSError naming the cgroup (and the processes still in it) if it stays."""
+    t0 = time.monotonic()
     for attempt in range(200):
         try:
             os.rmdir(path)
             return
         except FileNotFoundError:
             return
-        except OSError:
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or attempt == 199:
+                try:
+                    left = " ".join(read(Path(path) / "cgroup.procs").split()) or "none"
+                except OSError:
+                    left = "unknown"
+                raise OSError(exc.errno, f"cannot remove cgroup {path}: {exc.strerror} (tried {attempt + 1} times "
+                              f"over {time.monotonic() - t0:.1f} s; processes still in it: {left})") from exc
             time.sleep(0.001 * min(attempt + 1, 20))
+
+
+def remove_dirs(paths: list[Path]) -> None:
+    """``remove_dir`` each of ``paths`` (one sandbox's cgroups in several v1 hierarchies); every one is
+    tried, then one OSError names all that stayed."""
+    failed: list[OSError] = []
+    for path in paths:
+        try:
+            remove_dir(path)
+        except OSError as exc:
+            failed.append(exc)
+    if failed:
+        raise OSError(failed[0].errno, "; ".join(str(e.strerror) for e in failed))
 
 
 def open_procs(directory: Path) -> int:
@@ -126,12 +151,13 @@ def select(parent: str, prefer: str = "auto") -> tuple[Backend | None, str]:
     from rollbox.runtime.isolation.cgroups_v1 import V1
     from rollbox.runtime.isolation.cgroups_v2 import V2
 
-    reasons = []
+    reasons: list[str] = []
     order = {"auto": ("v2", "v1"), "v1": ("v1",), "v2": ("v2",), "none": ()}[prefer]
     for kind in order:
         try:
             backend: Backend = V2(parent) if kind == "v2" else V1(parent)
-            return backend, f"cgroup {kind} at {parent}"
+            skipped = f" (not {'; '.join(reasons)})" if reasons else ""
+            return backend, f"cgroup {kind} at {parent}{skipped}"
         except OSError as exc:
             reasons.append(f"{kind}: {exc}")
     return None, "; ".join(reasons) or "disabled"

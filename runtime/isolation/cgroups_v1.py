@@ -11,7 +11,7 @@ from rollbox.runtime.isolation.cgroups import (
     close_fds,
     mounts_of,
     open_procs,
-    remove_dir,
+    remove_dirs,
 )
 from rollbox.runtime.isolation.cgroups import read as _read
 from rollbox.runtime.isolation.cgroups import read_kv as _read_kv
@@ -28,6 +28,7 @@ class V1Group:
         self.unique = list(dict.fromkeys(dirs.values()))  # co-mounted controllers (cpu,cpuacct) share one
         self.reusable = True
         self.limits: tuple[int, int, float] | None = None  # as last written
+        self.swap_limited = False  # memory.memsw (memory+swap) written too: needs swap accounting
         self._procs: list[int] = []
 
     def procs_fds(self) -> list[int]:
@@ -59,9 +60,11 @@ class V1Group:
         for path in (memsw, m / "memory.limit_in_bytes", memsw):
             try:
                 _write(path, str(memory_bytes))
+                self.swap_limited = path == memsw
             except OSError:
                 if path.name == "memory.limit_in_bytes":
                     raise
+                self.swap_limited = False
         _write(self.dirs["pids"] / "pids.max", str(pids_max))
         _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(cpu_cores * 100_000))))
         self.limits = (memory_bytes, pids_max, cpu_cores)
@@ -100,9 +103,9 @@ class V1Group:
             pass
 
     def close(self) -> None:
+        """Remove the group's directories; OSError (naming each that stayed) if any could not be."""
         close_fds(self._procs)
-        for d in self.unique:
-            remove_dir(d)
+        remove_dirs(self.unique)
 
 
 class V1:

@@ -105,6 +105,7 @@ class V2Group:
             pass
 
     def close(self) -> None:
+        """Kill what is left in the group and remove it; OSError (naming it) if it stays."""
         close_fds(self._procs)
         close_fds(self._peak_fd)
         self.kill()

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 from cloudevents.conversion import to_binary, to_structured
 from cloudevents.http import CloudEvent, from_http
+from prometheus_client.parser import text_string_to_metric_families
 
 SERVE = [sys.executable, "-m", "rollbox.functions.cli", "serve"]
 
@@ -132,3 +133,14 @@ async def send(http: httpx.AsyncClient, url: str, ev: CloudEvent, mode: str = "b
 
 async def post_raw(http: httpx.AsyncClient, url: str, headers: dict[str, str], body: bytes) -> Reply:
     return parse(await http.post(url, headers=headers, content=body))
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` (``..._total`` for a counter) in Prometheus text whose
+    labels include ``labels``; 0 if there are none."""
+    return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+               if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
+
+
+async def metrics_of(http: httpx.AsyncClient, srv: ServerProc) -> str:
+    return (await http.get(srv.url + "metrics")).text

@@ -146,3 +146,44 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
         timeout=60,
     )
     assert p.returncode == 2 and "--max-queued" in p.stderr and "integer" in p.stderr
+
+
+async def test_a_pool_that_cannot_build_is_logged_once_and_counted(tmp_path: Path, http: httpx.AsyncClient) -> None:
+    """A snapshot whose zygote cannot start (its warm recipe imports a module it lacks): the create that
+    asked for it fails, and its warm pool's builds, retried in the background while it is wanted, fail
+    too — counted in /metrics, logged once with the snapshot, its limits and the cause, not per retry."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    (tmp_path / "broken.yaml").write_text("name: broken\nwarm: {imports: [rollbox_no_such_module]}\n")
+    built = subprocess.run([sys.executable, "-m", "rollbox.functions.cli", "snapshot", "build",
+                            str(tmp_path / "broken.yaml"), "--home", str(home)], capture_output=True, text=True,
+                           timeout=120)
+    assert built.returncode == 0, built.stderr
+    sid = re.search(r"built broken ([0-9a-f]{64})", built.stdout + built.stderr)
+    assert sid, built.stdout
+    srv = start_server(tmp_path / "logs", "--durability", "off", env={"ROLLBOX_HOME": str(home)})
+    try:
+        r = await send(http, srv.url, ce(SANDBOX_CREATE, {"snapshot": "broken"}))
+        assert (r.status, r.type) == (500, ERROR), r.data
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            text = (await http.get(srv.url + "metrics")).text
+            failures = sample(text, "rollbox_pool_build_failures_total")
+            if failures >= 4:  # two builders, retrying every 0.5 s
+                break
+            assert asyncio.get_running_loop().time() < deadline, text
+            await asyncio.sleep(0.1)
+        warned = [x for x in srv.log_records() if x.get("logger") == "rollbox.runtime.pool"]
+        assert len(warned) == 1, warned  # once for the run of failures, not once per retry
+        w = warned[0]
+        assert w["level"] == "warning" and "cannot build a sandbox" in w["msg"]
+        assert "rollbox_no_such_module" in w["msg"] and "Traceback" in w["exc"]
+        assert w["limits"]["memory_max_bytes"] > 0 and w["build_failures"] == 1
+        assert w["snapshot_id"] == sid.group(1)
+        assert sample(text, "rollbox_pool_build_failures_total", snapshot=sid.group(1)) == failures
+        ok = await send(http, srv.url, ce(SANDBOX_RUN, {"code": "print('others unaffected')"}))
+        assert (ok.status, ok.data["stdout"]) == (200, "others unaffected\n")
+    finally:
+        assert srv.stop() == 0, srv.log_path.read_text()[-3000:]

@@ -53,6 +53,7 @@ async def test_health_endpoints(server: ServerProc, http: httpx.AsyncClient) -> 
         "rollbox_admission_rejects_total",
         "rollbox_sandbox_create_seconds",
         "rollbox_pool_size",
+        "rollbox_cleanup_failures",
     ):
         assert f"# TYPE {name.removesuffix('_total')}" in r.text, name
 

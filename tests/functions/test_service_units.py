@@ -162,15 +162,42 @@ def test_every_runtime_error_has_one_reply_in_the_table() -> None:
         rterr.Overloaded("full", retry_after_s=3.0): (429, "overloaded"),
         rterr.ShuttingDown("runtime is shutting down"): (503, "shutting_down"),
         rterr.IsolationError("mount failed /secret/path"): (500, "internal"),
+        Conflict("same id, other content"): (409, "idempotency_conflict"),  # the service's own, same table
     }
     for exc, want in cases.items():
         err = _runtime_error(exc)
         assert (err.status, err.code) == want, exc
-        if want[0] in (409, 429, 503):
-            assert err.retry_after_s, exc
+        retryable = want[1] in ("sandbox_busy", "overloaded", "shutting_down", "store_unavailable")
+        assert bool(err.retry_after_s) is retryable, exc  # Retry-After says "retry": only on what is retryable
     assert _runtime_error(rterr.SandboxGone("x", reason="idle")).details["reason"] == "idle"
     assert "/secret" not in _runtime_error(rterr.IsolationError("mount failed /secret/path")).message
     assert _runtime_error(rterr.Overloaded("full", retry_after_s=3.0)).retry_after_s == 3.0
+    assert _runtime_error(rterr.ShuttingDown("draining", retry_after_s=7.0)).retry_after_s == 7.0  # its own
+    assert _runtime_error(rterr.ShuttingDown("closing")).retry_after_s == 1.0  # else the row's
     rows = [cls for cls, _ in ERROR_TABLE]
     for i, cls in enumerate(rows):  # no row is shadowed by an earlier, more general one
         assert not any(issubclass(cls, earlier) for earlier in rows[:i]), cls
+
+
+def test_no_other_place_maps_an_exception_to_a_status() -> None:
+    """Replies to exceptions are built from ERROR_TABLE only: the service's own refusals (admission,
+    drain, the grace period, idempotency conflicts) raise the runtime's classes and go through it.
+    What is left building a ReplyError by hand is HTTP- and CloudEvent-level input checking."""
+    import ast
+    import inspect
+
+    from rollbox.functions import service
+
+    tree = ast.parse(inspect.getsource(service))
+    by_hand = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ReplyError":
+            code = node.args[1] if len(node.args) > 1 else None
+            by_hand.append(ast.unparse(code) if code is not None else "?")
+    assert sorted(by_hand) == sorted([
+        "m.code",  # _runtime_error(): the table's row
+        "ErrorCode.INTERNAL",  # _internal(): anything not in the table
+        "ErrorCode.NOT_FOUND", "ErrorCode.METHOD_NOT_ALLOWED",  # HTTP: path, method
+        "ErrorCode.UNKNOWN_TYPE", "ErrorCode.PAYLOAD_TOO_LARGE",  # the event: its type, its size
+        "ErrorCode.INVALID_DATA", "ErrorCode.INVALID_DATA",  # its data: not an object, not the model
+    ]), by_hand

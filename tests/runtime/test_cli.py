@@ -50,6 +50,22 @@ def test_run_keeps_the_snapshots_limits_unless_asked(tmp_path: Path) -> None:
                                                                               "lifetime_s": 1060.0}
 
 
+def test_run_keeps_a_templates_own_limits(tmp_path: Path) -> None:
+    """A snapshot built from a template that declares its limits (as python-sci declares 1 GiB) keeps
+    them under `rollbox run`: only the limits given on the command line replace the snapshot's."""
+    (tmp_path / "tight.yaml").write_text("name: tight\nlimits: {memory_max_bytes: 100663296}\n")  # 96 MiB
+    built = run("snapshot", "build", str(tmp_path / "tight.yaml"), tmp=tmp_path)
+    assert built.returncode == 0, built.stderr
+    # over 96 MiB, and over the 256 MiB of address space the rlimit fallback (rootless) adds to it
+    hog = "x = bytearray(400 * 2**20); x[::4096] = b'x' * len(x[::4096]); print('kept')"
+    p = run("run", "--json", "--snapshot", "tight", "--timeout-s", "20", "--code", hog, tmp=tmp_path)
+    rec = json.loads(p.stdout)  # 96 MiB, not the 512 MiB default: killed by the cgroup, or MemoryError
+    assert rec["exit_code"] != 0 and "kept" not in rec["stdout"], rec
+    assert rec["oom_killed"] or "MemoryError" in rec["stderr"], rec
+    p = run("run", "--json", "--snapshot", "tight", "--memory-mb", "640", "--code", hog, tmp=tmp_path)
+    assert (p.returncode, json.loads(p.stdout)["stdout"]) == (0, "kept\n"), p.stderr  # asked for: replaced
+
+
 def test_bad_env_value_is_a_clear_error(tmp_path: Path) -> None:
     env = dict(os.environ, ROLLBOX_HOME=str(tmp_path), ROLLBOX_TIMEOUT_S="soon")
     p = subprocess.run([*ROLLBOX, "run", "--code", "1"], capture_output=True, text=True, env=env, timeout=60)
@@ -62,3 +78,12 @@ def test_doctor_lists_every_layer(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     for layer in ("mount namespace", "pid namespace", "net namespace", "overlayfs", "seccomp", "cgroups", "sandbox"):
         assert f"ok   {layer}" in p.stdout
+    # then what is in force in the sandbox it made, per layer, as read back and set up
+    in_force = p.stdout.split("layers in force in that sandbox (sb-", 1)[1].splitlines()[1:]
+    layers = dict(line.strip().split(": ", 1) for line in in_force)
+    assert list(layers) == ["mode", "namespaces", "user", "filesystem", "cgroups", "rlimits", "seccomp", "limits"]
+    assert layers["namespaces"].startswith("unshared from the host: mnt, pid, ipc, uts, net;")
+    assert layers["user"].startswith("uid 1000 gid 1000 inside = host uid 1000 gid 1000; no user namespace")
+    assert layers["cgroups"].startswith(("v1: cgroup v1 at rollbox", "v2: cgroup v2 at rollbox"))
+    assert "its init is in it" in layers["cgroups"]
+    assert layers["seccomp"].startswith("filter loaded (Seccomp=2")

@@ -19,7 +19,7 @@ MiB = 1024 * 1024
 
 async def test_rlimits_contain_without_cgroups(tmp_path: Path) -> None:
     async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup="none")) as rt:
-        assert "rlimits instead" in rt.isolation_report()["cgroups"]
+        assert "fall back to rlimits" in rt.isolation_report()["cgroups"]
         lim = Limits(pids_max=16, memory_max_bytes=128 * MiB)
         bomb = await rt.run(ExecRequest(code="import os\nn = 0\nwhile True:\n    try:\n        os.fork()\n"
                                         "    except OSError:\n        print('refused', flush=True)\n        break",

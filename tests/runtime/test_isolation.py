@@ -24,6 +24,20 @@ SECRET = f"host-secret-{uuid.uuid4().hex}"
 HOST_FILE = f"/tmp/rollbox-host-{uuid.uuid4().hex}"
 
 
+# Calls a libc function (or a raw syscall) and prints "<label>:<errno name>" (or "<label>:ok"):
+# each case names the exact error the kernel must give, so a missing tool or a crash cannot pass.
+ERRNO_OF = (
+    "import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "def call(fn, *args, label=None):\n"
+    "    ctypes.set_errno(0)\n"
+    "    rc = getattr(libc, fn)(*args)\n"
+    "    err = ctypes.get_errno()\n"
+    "    print(f'{label or fn}:' + ('ok' if rc != -1 else errno.errorcode.get(err, str(err))))\n"
+    "import os\nNR = {'x86_64': {'pivot_root': 155, 'clone': 56}, 'aarch64': {'pivot_root': 41, 'clone': 220}}"
+    "[os.uname().machine]\n"
+)
+
+
 @dataclass
 class Case:
     name: str
@@ -63,10 +77,11 @@ CASES = [
          code="import os\n"
               f"for p in ['{HOST_FILE}', '/etc/shadow', '/work', os.path.expanduser('~root') + '/.bashrc']:\n"
               "    print('present' if os.path.exists(p) else 'absent')"),
-    Case("writing outside the sandbox never reaches the host",
-         lambda r: r.exit_code == 0 and "usr:denied" in r.stdout and not os.path.exists(HOST_FILE + ".w"),
-         code=f"open('{HOST_FILE}.w', 'w').write('x')\n"
-              "try:\n    open('/usr/evil', 'w')\nexcept OSError:\n    print('usr:denied')"),
+    Case("writing outside the sandbox never reaches the host; /usr is a read-only bind (EROFS)",
+         lambda r: r.exit_code == 0 and r.stdout == "usr:EROFS\n" and not os.path.exists(HOST_FILE + ".w"),
+         code=f"import errno\nopen('{HOST_FILE}.w', 'w').write('x')\n"
+              "try:\n    open('/usr/evil', 'w')\n    print('usr:written')\nexcept OSError as e:\n"
+              "    print('usr:' + errno.errorcode[e.errno])"),
     Case("connecting to a TCP port the host listens on fails",
          lambda r: r.exit_code == 0 and r.stdout.strip() == "refused:PermissionError",
          code="import socket\ntry:\n    socket.create_connection(('127.0.0.1', PORT), timeout=2)\n    print('connected')\n"
@@ -82,27 +97,40 @@ CASES = [
     Case("background processes do not outlive the step's end as a one-shot",
          lambda r: r.exit_code == 0 and r.stdout == "started\n" and r.wall_s < 5,
          command="(sleep 1000; echo late) & echo started", timeout_s=20),
-    Case("only AF_UNIX sockets: netlink, vsock, packet, inet6 refused",
-         lambda r: r.exit_code == 0 and r.stdout.split() == ["unix:ok", "16:refused", "40:refused", "17:refused", "10:refused"],
-         code="import socket\nfor fam in (1, 16, 40, 17, 10):\n    try:\n        socket.socket(fam, socket.SOCK_DGRAM).close()\n"
-              "        print('unix:ok' if fam == 1 else f'{fam}:open')\n    except OSError:\n        print(f'{fam}:refused')"),
+    Case("only AF_UNIX sockets: netlink, vsock, packet, inet6 refused by the filter (EPERM)",
+         lambda r: r.exit_code == 0 and r.stdout.split() == ["1:ok", "16:EPERM", "40:EPERM", "17:EPERM", "10:EPERM"],
+         code="import errno, socket\nfor fam in (1, 16, 40, 17, 10):\n    try:\n        socket.socket(fam, socket.SOCK_DGRAM).close()\n"
+              "        print(f'{fam}:ok')\n    except OSError as e:\n        print(f'{fam}:{errno.errorcode[e.errno]}')"),
     Case("io_uring is refused (it would bypass the socket filter)",
          lambda r: r.exit_code == 0 and r.stdout.split() == ["-1", "1"],
          code="import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\np = ctypes.create_string_buffer(120)\n"
               "print(libc.syscall(425, 4, p), ctypes.get_errno())"),
-    Case("mount fails",
-         lambda r: r.exit_code != 0 and "ok" not in r.stdout,
-         command="mount -t tmpfs none /tmp && echo ok"),
+    Case("mount, umount2, pivot_root and chroot are refused by the filter (EPERM)",
+         lambda r: r.exit_code == 0 and r.stdout.split() == ["mount:EPERM", "umount2:EPERM", "pivot_root:EPERM",
+                                                             "chroot:EPERM", "/tmp:not-tmpfs"],
+         code=ERRNO_OF + "call('mount', b'none', b'/tmp', b'tmpfs', 0, None)\ncall('umount2', b'/proc', 2)\n"
+              "call('syscall', NR['pivot_root'], b'/tmp', b'/tmp', label='pivot_root')\ncall('chroot', b'/tmp')\n"
+              "print('/tmp:' + ('tmpfs' if any(l.split()[4] == '/tmp' and ' - tmpfs ' in l\n"
+              "      for l in open('/proc/self/mountinfo')) else 'not-tmpfs'))"),
     Case("ptrace fails",
          lambda r: r.exit_code == 0 and r.stdout.strip() == "-1 1",
          code="import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
               "print(libc.ptrace(0, 0, 0, 0), ctypes.get_errno())"),
-    Case("device nodes cannot be made (the root allows the skeleton's /dev only)",
-         lambda r: r.exit_code != 0 and "ok" not in r.stdout,
-         command="mknod /tmp/mem c 1 1 && echo ok"),
-    Case("unshare fails (no new namespaces from inside)",
-         lambda r: r.exit_code != 0,
-         command="unshare -U true"),
+    Case("device nodes cannot be made: mknod is EPERM (no CAP_MKNOD; the root allows the skeleton's /dev only)",
+         lambda r: r.exit_code == 0 and r.stdout.split() == ["c:EPERM", "b:EPERM", "absent"],
+         code="import errno, os, stat\nfor kind, mode in (('c', stat.S_IFCHR), ('b', stat.S_IFBLK)):\n    try:\n"
+              "        os.mknod('/tmp/mem', mode | 0o666, os.makedev(1, 1))\n        print(kind + ':made')\n"
+              "    except OSError as e:\n        print(kind + ':' + errno.errorcode[e.errno])\n"
+              "print('present' if os.path.lexists('/tmp/mem') else 'absent')"),
+    Case("no new namespaces from inside: unshare and setns are EPERM, clone with namespace flags EPERM, clone3 ENOSYS",
+         lambda r: r.exit_code == 0 and r.stdout.split() == [
+             "unshare-user:EPERM", "unshare-mnt:EPERM", "unshare-net:EPERM", "unshare-pid:EPERM",
+             "setns:EPERM", "clone-newuser:EPERM", "clone3:ENOSYS"],
+         code=ERRNO_OF + "import os\nfor name, flag in (('user', 0x10000000), ('mnt', 0x20000), ('net', 0x40000000),\n"
+              "                   ('pid', 0x20000000)):\n    call('unshare', flag, label='unshare-' + name)\n"
+              "fd = os.open('/proc/self/ns/uts', os.O_RDONLY)\ncall('setns', fd, 0)\n"
+              "call('syscall', NR['clone'], 0x10000000 | 17, 0, 0, 0, 0, label='clone-newuser')\n"
+              "args = ctypes.create_string_buffer(88)\ncall('syscall', 435, args, 88, label='clone3')"),
     Case("the host environment is not visible",
          lambda r: r.exit_code == 0 and SECRET not in r.stdout and "HOME=/home/sandbox" in r.stdout,
          command="env; cat /proc/1/environ 2>/dev/null | tr '\\0' '\\n'"),

@@ -53,3 +53,27 @@ async def test_pool_serves_acquisitions_and_drains(rt: Runtime) -> None:
             break
         await asyncio.sleep(0.05)
     assert not pool.ready  # drained to zero after the idle window
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_prewarm_short_of_its_target_is_logged_and_counted(
+        rt: Runtime, caplog: pytest.LogCaptureFixture) -> None:
+    from prometheus_client import generate_latest
+    from rollbox.functions.metrics import Metrics
+
+    caplog.set_level("WARNING", logger="rollbox.runtime.pool")
+    await rt.prewarm("python", count=12, timeout_s=0.01)  # far more than two builders make in 10 ms
+    pool = next(p for k, p in rt.pools.items() if k[0] == "python")
+    try:
+        assert pool.prewarm_shortfalls == 1
+        warned = [r for r in caplog.records if r.name == "rollbox.runtime.pool"]
+        assert len(warned) == 1 and "of the 12 ready sandboxes asked for after 0.01 s" in warned[0].getMessage()
+        fields = warned[0].fields  # type: ignore[attr-defined]
+        assert fields["snapshot_id"] == "python" and fields["wanted"] == 12 and fields["limits"]["pids_max"] > 0
+        metrics = Metrics(live_count=lambda: 0, pool_sizes=dict, inflight=lambda: 0, pools=lambda: rt.pools.values())
+        text = generate_latest(metrics.registry).decode()
+        assert 'rollbox_pool_prewarm_shortfalls_total{snapshot="python"} 1.0' in text
+        assert 'rollbox_pool_build_failures_total{snapshot="python"} 0.0' in text
+        assert await pool.wait_ready(1, timeout_s=30)  # it does get there: a shortfall, not a failure
+    finally:
+        pool.min_size = 0

@@ -37,7 +37,7 @@ def test_every_rule_is_under_the_store_prefix_and_usage_and_snapshots_have_none(
     }
     rules_ = by_id(rules)
     assert rules_["rollbox-sandboxes:team/run1"]["Expiration"] == {"Days": 10}
-    assert rules_["rollbox-blobs:team/run1"]["Expiration"] == {"Days": 10 + MAX_LIFETIME_DAYS} == {"Days": 17}
+    assert rules_["rollbox-blobs:team/run1"]["Expiration"] == {"Days": 10 + MAX_LIFETIME_DAYS + 1} == {"Days": 18}
     assert rules_["rollbox-trajectories:team/run1"]["Transitions"] == [{"Days": 45, "StorageClass": "DEEP_ARCHIVE"}]
     assert "Expiration" not in rules_["rollbox-trajectories:team/run1"]
     assert rules_["rollbox-multipart:team/run1"]["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 1}
@@ -54,7 +54,7 @@ def test_defaults_and_a_store_at_the_bucket_root() -> None:
     assert prefixes(list(rules.values())) == {"rollbox-sandboxes": "sandboxes/", "rollbox-blobs": "blobs/",
                                               "rollbox-trajectories": "trajectories/", "rollbox-multipart": ""}
     assert rules["rollbox-sandboxes"]["Expiration"] == {"Days": 8}
-    assert rules["rollbox-blobs"]["Expiration"] == {"Days": 15}
+    assert rules["rollbox-blobs"]["Expiration"] == {"Days": 16}
     assert rules["rollbox-trajectories"]["Transitions"] == [{"Days": 30, "StorageClass": "GLACIER_IR"}]
     assert "rollbox-trajectories" not in by_id(lifecycle_rules("", cold_class=None))
 
@@ -139,7 +139,7 @@ def test_init_sets_the_rules_then_show_reads_them_back(cli: Any, s3_url: str, se
     assert rc == 0, err
     for rule_id, prefix, action in (
             ("rollbox-sandboxes:snapshots", "snapshots/sandboxes/", "expire after 9 days"),
-            ("rollbox-blobs:snapshots", "snapshots/blobs/", "expire after 16 days"),
+            ("rollbox-blobs:snapshots", "snapshots/blobs/", "expire after 17 days"),
             ("rollbox-multipart:snapshots", "snapshots/", "abort incomplete uploads after 1 day")):
         line = next(x for x in out.splitlines() if rule_id in x)
         assert f"'{prefix}'" in line and action in line and "this store" in line, line
@@ -194,3 +194,29 @@ def test_bad_settings_and_local_stores_exit_2_naming_the_problem(cli: Any, s3_ur
 def test_a_missing_bucket_is_named(cli: Any, seaweed: SeaweedS3) -> None:
     rc, _, err = cli("show", "--store", "s3://rb-no-such-bucket/p")
     assert rc == 1 and "bucket 'rb-no-such-bucket' does not exist" in err and "create the bucket first" in err
+
+
+def test_a_reused_blob_is_rewritten_so_its_expiry_restarts(make_s3: S3Factory, s3_url: str,
+                                                           seaweed: SeaweedS3) -> None:
+    """blobs/ expire a lifetime after they were written; a blob written long ago that a new sandbox
+    references again must not expire under it: an old one is rewritten in place (same bytes), a
+    fresh one is left alone. (Real SeaweedFS; "old" is a threshold of 0 s, as time cannot be faked.)"""
+    import time
+
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    s3 = make_s3(s3_url)
+    objects = S3Objects(s3)
+    client, key = seaweed.client(), f"{s3.prefix}/blobs/ab/abcd"
+
+    def written() -> float:
+        return float(client.head_object(Bucket=s3.bucket, Key=key)["LastModified"].timestamp())
+
+    objects.put_content("blobs/ab/abcd", b"same bytes")
+    first = written()
+    time.sleep(1.1)  # LastModified has one-second resolution
+    objects.put_content("blobs/ab/abcd", b"same bytes")  # young: left alone
+    assert written() == first and s3.stats["refreshes"] == 0
+    objects.put_content("blobs/ab/abcd", b"same bytes", refresh_after_s=0.0)  # old: rewritten
+    assert written() > first and s3.stats["refreshes"] == 1
+    assert objects.get("blobs/ab/abcd") == b"same bytes"
