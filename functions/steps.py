@@ -31,6 +31,7 @@ from rollbox.functions.contract import (
     SANDBOX_CREATE,
     SANDBOX_DESTROY,
     SANDBOX_EXEC,
+    SANDBOX_RUN,
     SANDBOX_SNAPSHOT,
     AnnotateData,
     ErrorData,
@@ -245,7 +246,8 @@ class StepLog:
                 self._keep_meta(info.sandbox_id, dict(info.metadata), info.snapshot_id, info.forked_from)
         if row.get("env_version") is None and row.get("snapshot_id"):
             row["env_version"] = self._version_json(row["snapshot_id"])
-        if sid is not None and status == 200 and (meta or snapshot):
+        if sid is not None and status == 200 and (meta or snapshot) and ctx.event_type != SANDBOX_RUN:
+            # (a one-shot run's sandbox is gone: nothing later asks for its labels)
             self._keep_meta(sid, meta, row.get("snapshot_id"), row.get("forked_from"))
         return row  # StepRecord's fields; those left out take the model's defaults (the flush fills them in)
 
