@@ -64,6 +64,7 @@ from cloudevents.http import CloudEvent, from_http
 from pydantic import BaseModel, ValidationError
 from rollbox.functions.contract import (
     ERROR,
+    PARTITION_KEY,
     SANDBOX_CREATE,
     SANDBOX_CREATED,
     SANDBOX_DESTROY,
@@ -408,16 +409,19 @@ class Client:
         event_id: str | None = None,
         sandbox_id: str | None = None,
     ) -> M:
-        """Send one event and return the reply's data as ``model``; retries keep the event id."""
-        event = CloudEvent(
-            {
-                "type": event_type,
-                "source": self.source,
-                "id": event_id or uuid.uuid4().hex,
-                "datacontenttype": "application/json",
-            },
-            dict(data),
-        )
+        """Send one event and return the reply's data as ``model``; retries keep the event id. An event
+        that names a sandbox carries it as its ``partitionkey`` (CloudEvents Partitioning): through a
+        Kafka Broker, one partition per sandbox, so an episode's steps arrive in order."""
+        attributes = {
+            "type": event_type,
+            "source": self.source,
+            "id": event_id or uuid.uuid4().hex,
+            "datacontenttype": "application/json",
+        }
+        key = sandbox_id or data.get("sandbox_id")
+        if isinstance(key, str) and key:
+            attributes[PARTITION_KEY] = key
+        event = CloudEvent(attributes, dict(data))
         headers, body = to_binary(event)
         http = self._http
         timeout = httpx.Timeout(http.timeout.connect, read=read_timeout_s, write=60.0, pool=None)

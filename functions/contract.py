@@ -31,6 +31,8 @@ __all__ = [
     "ERROR",
     "EVENT_SOURCE",
     "MAX_FORK",
+    "PARTITION_KEY",
+    "REPLY_CARRIES",
     "SANDBOX_CREATE",
     "SANDBOX_CREATED",
     "SANDBOX_DESTROY",
@@ -80,6 +82,14 @@ ERROR: Final = "dev.rollbox.error"
 
 # The `source` attribute of every reply this service sends (a URI-reference, as CloudEvents asks).
 EVENT_SOURCE: Final = "/rollbox/functions"
+
+# Extension attributes a reply carries over from its request (Knative Eventing through a Broker):
+# the CloudEvents Partitioning extension (the client sets it to the sandbox id: one Kafka partition,
+# so ordered delivery, per sandbox) as is, and a RequestReply's correlation id as its reply attribute.
+PARTITION_KEY: Final = "partitionkey"
+CORRELATION_ID: Final = "correlationid"  # RequestReply spec.correlationAttribute (knative/overlays/kafka)
+REPLY_ID: Final = "replyid"  # RequestReply spec.replyAttribute
+REPLY_CARRIES: Final = ((PARTITION_KEY, PARTITION_KEY), (CORRELATION_ID, REPLY_ID))
 
 SandboxId = Annotated[
     str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")

@@ -29,7 +29,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from rollbox.functions import sandbox
 from rollbox.functions.admission import Admission, Rejected
-from rollbox.functions.contract import SANDBOX_CREATED, SANDBOX_DESTROY, SANDBOX_DESTROYED, ErrorCode, ErrorData
+from rollbox.functions.contract import (
+    REPLY_CARRIES,
+    SANDBOX_CREATED,
+    SANDBOX_DESTROY,
+    SANDBOX_DESTROYED,
+    ErrorCode,
+    ErrorData,
+)
 from rollbox.functions.events import ReplyError, content_mode, decode, encode, error_event, reply_event
 from rollbox.functions.idempotency import Conflict, IdempotencyCache
 from rollbox.functions.logs import logger
@@ -242,9 +249,14 @@ class Service:
         t0 = time.perf_counter()
         fields: dict[str, Any] = {}
         replayed = False
+        carry: dict[str, str] = {}
         try:
             body = await self._read_body(request)  # first, even to refuse: see handle()
             event = decode(request.headers, body)
+            for theirs, ours in REPLY_CARRIES:  # partition key, RequestReply correlation: onto the reply
+                value = event.get(theirs)
+                if isinstance(value, str) and 0 < len(value) <= 256:
+                    carry[ours] = value
             if self.admission.draining and event["type"] != SANDBOX_DESTROY:  # destroy still frees sandboxes
                 self.metrics.rejects.labels("draining").inc()
                 raise _runtime_error(rterr.ShuttingDown("draining; only destroy events are still accepted",
@@ -281,10 +293,14 @@ class Service:
         self.metrics.request_seconds.labels(etype_label).observe(seconds)
         fields.update(status=reply.status, code=reply.code, ms=round(seconds * 1000, 3), replayed=replayed or None)
         logger.log(40 if reply.status >= 500 else 20, "event", extra={"fields": fields})
-        return self._respond(request, reply, fields)
+        return self._respond(request, reply, fields, carry=carry)
 
-    def _respond(self, request: Request, reply: _Reply, fields: dict[str, Any], **extra: str) -> Response:
-        headers, body = encode(reply.event, content_mode(request.headers))
+    def _respond(self, request: Request, reply: _Reply, fields: dict[str, Any], *,
+                 carry: dict[str, str] | None = None, **extra: str) -> Response:
+        event = reply.event
+        if carry:  # this request's own (a replayed reply was made for the first delivery)
+            event = CloudEvent({**event.get_attributes(), **carry}, event.get_data())
+        headers, body = encode(event, content_mode(request.headers))
         if reply.retry_after_s is not None:
             headers["retry-after"] = str(max(1, math.ceil(reply.retry_after_s)))
         if reply.status == 503:

@@ -36,6 +36,7 @@ CRDS = {
     ("serving.knative.dev/v1", "Service"): "serving/service.yaml",
     ("eventing.knative.dev/v1", "Broker"): "eventing/broker.yaml",
     ("eventing.knative.dev/v1", "Trigger"): "eventing/trigger.yaml",
+    ("eventing.knative.dev/v1alpha1", "RequestReply"): "eventing/requestreply.yaml",
 }
 AUTOSCALING = "autoscaling.knative.dev/"
 # Per-revision annotation -> the cluster-wide key in config-autoscaler that documents it.
@@ -102,9 +103,9 @@ def strict(schema: Any) -> Any:
     return out
 
 
-def crd_validator(rel: str) -> jsonschema.Draft7Validator:
+def crd_validator(rel: str, api_version: str = "v1") -> jsonschema.Draft7Validator:
     crd = yaml.safe_load((REFERENCE / rel).read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1" and v["served"]]
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == api_version and v["served"]]
     schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
     schema.setdefault("properties", {}).update(
         apiVersion={"type": "string"}, kind={"type": "string"}, metadata={"type": "object"})
@@ -164,7 +165,7 @@ def test_knative_folder_has_the_manifests() -> None:
     names = {p.relative_to(KNATIVE).as_posix() for p in ALL_YAML}
     assert {"base/service.yaml", "base/runtimeclass-kata.yaml", "base/eventing.yaml", "base/kustomization.yaml",
             "overlays/local-store/kustomization.yaml", "overlays/s3/kustomization.yaml"} <= names
-    assert [p.name for p in OVERLAYS] == ["local-store", "s3"]
+    assert [p.name for p in OVERLAYS] == ["kafka", "local-store", "s3"]
 
 
 @pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.relative_to(KNATIVE).as_posix())
@@ -214,7 +215,8 @@ def test_resources_validate_against_the_knative_crds(directory: Path) -> None:
     for d in resources:
         crd = CRDS.get((d["apiVersion"], d["kind"]))
         if crd is not None:
-            errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in crd_validator(crd).iter_errors(d)]
+            validator = crd_validator(crd, d["apiVersion"].rsplit("/", 1)[1])
+            errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(d)]
             assert not errors, f"{key(d)}: {errors}"
             checked.add(d["kind"])
         elif d["kind"] == "RuntimeClass":
@@ -224,7 +226,8 @@ def test_resources_validate_against_the_knative_crds(directory: Path) -> None:
         else:
             assert (d["apiVersion"], d["kind"]) == ("v1", "ConfigMap"), f"unchecked resource {key(d)}"
             check_model(d, "V1ConfigMap", "ConfigMap")
-    assert checked == {"Service", "Broker", "Trigger", "RuntimeClass"}
+    assert checked == {"Service", "Broker", "Trigger", "RuntimeClass"} | (
+        {"RequestReply"} if directory.name == "kafka" else set())
 
 
 def test_strict_schemas_reject_misspelled_and_mistyped_fields() -> None:
@@ -319,7 +322,7 @@ def test_rollbox_serve_accepts_the_environment(directory: Path) -> None:
     assert set(env) <= known, f"not read by rollbox serve: {sorted(set(env) - known)}"
     values = resolve_options(SERVE_OPTIONS, argparse.Namespace(), env)
     assert values["host"] == "0.0.0.0" and values["port"] == 8080
-    if directory.name == "s3":
+    if directory.name in ("s3", "kafka"):  # kafka: the s3 overlay, ordered through a Kafka Broker
         assert str(values["store"]).startswith("s3://") and values["s3_endpoint_url"].startswith("https://")
         assert int(rollbox_service(build(directory))["spec"]["template"]["metadata"]["annotations"][
             AUTOSCALING + "max-scale"]) > 1
@@ -374,3 +377,32 @@ def test_triggers_deliver_to_the_service_with_retries_and_dead_letters() -> None
         assert t["spec"]["broker"] == broker["metadata"]["name"]
         ref = t["spec"]["subscriber"]["ref"]
         assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("serving.knative.dev/v1", "Service", "rollbox")
+
+
+# --- ordered delivery through a Kafka Broker ---------------------------------------------------
+
+def test_kafka_overlay_orders_every_trigger_and_replies_through_request_reply() -> None:
+    """Kafka Broker (its config map in the overlay), every Trigger an ordered consumer, and a
+    RequestReply whose attributes are the ones rollbox's replies carry (functions/contract.py)."""
+    from rollbox.functions.contract import CORRELATION_ID, REPLY_CARRIES, REPLY_ID
+
+    resources = {key(d): d for d in build(KNATIVE / "overlays" / "kafka")}
+    broker = resources["Broker", "rollbox"]
+    assert broker["metadata"]["annotations"]["eventing.knative.dev/broker.class"] == "Kafka"
+    config = broker["spec"]["config"]
+    assert (config["kind"], config["name"]) in {(k, n) for k, n in resources}
+    assert resources[config["kind"], config["name"]]["data"]["bootstrap.servers"]
+    assert broker["spec"]["delivery"]["deadLetterSink"]  # the base's retries and dead letters are kept
+    triggers = [d for (k, _), d in resources.items() if k == "Trigger"]
+    assert len(triggers) == 7
+    for t in triggers:
+        assert t["metadata"]["annotations"]["kafka.eventing.knative.dev/delivery.order"] == "ordered", t
+        assert t["spec"]["broker"] == "rollbox" and t["spec"]["filter"]["attributes"]["type"]
+    rr = resources["RequestReply", "rollbox"]
+    assert rr["spec"]["brokerRef"] == {"apiVersion": "eventing.knative.dev/v1", "kind": "Broker", "name": "rollbox"}
+    assert (rr["spec"]["correlationAttribute"], rr["spec"]["replyAttribute"]) == (CORRELATION_ID, REPLY_ID)
+    assert (CORRELATION_ID, REPLY_ID) in REPLY_CARRIES
+    # the base and the s3 overlay stay unordered (a plain MTChannelBasedBroker)
+    base = {key(d): d for d in build(KNATIVE / "overlays" / "s3")}
+    assert base["Broker", "rollbox"]["metadata"]["annotations"]["eventing.knative.dev/broker.class"] \
+        == "MTChannelBasedBroker"
