@@ -44,6 +44,7 @@ from rollbox.functions.service import Service, ServiceConfig
 from rollbox.functions.steps import StepLog
 from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_store, state_objects
 from rollbox.runtime.errors import RollboxError, StoreUnavailable
+from rollbox.runtime.runtime import RuntimeConfig
 from rollbox.snapshots.calls import StoreCalls
 from rollbox.snapshots.store_s3 import S3Store
 
@@ -181,6 +182,10 @@ OPTIONS: tuple[Option, ...] = (
            "dollars per vCPU-second of a sandbox's cpu limit (usage records, metrics, rollbox report)"),
     Option("price_gib_s", "--price-gib-s", "ROLLBOX_PRICE_GIB_S", amount, Prices.gib_s,
            "dollars per GiB-second of a sandbox's memory limit"),
+    Option("cpu_reserved_cores", "--cpu-reserved-cores", "ROLLBOX_CPU_RESERVED_CORES", amount,
+           RuntimeConfig.model_fields["cpu_reserved_cores"].default,
+           "CPU kept from the sandboxes for this server and its zygotes: all sandboxes together are capped at "
+           "the host's cores less this (cgroups v1 and v2; without cgroups, sandboxes run at nice 10 instead)"),
     Option("log_level", "--log-level", "ROLLBOX_LOG_LEVEL", level, "info", "debug, info, warning or error"),
     Option(
         "home",
@@ -243,6 +248,7 @@ class ServeConfig:
     flush_interval_s: float = 10.0
     price_vcpu_s: float = Prices.vcpu_s
     price_gib_s: float = Prices.gib_s
+    cpu_reserved_cores: float = RuntimeConfig.model_fields["cpu_reserved_cores"].default
     store: StoreConfig = field(default_factory=StoreConfig)
 
 
@@ -285,7 +291,7 @@ class _Server(uvicorn.Server):
 
 
 async def serve(cfg: ServeConfig) -> int:
-    from rollbox.runtime.runtime import Runtime, RuntimeConfig, default_home
+    from rollbox.runtime.runtime import Runtime, default_home
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -325,6 +331,7 @@ async def serve(cfg: ServeConfig) -> int:
     home = cfg.store.home or default_home()
     durable_on = cfg.durability == "step"
     rt = Runtime(RuntimeConfig(max_live=cfg.service.max_live, state_dir=home, layer_root=layer_root,
+                               cpu_reserved_cores=cfg.cpu_reserved_cores,
                                # durable fork children take their parent's files inside them (a diff
                                # in a stacked scratch layer would not be in their durable state)
                                fork_inject_max_bytes=(1 << 30) if durable_on else 8 * 1024 * 1024),

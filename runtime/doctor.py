@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 
+from rollbox.runtime import report
 from rollbox.runtime.isolation import cgroups, libc, seccomp
 
 
@@ -96,12 +97,16 @@ async def diagnose() -> tuple[bool, list[str]]:
         else:
             ok = ok and not required
             lines.append(f"  {'FAIL' if required else 'warn'} {name}: {err}")
-    backend, why = cgroups.select(cgroups.default_parent())
+    reserved = RuntimeConfig.model_fields["cpu_reserved_cores"].default
+    backend, why = cgroups.select(cgroups.default_parent(), reserved_cores=reserved)
     if backend is None:
         lines.append(f"  warn cgroups: not available ({why}); memory and pids fall back to rlimits")
+        lines.append(f"  warn cpu: {report.cpu(None, None, None, None)}")
     else:
         backend.close()
         lines.append(f"  ok   cgroups: {why}")
+        lines.append(f"  {'ok  ' if backend.cpu.cap_cores is not None else 'warn'} cpu: "
+                     f"{report.cpu(backend, None, None, None)}")
     try:
         async with Runtime(RuntimeConfig()) as rt:
             info = await rt.create()

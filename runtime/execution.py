@@ -24,7 +24,10 @@ from rollbox.runtime.restore import WarmSource
 from rollbox.runtime.snapshot import SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, Usage
 
-KILL_GRACE_S = 3.0  # after asking the agent to kill, how long before the whole sandbox is killed
+KILL_GRACE_S = 3.0  # after a step's processes were killed, how long the agent has to report its end
+# ... of which a timed-out step waits this long (for its read-back files); past it the step returns
+# as killed and the agent's report is read before the sandbox's next frame (``settle``).
+REPORT_WAIT_S = 0.2
 DRAIN_AFTER_EXIT_S = 0.2  # how long background holders of stdout may keep it open after the exit
 DRAIN_FACTOR = 8  # past the cap, output is read and dropped up to this many caps, then left to block
 
@@ -177,6 +180,48 @@ def pack_upper(upper: str, max_bytes: int) -> dict[str, Any] | None:
     return diff
 
 
+def descendants(pid: int) -> list[int]:
+    """Host pids of every descendant of ``pid`` (/proc/<pid>/task/<tid>/children, recursively). In a
+    pid namespace an orphan is re-parented to its init, so under a sandbox's init: every other process
+    of the sandbox."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children", "rb") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
+
+
+def kill_all_but_init(init_pid: int, group: Group | None, max_passes: int = 100) -> int:
+    """SIGKILL every process of a sandbox but its init, from the host: the members of its cgroup, or
+    (no cgroup) its init's descendants. Needs no CPU inside the sandbox, so a step that starves its
+    own agent (a fork bomb under a small CPU quota) still ends at its deadline. Passes repeat while
+    new processes appear (a process forked just before its parent was killed); a killed one cannot
+    fork. Returns how many processes were signalled."""
+    seen: set[int] = set()
+    for _ in range(max_passes):
+        found = group.pids() if group is not None else descendants(init_pid)
+        new = [p for p in found if p != init_pid and p not in seen]
+        if not new:
+            break
+        for p in new:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGKILL)
+        seen.update(new)
+    return len(seen)
+
+
 def _exit_code(status: int) -> tuple[int, str | None]:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -212,6 +257,8 @@ class Sandbox:
     created_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     execs: int = 0
+    step_kills: int = 0  # processes the supervisor killed on step timeouts
+    owed_exit: bool = False  # a timed-out step's "exit" is still to come from the agent (see settle)
     forked_from: str | None = None
     pooled: bool = False
     metered: str | None = "sandbox"  # how its life is billed when it ends here: sandbox | run | None (elsewhere)
@@ -284,6 +331,7 @@ class Sandbox:
                 raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
             self.busy = True
             try:
+                await self.settle()
                 return await self._exec(req, last)
             except asyncio.CancelledError:
                 # The caller gave up mid-step: the agent's reply would be read by the next step and
@@ -476,6 +524,11 @@ class Sandbox:
         async with self.lock:
             if self.dead is not None:
                 raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
+            try:
+                await self.settle()
+            except asyncio.CancelledError:
+                self.abandon("cancelled during a fork")
+                raise
             self._stats_fresh = False
             frame = diff.get("frame")
             if frame is None:  # encoded once per fork, sent to every child
@@ -492,14 +545,48 @@ class Sandbox:
                                      sandbox_id=self.id)
 
     async def _kill_step(self) -> dict[str, Any] | None:
-        """Timeout: the agent kills every process but itself; if it cannot, the sandbox goes."""
+        """Timeout: the supervisor kills every process of the sandbox but its init, from the host
+        (``kill_all_but_init``), then tells the agent (which kills what it still sees and reaps). The
+        agent's report of the step's end (with its read-back files) is awaited REPORT_WAIT_S: the
+        agent shares its sandbox's CPU share with every other sandbox, so under load it may take
+        longer; then the step ends as killed now, and the report is read before the next frame."""
+        self.step_kills += kill_all_but_init(self.pid, self.group)
+        if self.group is not None:
+            self.group.boost(True)  # the killed processes' exits and the reaping are all that runs
         try:
             await self.chan.send({"op": "kill"})
-            return await self.expect("exit", timeout_s=KILL_GRACE_S)
-        except (TimeoutError, OSError):
+            reply = await self.expect("exit", timeout_s=REPORT_WAIT_S)
+            self._unboost()
+            return reply
+        except TimeoutError:  # (an OSError too: caught first)
+            self.owed_exit = True
+            return {"op": "exit", "status": signal.SIGKILL, "files": {}}
+        except OSError:  # the agent is gone
             self.dead = "killed: did not stop on timeout"
             self.kill()
             return None
+
+    async def settle(self) -> None:
+        """Read the report a timed-out step's agent still owes (``_kill_step``), with the sandbox's
+        lock held, before any other frame. An agent that does not give it within KILL_GRACE_S of being
+        asked is stuck (its init itself): the sandbox goes, and nothing of the next request ran."""
+        if not self.owed_exit:
+            return
+        try:
+            msg = await self.expect("exit", timeout_s=KILL_GRACE_S)
+        except TimeoutError:
+            msg = None
+        if msg is None:
+            self.abandon("killed: did not stop on timeout")
+            died = SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
+            died.ran = False
+            raise died
+        self.owed_exit = False
+        self._unboost()
+
+    def _unboost(self) -> None:
+        if self.group is not None:
+            self.group.boost(False)
 
     async def close(self, reason: str) -> Usage:
         """Kill the sandbox and release what it holds, once: concurrent and repeated calls get the
@@ -517,6 +604,7 @@ class Sandbox:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.exited.wait(), 10)
         if self.group:
+            self._unboost()  # a reused group starts at the equal weight
             stats = self.cg_final or self.group.stats()
             self.cpu_s = max(self.cpu_s, stats.cpu_s - (self.cg_base.cpu_s if self.cg_base else 0.0))
             self.peak_memory_bytes = max(self.peak_memory_bytes, stats.peak_memory_bytes)

@@ -17,15 +17,16 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rollbox.runtime.isolation import rlimits as rlimit_values
 from rollbox.runtime.isolation import seccomp
 from rollbox.runtime.isolation.cgroups import Backend, Group
 from rollbox.runtime.isolation.cgroups_v1 import V1, V1Group
 from rollbox.runtime.isolation.cgroups_v2 import V2, V2Group
 from rollbox.runtime.spec import Limits
 
-__all__ = ["LAYERS", "render"]
+__all__ = ["LAYERS", "cpu", "render"]
 
-LAYERS = ("mode", "namespaces", "user", "filesystem", "cgroups", "rlimits", "seccomp", "limits")
+LAYERS = ("mode", "namespaces", "user", "filesystem", "cgroups", "cpu", "rlimits", "seccomp", "limits")
 NOT_READ = "not read back yet: no sandbox has started in this runtime"
 MiB = 1024 * 1024
 
@@ -162,6 +163,7 @@ def _group_limits(group: Group) -> str:
     if lim is None:
         return "limits NOT written"
     memory, pids, cores = lim
+    cores = group.cpu_cores(cores)  # at most the parent's cap
     quota = max(1000, int(cores * 100_000))
     if isinstance(group, V1Group):
         swap = " (memory+swap too)" if group.swap_limited else " (swap not limited: no swap accounting)"
@@ -198,6 +200,42 @@ def cgroups(backend: Backend | None, reason: str, group: Group | None, pid: int 
     return f"{out}; this sandbox's group: {where}: {_group_limits(group)}; {_membership(pid, paths)}"
 
 
+def _autogroup() -> str:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            on = f.read().strip() == "1"
+    except OSError:
+        return "the kernel has no autogroup scheduling"
+    if on:
+        return ("the kernel's autogroup is on: each step's session is one scheduling group, so a fork bomb's "
+                "processes share one share (code that calls setsid gets one more)")
+    return "the kernel's autogroup is off: each process is scheduled on its own"
+
+
+def cpu(backend: Backend | None, group: Group | None, limits: Limits | None,
+        rlimits: Mapping[str, int] | None) -> str:
+    """How CPU is shared: equal weight per sandbox, all of them capped below the host's cores so the
+    supervisor keeps a reserve; or, without cgroups, what replaces that."""
+    if backend is None:
+        nice = (rlimits or {}).get("nice", rlimit_values.FALLBACK_NICE)
+        return (f"no cgroup: no per-sandbox CPU cap or weight, no cap on all sandboxes together; fell back to "
+                f"nice {nice} for every sandbox process (the supervisor keeps ~9x the share of one busy sandbox "
+                f"process where they compete one by one); {_autogroup()}")
+    pol = backend.cpu
+    out = f"equal weight per sandbox ({pol.weight} in its group, however many processes it runs)"
+    if pol.cap_cores is None:
+        out += (f"; all sandboxes together NOT capped ({pol.error}): the supervisor has no reserved share "
+                f"beyond its own weight")
+    else:
+        out += (f"; all sandboxes together capped at {pol.cap_cores:g} of {pol.available_cores:g} CPU by the parent's "
+                f"{'cfs quota' if isinstance(backend, V1) else 'cpu.max'} ({pol.reserved_cores:g} reserved for "
+                f"the supervisor)")
+    if group is not None and limits is not None:
+        cores = group.cpu_cores(limits.cpu_max_cores)
+        out += f"; this sandbox: at most {cores:g} CPU"
+    return out
+
+
 def _rlimit(name: str, soft: int) -> str:
     if soft < 0:
         return "unlimited"
@@ -220,6 +258,8 @@ def rlimits(params: Mapping[str, int] | None, facts: Mapping[str, Any] | None, i
                                                " (counted across every process of its host uid)")
     if "as_bytes" in params:
         out += f", address space {_size(params['as_bytes'])}"
+    if "nice" in params:
+        out += f", nice {params['nice']}"
     return out
 
 
@@ -255,6 +295,7 @@ def render(*, rootless: bool, uid: int, host_ns: Mapping[str, int], backend: Bac
         "user": lambda: user(facts, rootless),
         "filesystem": lambda: filesystem(facts, limits),
         "cgroups": lambda: cgroups(backend, backend_reason, group, pid, rlimit_params if pid is not None else None),
+        "cpu": lambda: cpu(backend, group, limits, rlimit_params if pid is not None else None),
         "rlimits": lambda: rlimits(rlimit_params if pid is not None else None, facts, backend is not None, rootless),
         "seccomp": lambda: seccomp_layer(facts, bpf),
         "limits": lambda: limits_layer(limits),

@@ -40,7 +40,7 @@ from rollbox.runtime.errors import (
 )
 from rollbox.runtime.execution import Sandbox, pack_upper
 from rollbox.runtime.inside import probe, proto
-from rollbox.runtime.isolation import cgroups, seccomp
+from rollbox.runtime.isolation import cgroups, rlimits, seccomp
 from rollbox.runtime.isolation.cgroups import Backend, Group
 from rollbox.runtime.pool import Pool
 from rollbox.runtime.restore import WarmSource, Zygote
@@ -85,11 +85,12 @@ def effective_limits(view: SnapshotView, limits: LimitsArg) -> Limits:
 def rlimit_params(limits: Limits, in_cgroup: bool) -> dict[str, int]:
     """The rlimits a sandbox is given (runtime/isolation/rlimits.py). Without a cgroup, pids and memory
     fall back to RLIMIT_NPROC (counted per user namespace) and RLIMIT_AS (with room for the mappings
-    an interpreter has that are not memory use)."""
+    an interpreter has that are not memory use), and CPU to a raised nice value."""
     params = {"nofile": limits.nofile_max, "fsize_bytes": limits.file_size_max_bytes}
     if not in_cgroup:
         params["nproc"] = limits.pids_max
         params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
+        params["nice"] = rlimits.FALLBACK_NICE
     return params
 
 
@@ -102,6 +103,9 @@ class RuntimeConfig(BaseModel):
     layer_root: Path | None = Field(default=None, description="directory of snapshot layers (default state_dir/layers)")
     cgroup: Literal["auto", "v1", "v2", "none"] = "auto"
     cgroup_parent: str = Field(default_factory=cgroups.default_parent)
+    cpu_reserved_cores: Annotated[float, Field(ge=0, le=256)] = Field(
+        default=0.25, description="CPU kept from the sandboxes for the supervisor: the cgroup parent of every "
+        "sandbox is capped at the host's cores less this")
     rootless: bool = Field(default_factory=lambda: os.geteuid() != 0)
     max_live: Annotated[int, Field(ge=1)] = 4096
     pool_min: Annotated[int, Field(ge=0)] = 0
@@ -167,7 +171,7 @@ class Runtime:
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.layer_root.mkdir(parents=True, exist_ok=True)
         self.seccomp_bpf = await asyncio.to_thread(seccomp.build_filter)
-        self.cgroup_backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup)
+        self.cgroup_backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup, cfg.cpu_reserved_cores)
         self.host_namespaces = probe.namespaces()
         self._leftovers = await asyncio.to_thread(self._sweep)
         self._swept = time.monotonic()
@@ -289,6 +293,7 @@ class Runtime:
             if sb.dead is not None:
                 raise SandboxDied(f"sandbox {sandbox_id} is gone ({sb.dead})", sandbox_id=sandbox_id)
             try:
+                await sb.settle()
                 await sb.chan.send({"op": "freeze"})
                 if await sb.expect("frozen") is None:
                     raise SandboxDied(f"sandbox {sandbox_id} died while freezing", sandbox_id=sandbox_id)

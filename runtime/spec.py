@@ -156,8 +156,8 @@ class SandboxInfo(BaseModel):
     create_ms: float
     isolation: dict[str, str] = Field(
         default_factory=dict,
-        description="layer (mode, namespaces, user, filesystem, cgroups, rlimits, seccomp, limits) -> what is in force "
-                    "for this sandbox, as probed and read back, or what fell back and why")
+        description="layer (mode, namespaces, user, filesystem, cgroups, cpu, rlimits, seccomp, limits) -> what is in "
+                    "force for this sandbox, as probed and read back, or what fell back and why")
 
 
 class Usage(BaseModel):

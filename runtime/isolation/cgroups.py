@@ -14,6 +14,72 @@ from typing import Protocol
 # frees on its own within a second (measured: 40-130 KiB right after a one-shot run).
 RECLAIM_ABOVE_BYTES = 1 << 20
 
+# CPU: every sandbox's group gets the same weight, whatever it runs (a fork bomb's thousand processes
+# share one sandbox's weight), and the parent of them all is capped at the host's cores less a reserve
+# kept for the supervisor (the server, its zygotes), so it can always enforce timeouts and answer.
+CPU_PERIOD_US = 100_000
+SANDBOX_SHARES_V1 = 1024  # cpu.shares (the v1 default, written explicitly)
+SANDBOX_WEIGHT_V2 = 100  # cpu.weight (the v2 default, written explicitly)
+MIN_SANDBOXES_CORES = 0.1  # the parent's cap never goes below this, whatever the reserve
+# While a timed-out step's killed processes exit (tearing down their memory is CPU charged to the
+# sandbox) and its init reaps them, the sandbox's weight is raised this many times: nothing of the
+# step runs any more, and the sandbox's next step does not wait behind every other sandbox for it.
+CLEANUP_BOOST = 16
+
+
+def host_cores() -> int:
+    """CPUs this process may run on (its affinity mask: what a container was given, not the host's)."""
+    return len(os.sched_getaffinity(0))
+
+
+def _quota_cores(directory: Path) -> float | None:
+    """The CFS quota of one cgroup in CPUs (v2 cpu.max, v1 cpu.cfs_quota_us), None if it has none."""
+    try:
+        q, _, period = read(directory / "cpu.max").partition(" ")
+        return None if q == "max" else int(q) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        q = read(directory / "cpu.cfs_quota_us").strip()
+        return None if q.startswith("-") else int(q) / int(read(directory / "cpu.cfs_period_us"))
+    except (OSError, ValueError):
+        return None
+
+
+def available_cores(directory: Path, root: Path) -> float:
+    """The CPU the cgroups above ``directory`` (up to ``root``, its hierarchy's mount point) let it
+    use: this process's CPUs, or less where an ancestor has a quota (a container's CPU limit)."""
+    best = float(host_cores())
+    d = directory
+    while d != root and d.parent != d:
+        d = d.parent
+        q = _quota_cores(d)
+        if q is not None:
+            best = min(best, q)
+    return best
+
+
+def sandboxes_cores(available: float, reserved_cores: float) -> float:
+    """The CPU every sandbox together may use: what is available less ``reserved_cores``."""
+    return max(MIN_SANDBOXES_CORES, available - reserved_cores)
+
+
+def quota_us(cores: float) -> int:
+    """A CFS quota per CPU_PERIOD_US for ``cores`` CPUs (the kernel's minimum is 1 ms)."""
+    return max(1000, int(cores * CPU_PERIOD_US))
+
+
+@dataclass(frozen=True)
+class CpuPolicy:
+    """What the backend wrote for CPU: the cap on all sandboxes together (None if it could not be
+    written, with why), and the equal weight each sandbox's group gets."""
+
+    cap_cores: float | None
+    reserved_cores: float
+    available_cores: float  # this process's CPUs, or an ancestor group's quota if smaller
+    weight: str  # "cpu.shares 1024" / "cpu.weight 100", or why there is none
+    error: str = ""
+
 
 @dataclass(frozen=True)
 class CgroupStats:
@@ -35,6 +101,15 @@ class Group(Protocol):
     def reclaim(self) -> None: ...
     def stats(self) -> CgroupStats: ...
     def reset_peak(self) -> None: ...
+    def cpu_cores(self, asked: float) -> float:
+        """The CPU a sandbox asking for ``asked`` cores is given here (at most the parent's cap)."""
+        ...
+    def pids(self) -> list[int]:
+        """Host pids of every process in the group now (its cgroup.procs)."""
+        ...
+    def boost(self, on: bool) -> None:
+        """Raise the group's CPU weight CLEANUP_BOOST times (on) or set it back (off); best effort."""
+        ...
     def close(self) -> None:
         """Remove the group; raises OSError naming what stayed (a process that would not leave)."""
         ...
@@ -42,6 +117,7 @@ class Group(Protocol):
 
 class Backend(Protocol):
     name: str
+    cpu: CpuPolicy
 
     def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> Group: ...
     def leftovers(self) -> list[str]: ...
@@ -146,8 +222,17 @@ def mounts_of(fstype: str) -> dict[str, str]:
     return out
 
 
-def select(parent: str, prefer: str = "auto") -> tuple[Backend | None, str]:
-    """The cgroup backend to use and why. ``prefer`` is auto | v1 | v2 | none."""
+def read_pids(path: Path) -> list[int]:
+    """The pids listed in a cgroup.procs file ([] if it cannot be read: the group is gone)."""
+    try:
+        return [int(p) for p in read(path).split()]
+    except (OSError, ValueError):
+        return []
+
+
+def select(parent: str, prefer: str = "auto", reserved_cores: float = 0.0) -> tuple[Backend | None, str]:
+    """The cgroup backend to use and why. ``prefer`` is auto | v1 | v2 | none. ``reserved_cores``:
+    CPU kept from the sandboxes for the supervisor (the parent group's cap is the rest)."""
     from rollbox.runtime.isolation.cgroups_v1 import V1
     from rollbox.runtime.isolation.cgroups_v2 import V2
 
@@ -155,7 +240,8 @@ def select(parent: str, prefer: str = "auto") -> tuple[Backend | None, str]:
     order = {"auto": ("v2", "v1"), "v1": ("v1",), "v2": ("v2",), "none": ()}[prefer]
     for kind in order:
         try:
-            backend: Backend = V2(parent) if kind == "v2" else V1(parent)
+            backend: Backend = (V2(parent, reserved_cores=reserved_cores) if kind == "v2"
+                                else V1(parent, reserved_cores=reserved_cores))
             skipped = f" (not {'; '.join(reasons)})" if reasons else ""
             return backend, f"cgroup {kind} at {parent}{skipped}"
         except OSError as exc:

@@ -1,4 +1,10 @@
-"""cgroup v1: one directory per sandbox in each of the memory, pids, cpu and cpuacct hierarchies."""
+"""cgroup v1: one directory per sandbox in each of the memory, pids, cpu and cpuacct hierarchies.
+
+CPU: each sandbox's group has cpu.shares 1024 (equal, however many processes it runs) and its own
+CFS quota (its ``cpu_cores``); the parent's CFS quota caps all sandboxes together at the host's
+cores less the supervisor's reserve. v1 refuses a child quota above its parent's (EINVAL), so a
+sandbox's quota is at most the parent's.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +12,20 @@ import os
 from pathlib import Path
 
 from rollbox.runtime.isolation.cgroups import (
+    CLEANUP_BOOST,
+    CPU_PERIOD_US,
     RECLAIM_ABOVE_BYTES,
+    SANDBOX_SHARES_V1,
     CgroupStats,
+    CpuPolicy,
+    available_cores,
     close_fds,
     mounts_of,
     open_procs,
+    quota_us,
+    read_pids,
     remove_dirs,
+    sandboxes_cores,
 )
 from rollbox.runtime.isolation.cgroups import read as _read
 from rollbox.runtime.isolation.cgroups import read_kv as _read_kv
@@ -23,8 +37,9 @@ CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 class V1Group:
     """The cgroups of one sandbox (created by ``prepare``, populated by ``attach``, removed by ``close``)."""
 
-    def __init__(self, dirs: dict[str, Path]):
+    def __init__(self, dirs: dict[str, Path], cap_cores: float | None = None):
         self.dirs = dirs
+        self.cap_cores = cap_cores  # the parent's cap: a quota above it is refused
         self.unique = list(dict.fromkeys(dirs.values()))  # co-mounted controllers (cpu,cpuacct) share one
         self.reusable = True
         self.limits: tuple[int, int, float] | None = None  # as last written
@@ -66,11 +81,24 @@ class V1Group:
                     raise
                 self.swap_limited = False
         _write(self.dirs["pids"] / "pids.max", str(pids_max))
-        _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(cpu_cores * 100_000))))
+        _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(quota_us(self.cpu_cores(cpu_cores))))
         self.limits = (memory_bytes, pids_max, cpu_cores)
+
+    def cpu_cores(self, asked: float) -> float:
+        """The quota written for ``asked`` cores: at most the parent's cap."""
+        return asked if self.cap_cores is None else min(asked, self.cap_cores)
 
     def paths(self) -> list[str]:
         return [str(d) for d in self.unique]
+
+    def pids(self) -> list[int]:
+        return read_pids(self.dirs["pids"] / "cgroup.procs")
+
+    def boost(self, on: bool) -> None:
+        try:
+            _write(self.dirs["cpu"] / "cpu.shares", str(SANDBOX_SHARES_V1 * (CLEANUP_BOOST if on else 1)))
+        except OSError:
+            pass
 
     def is_empty(self) -> bool:
         try:
@@ -111,8 +139,9 @@ class V1Group:
 class V1:
     name = "v1"
 
-    def __init__(self, parent: str):
+    def __init__(self, parent: str, reserved_cores: float = 0.0):
         roots = mounts_of("cgroup")
+        self.roots = roots
         self.parents: dict[str, Path] = {}
         for ctrl in CONTROLLERS:
             if ctrl not in roots:
@@ -122,6 +151,22 @@ class V1:
             p.mkdir(exist_ok=True)
             if not os.access(p, os.W_OK):
                 raise PermissionError(f"{p}: not writable (no delegated cgroup)")
+        self.cpu = self._cap(reserved_cores)
+
+    def _cap(self, reserved_cores: float) -> CpuPolicy:
+        """Cap the parent at the host's cores less the reserve (best effort: a parent shared with a
+        runtime whose sandboxes have larger quotas refuses a smaller one)."""
+        cpu = self.parents["cpu"]
+        available = available_cores(cpu, Path(self.roots["cpu"]))
+        cap = sandboxes_cores(available, reserved_cores)
+        weight = f"cpu.shares {SANDBOX_SHARES_V1}"
+        try:
+            _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+            _write(cpu / "cpu.cfs_quota_us", str(quota_us(cap)))
+        except OSError as exc:
+            return CpuPolicy(None, reserved_cores, available, weight,
+                             f"cannot write {cpu}/cpu.cfs_quota_us: {exc.strerror or exc}")
+        return CpuPolicy(cap, reserved_cores, available, weight)
 
     def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> V1Group:
         dirs = {c: p / name for c, p in self.parents.items()}
@@ -131,12 +176,14 @@ class V1:
             except FileNotFoundError:  # another runtime sharing the parent removed it on close
                 d.parent.mkdir(exist_ok=True)
                 d.mkdir()
+                self.cpu = self._cap(self.cpu.reserved_cores)
         try:
             _write(dirs["memory"] / "memory.swappiness", "0")
         except OSError:
             pass
-        _write(dirs["cpu"] / "cpu.cfs_period_us", "100000")
-        group = V1Group(dirs)
+        _write(dirs["cpu"] / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+        _write(dirs["cpu"] / "cpu.shares", str(SANDBOX_SHARES_V1))
+        group = V1Group(dirs, self.cpu.cap_cores)
         group.configure(memory_bytes, pids_max, cpu_cores)
         return group
 

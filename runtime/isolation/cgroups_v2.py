@@ -1,4 +1,9 @@
-"""cgroup v2: one directory per sandbox under a delegated parent with memory, pids and cpu enabled."""
+"""cgroup v2: one directory per sandbox under a delegated parent with memory, pids and cpu enabled.
+
+CPU: each sandbox's group has cpu.weight 100 (equal, however many processes it runs) and its own
+cpu.max (its ``cpu_cores``); the parent's cpu.max caps all sandboxes together at the host's cores
+less the supervisor's reserve.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,20 @@ import os
 from pathlib import Path
 
 from rollbox.runtime.isolation.cgroups import (
+    CLEANUP_BOOST,
+    CPU_PERIOD_US,
     RECLAIM_ABOVE_BYTES,
+    SANDBOX_WEIGHT_V2,
     CgroupStats,
+    CpuPolicy,
+    available_cores,
     close_fds,
     mounts_of,
     open_procs,
+    quota_us,
+    read_pids,
     remove_dir,
+    sandboxes_cores,
 )
 from rollbox.runtime.isolation.cgroups import read as _read
 from rollbox.runtime.isolation.cgroups import read_kv as _read_kv
@@ -21,8 +34,9 @@ NEEDED = ("memory", "pids", "cpu")
 
 
 class V2Group:
-    def __init__(self, path: Path, enabled: tuple[str, ...] = NEEDED):
+    def __init__(self, path: Path, enabled: tuple[str, ...] = NEEDED, cap_cores: float | None = None):
         self.path = path
+        self.cap_cores = cap_cores  # the parent's cap (a larger cpu.max would not be had anyway)
         self.enabled = enabled
         self.reusable = True
         self.limits: tuple[int, int, float] | None = None  # as last written
@@ -58,11 +72,25 @@ class V2Group:
         if "pids" in self.enabled:
             _write(self.path / "pids.max", str(pids_max))
         if "cpu" in self.enabled:
-            _write(self.path / "cpu.max", f"{max(1000, int(cpu_cores * 100_000))} 100000")
+            _write(self.path / "cpu.max", f"{quota_us(self.cpu_cores(cpu_cores))} {CPU_PERIOD_US}")
         self.limits = (memory_bytes, pids_max, cpu_cores)
+
+    def cpu_cores(self, asked: float) -> float:
+        """The cpu.max written for ``asked`` cores: at most the parent's cap."""
+        return asked if self.cap_cores is None else min(asked, self.cap_cores)
 
     def paths(self) -> list[str]:
         return [str(self.path)]
+
+    def pids(self) -> list[int]:
+        return read_pids(self.path / "cgroup.procs")
+
+    def boost(self, on: bool) -> None:
+        if "cpu" in self.enabled:
+            try:
+                _write(self.path / "cpu.weight", str(SANDBOX_WEIGHT_V2 * (CLEANUP_BOOST if on else 1)))
+            except OSError:
+                pass
 
     def is_empty(self) -> bool:
         try:
@@ -115,11 +143,11 @@ class V2Group:
 class V2:
     name = "v2"
 
-    def __init__(self, parent: str, require: tuple[str, ...] = NEEDED):
+    def __init__(self, parent: str, require: tuple[str, ...] = NEEDED, reserved_cores: float = 0.0):
         roots = mounts_of("cgroup2")
         if "" not in roots:
             raise OSError("no cgroup2 hierarchy is mounted")
-        root = Path(roots[""])
+        root = self.root = Path(roots[""])
         self.parent = root / parent
         probe = self.parent if self.parent.is_dir() else root
         available = set((probe / "cgroup.controllers").read_text().split())
@@ -131,6 +159,20 @@ class V2:
         if enable:
             _write(self.parent / "cgroup.subtree_control", enable)
         self.enabled = require
+        self.cpu = self._cap(reserved_cores)
+
+    def _cap(self, reserved_cores: float) -> CpuPolicy:
+        """Cap the parent at the host's cores less the reserve (its cpu.max)."""
+        available = available_cores(self.parent, self.root)
+        if "cpu" not in self.enabled:
+            return CpuPolicy(None, reserved_cores, available, "none", "the cpu controller is not enabled")
+        cap = sandboxes_cores(available, reserved_cores)
+        try:
+            _write(self.parent / "cpu.max", f"{quota_us(cap)} {CPU_PERIOD_US}")
+        except OSError as exc:
+            return CpuPolicy(None, reserved_cores, available, f"cpu.weight {SANDBOX_WEIGHT_V2}",
+                             f"cannot write {self.parent}/cpu.max: {exc.strerror or exc}")
+        return CpuPolicy(cap, reserved_cores, available, f"cpu.weight {SANDBOX_WEIGHT_V2}")
 
     def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> V2Group:
         d = self.parent / name
@@ -140,9 +182,12 @@ class V2:
             self.parent.mkdir(exist_ok=True)
             _write(self.parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in self.enabled))
             d.mkdir()
-        group = V2Group(d, self.enabled)
+            self.cpu = self._cap(self.cpu.reserved_cores)
+        group = V2Group(d, self.enabled, self.cpu.cap_cores)
         if "memory" in self.enabled and (d / "memory.swap.max").exists():
             _write(d / "memory.swap.max", "0")
+        if "cpu" in self.enabled:
+            _write(d / "cpu.weight", str(SANDBOX_WEIGHT_V2))
         group.configure(memory_bytes, pids_max, cpu_cores)
         return group
 

@@ -46,6 +46,38 @@ def test_v1_limits_stats_and_cleanup() -> None:
     assert not any(d.exists() for d in group.dirs.values())
 
 
+@needs_root
+@pytest.mark.skipif("cpu" not in cgroups.mounts_of("cgroup"), reason="no cgroup v1 cpu hierarchy")
+def test_v1_cpu_cap_stays_under_an_ancestors_quota_and_bounds_every_sandbox() -> None:
+    """The parent of all sandboxes is capped at what its ancestors allow (a container's CPU limit) less
+    the reserve; a sandbox asking for more gets the cap (v1 refuses a child quota above its parent's),
+    and every sandbox's group has the same cpu.shares."""
+    roots = cgroups.mounts_of("cgroup")
+    outer = [Path(roots[c]) / f"rollbox-t5-{os.getpid()}" for c in dict.fromkeys(("memory", "pids", "cpu", "cpuacct"))]
+    for d in dict.fromkeys(outer):
+        d.mkdir()
+    try:
+        (Path(roots["cpu"]) / outer[0].name / "cpu.cfs_quota_us").write_text("50000")  # a container's 0.5 CPU
+        backend = V1(f"{outer[0].name}/rt", reserved_cores=0.25)
+        try:
+            assert (backend.cpu.available_cores, backend.cpu.cap_cores) == (0.5, 0.25)
+            assert (backend.parents["cpu"] / "cpu.cfs_quota_us").read_text().strip() == "25000"
+            groups = [backend.prepare(f"sb-{i}", 64 * MiB, 8, cores) for i, cores in enumerate((2.0, 0.1))]
+            try:
+                quotas = [(g.dirs["cpu"] / "cpu.cfs_quota_us").read_text().strip() for g in groups]
+                assert quotas == ["25000", "10000"]
+                assert [(g.dirs["cpu"] / "cpu.shares").read_text().strip() for g in groups] == ["1024", "1024"]
+            finally:
+                for g in groups:
+                    g.close()
+        finally:
+            backend.close()
+    finally:
+        for d in dict.fromkeys(outer):
+            d.rmdir()
+    assert not any(d.exists() for d in outer)
+
+
 def test_v2_without_controllers_refuses_and_names_them() -> None:
     roots = cgroups.mounts_of("cgroup2")
     if "" not in roots:

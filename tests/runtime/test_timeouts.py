@@ -1,0 +1,121 @@
+"""Timeouts that hold: a step ends at its deadline (within 0.5 s) even when it starves its own sandbox's
+agent of CPU, the processes are killed from the host, and the sandbox lives on for its next step.
+
+Run with cgroups (the step's processes are found in its group) and without (found as its init's
+descendants in /proc).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+from rollbox.runtime.execution import descendants
+from rollbox.runtime.isolation.cgroups_v1 import V1Group
+from rollbox.runtime.isolation.cgroups_v2 import V2Group
+from rollbox.runtime.runtime import Runtime, RuntimeConfig
+from rollbox.runtime.spec import ExecRequest, Limits
+
+pytestmark = pytest.mark.asyncio
+
+OVERSHOOT_S = 0.5
+
+# Spinning processes until the pids limit refuses more: with a CPU quota of 5 % of a core shared by
+# all of them, the sandbox's own agent gets almost no CPU to act on a "kill".
+FORK_BOMB = (
+    "import os\n"
+    "for _ in range(200):\n"
+    "    try:\n"
+    "        if os.fork() == 0:\n"
+    "            break\n"
+    "    except OSError:\n"
+    "        break\n"
+    "while True: pass\n"
+)
+MEMORY_HOG = "x = []\nwhile True: x.append(bytearray(1 << 20))\n"
+ENDLESS_OUTPUT = "import sys\nwhile True: sys.stdout.write('y' * 65536)\n"
+SLEEPER = "import time\ntime.sleep(3600)\n"
+
+
+def _parent(name: str) -> str:
+    base = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT")
+    return f"{base}/{name}-{os.getpid()}" if base else f"rollbox-{name}-{os.getpid()}"
+
+
+def _others(rt: Runtime, sandbox_id: str) -> list[str]:
+    """The states of a sandbox's live processes other than its init, seen from the host."""
+    sb = rt.sandboxes[sandbox_id]
+    live = []
+    for p in sb.group.pids() if sb.group is not None else descendants(sb.pid):
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone already
+        if p != sb.pid and state != "Z":  # a zombie is dead (its init reaps it)
+            live.append(state)
+    return live
+
+
+@pytest.mark.parametrize("cgroup", ["auto", "none"])
+async def test_a_fork_bomb_that_starves_its_agent_ends_at_its_deadline(tmp_path: Path, cgroup: str) -> None:
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup=cgroup, cgroup_parent=_parent("timeouts"),
+                                     pool_max=0)) as rt:
+        lim = Limits(cpu_max_cores=0.05, pids_max=48)
+        info = await rt.create(limits=lim)
+        try:
+            await rt.exec(info.sandbox_id, ExecRequest(command="echo kept > /home/sandbox/f"))
+            for _ in range(2):  # twice: the sandbox stays usable after a timed-out step
+                t0 = time.monotonic()
+                r = await rt.exec(info.sandbox_id, ExecRequest(code=FORK_BOMB, timeout_s=1.0))
+                wall = time.monotonic() - t0  # as the caller waited, output drained and all
+                assert r.timed_out and r.exit_code == 137 and r.sandbox_alive, r
+                assert wall <= 1.0 + OVERSHOOT_S, f"the step ended {wall - 1.0:.2f} s after its deadline"
+                assert rt.sandboxes[info.sandbox_id].step_kills > 1  # killed from the host, not by the agent
+                for _ in range(100):  # killed processes finish exiting; the agent forks its spare worker
+                    left = _others(rt, info.sandbox_id)
+                    if left in ([], ["S"]):
+                        break
+                    await asyncio.sleep(0.01)
+                assert left in ([], ["S"]), left  # at most the agent's spare worker, waiting for a step
+            ok = await rt.exec(info.sandbox_id, ExecRequest(command="cat /home/sandbox/f", timeout_s=10))
+            assert ok.exit_code == 0 and ok.stdout == "kept\n", ok
+            group = rt.sandboxes[info.sandbox_id].group  # its weight, raised while the killed exited, is back
+            if isinstance(group, V1Group):
+                assert (group.dirs["cpu"] / "cpu.shares").read_text().strip() == "1024"
+            elif isinstance(group, V2Group) and "cpu" in group.enabled:
+                assert (group.path / "cpu.weight").read_text().strip() == "100"
+        finally:
+            await rt.destroy(info.sandbox_id)
+
+
+async def test_misbehaving_steps_end_at_their_deadlines_side_by_side(tmp_path: Path) -> None:
+    """Fork bombs, memory hogs, endless output and sleeps, two of each at once next to well-behaved
+    steps: each misbehaving step ends within OVERSHOOT_S of its deadline and only the step ends."""
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("mixed"), pool_max=0)) as rt:
+        lim = Limits(memory_max_bytes=128 * 1024 * 1024, pids_max=64, cpu_max_cores=1.0)
+        codes = [FORK_BOMB, MEMORY_HOG, ENDLESS_OUTPUT, SLEEPER] * 2
+        infos = [await rt.create(limits=lim) for _ in range(len(codes) + 2)]
+        try:
+            async def step(sid: str, code: str, timeout_s: float) -> tuple[float, bool, bool, int]:
+                t0 = time.monotonic()
+                r = await rt.exec(sid, ExecRequest(code=code, timeout_s=timeout_s))
+                return time.monotonic() - t0, r.timed_out, r.sandbox_alive, r.exit_code
+
+            bad = [step(i.sandbox_id, c, 2.0) for i, c in zip(infos, codes, strict=False)]
+            good = [step(i.sandbox_id, "print(sum(range(10**6)))", 20.0) for i in infos[len(codes):]]
+            results = await asyncio.gather(*bad, *good)
+            for (wall, timed_out, alive, _), code in zip(results, codes, strict=False):
+                assert alive, f"lost the sandbox of {code.splitlines()[-1]!r}"
+                if timed_out:  # a memory hog may be OOM-killed before its deadline instead
+                    assert wall <= 2.0 + OVERSHOOT_S, f"{code.splitlines()[-1]!r} ended {wall - 2.0:.2f} s late"
+            assert sum(t for _, t, _, _ in results[:len(codes)]) >= 6  # all but the memory hogs timed out
+            assert all(rc == 0 and not t for _, t, _, rc in results[len(codes):]), results[len(codes):]
+            after = await asyncio.gather(*(rt.exec(i.sandbox_id, ExecRequest(command="echo ok", timeout_s=10))
+                                           for i in infos))
+            assert [a.stdout for a in after] == ["ok\n"] * len(infos)
+        finally:
+            for i in infos:
+                await rt.destroy(i.sandbox_id)
