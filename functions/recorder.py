@@ -45,7 +45,6 @@ from rollbox.functions.records import (
     SCHEMA_VERSION,
     STEP_SCHEMA,
     USAGE_SCHEMA,
-    arrow_table,
     arrow_table_of_lines,
 )
 from rollbox.runtime.errors import RollboxError
@@ -127,9 +126,7 @@ class _Metrics:
         r.register(self)
 
     def bill(self, row: dict[str, Any]) -> None:
-        sums = self.bills.get(row.get("experiment") or DEFAULT_EXPERIMENT)
-        if sums is None:
-            sums = self.bills[row.get("experiment") or DEFAULT_EXPERIMENT] = [0.0, 0.0, 0.0, 0.0]
+        sums = self.bills.setdefault(row.get("experiment") or DEFAULT_EXPERIMENT, [0.0, 0.0, 0.0, 0.0])
         sums[0] += row["billed_s"]
         sums[1] += row["vcpu_s"]
         sums[2] += row["gib_s"]
@@ -400,10 +397,8 @@ class Recorder:
                 if seg.pending:  # a commit still running (a hung store): keep the segment, try again later
                     return written
                 try:
-                    lines = await self.calls.run(self._segment_lines, seg, doing=f"flushing {seg.path.name}",
+                    count = await self.calls.run(self._flush_segment, seg, doing=f"flushing {seg.path.name}",
                                                  deadline_s=FLUSH_DEADLINE_S)
-                    await self.calls.run(self._upload_lines, lines, seg.path.stem, doing=f"flushing {seg.path.name}",
-                                         deadline_s=FLUSH_DEADLINE_S)
                 except (RollboxError, OSError) as exc:
                     self.metrics.flushes.labels("failed").inc()
                     log.warning("could not flush %s to the store (kept, retried): %s", seg.path.name, exc)
@@ -414,12 +409,12 @@ class Recorder:
                 with contextlib.suppress(FileNotFoundError):
                     seg.path.unlink()
                 del self._segments[seq]
-                written += len(lines)
+                written += count
             return written
 
-    def _segment_lines(self, seg: _Segment) -> list[bytes]:
-        """The segment's rows that were acknowledged: a row whose commit's outcome was unknown is kept
-        if the store holds that commit, written by this replica."""
+    def _flush_segment(self, seg: _Segment) -> int:
+        """Upload the segment's acknowledged rows (a row whose commit's outcome was unknown is kept if
+        the store holds that commit, written by this replica); returns how many."""
         void = set(seg.void)
         known: dict[tuple[str, int], bool] = {}
         for i, (sid, gen) in list(seg.unknown.items()):
@@ -427,7 +422,9 @@ class Recorder:
                 known[(sid, gen)] = self._was_committed(sid, gen, self.replica)
             if not known[(sid, gen)]:
                 void.add(i)
-        return [r for i, r in enumerate(seg.rows) if i not in void]
+        lines = [r for i, r in enumerate(seg.rows) if i not in void]
+        self._upload_lines(lines, seg.path.stem)
+        return len(lines)
 
     def _upload(self, rows: list[tuple[str, dict[str, Any]]], name: str) -> None:
         self._upload_lines([spool_line(kind, row) for kind, row in rows], name)
@@ -508,9 +505,8 @@ class Recorder:
 def _warm_up() -> None:
     """Write a table once, in memory: pyarrow loads its compute kernels and Parquet writer lazily,
     which would otherwise land on the first flush under load."""
-    for schema in (STEP_SCHEMA, USAGE_SCHEMA):
-        pq.write_table(arrow_table([], schema), io.BytesIO(), compression="zstd")
-    arrow_table_of_lines(spool_line("step", {"recorded_at": 0.0}), STEP_SCHEMA)
+    for kind, (_, schema) in KINDS.items():
+        pq.write_table(arrow_table_of_lines(spool_line(kind, {}), schema), io.BytesIO(), compression="zstd")
 
 
 def _resolve(futures: list[asyncio.Future[None]], error: OSError | None) -> None:

@@ -33,7 +33,6 @@ __all__ = [
     "FileRef",
     "StepRecord",
     "UsageRecord",
-    "arrow_table",
     "arrow_table_of_lines",
     "usage_event",
 ]
@@ -197,11 +196,6 @@ def _timestamps(table: pa.Table, schema: pa.Schema) -> pa.Table:
         micros = pc.cast(pc.round(pc.multiply(table[name], 1e6)), pa.int64())
         table = table.set_column(i, schema.field(name), micros.cast(schema.field(name).type))
     return table.replace_schema_metadata(schema.metadata)
-
-
-def arrow_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
-    """Rows (model dumps) as a table of ``schema``; partition keys and unknown keys are left out."""
-    return _timestamps(pa.Table.from_pylist(rows, schema=pa.schema(_float_fields(schema))), schema)
 
 
 def arrow_table_of_lines(data: bytes, schema: pa.Schema, key: str = "r") -> pa.Table:

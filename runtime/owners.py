@@ -21,7 +21,7 @@ import logging
 import os
 import shutil
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,7 +92,7 @@ class Sweep:
                 left += 1
         for t in trees:
             owner = owner_of(t.name)
-            if owner is not None and not alive(owner) and not self._remove(t, lambda t=t: _rmtree(t)):
+            if owner is not None and not alive(owner) and not self._remove(t, functools.partial(_rmtree, t)):
                 left += 1
         return left
 
@@ -111,9 +111,9 @@ class Sweep:
         self._reported.discard(path)
         return True
 
-    def _remove(self, path: Path, how: object) -> bool:
+    def _remove(self, path: Path, how: Callable[[], object]) -> bool:
         try:
-            how()  # type: ignore[operator]
+            how()
         except FileNotFoundError:
             return True
         except OSError as exc:

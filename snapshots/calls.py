@@ -17,7 +17,6 @@ caller: a write may still land, which the callers that write treat as such (see
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -36,30 +35,16 @@ class StoreDeadline(StoreUnavailable):
 class StoreCalls:
     def __init__(self, threads: int = 8, deadline_s: float = 8.0, *, name: str = "rollbox-store"):
         self.deadline_s = deadline_s
-        self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
-        self._lock = threading.Lock()
-        self.running = 0  # calls on a thread now (stuck ones included): /metrics and /readyz
-        self.timeouts = 0
 
     async def run(self, fn: Callable[..., T], /, *args: Any, doing: str, deadline_s: float | None = None) -> T:
         limit = self.deadline_s if deadline_s is None else deadline_s
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._call, fn, args)
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), limit)
         except TimeoutError:
-            self.timeouts += 1
             fut.add_done_callback(_consume)  # it ends in its own time; nobody waits for it now
             raise StoreDeadline(f"the store did not answer within {limit:g} s while {doing}") from None
-
-    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        with self._lock:
-            self.running += 1
-        try:
-            return fn(*args)
-        finally:
-            with self._lock:
-                self.running -= 1
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -52,6 +52,19 @@ async def _timed(http: httpx.AsyncClient, url: str, etype: str, data: dict[str, 
     return time.monotonic() - t0, r.status, r.data
 
 
+async def _once_the_store_is_back(http: httpx.AsyncClient, url: str, etype: str,
+                                  data: dict[str, object]) -> dict:
+    """Send the event every second until it is answered 200 (stuck store calls end first), within 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        _, status, reply = await _timed(http, url, etype, data)
+        if status == 200 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(1)
+    assert status == 200, reply
+    return reply
+
+
 async def test_a_hung_store_is_a_fast_503_for_what_needs_it_and_nothing_else_waits(
         own_seaweed: SeaweedS3, tmp_path: Path, http: httpx.AsyncClient) -> None:
     bucket = own_seaweed.new_bucket()
@@ -92,13 +105,7 @@ async def test_a_hung_store_is_a_fast_503_for_what_needs_it_and_nothing_else_wai
         finally:
             os.killpg(pgid, signal.SIGCONT)
         # the store is back: the same create works
-        deadline = time.monotonic() + 60
-        while True:
-            took, status, data = await _timed(http, b.url, CREATE, {"snapshot": "hung-t"})
-            if status == 200 or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(1)
-        assert status == 200, data
+        data = await _once_the_store_is_back(http, b.url, CREATE, {"snapshot": "hung-t"})
         r = await send(http, b.url, event(EXEC, {"sandbox_id": data["sandbox_id"], "command": "cat /home/sandbox/f"}))
         assert (r.status, r.data["stdout"]) == (200, "hi\n"), r.data
     finally:
@@ -126,13 +133,9 @@ async def test_a_durable_step_on_a_hung_store_is_a_fast_503_and_a_run_still_answ
             assert (status, data["code"]) == (503, "store_unavailable") and took < 10.0, (took, status, data)
         finally:
             os.killpg(pgid, signal.SIGCONT)
-        deadline = time.monotonic() + 60
-        while True:  # the step was not acknowledged: retried, it runs (once) from the last durable state
-            took, status, data = await _timed(http, srv.url, EXEC, {"sandbox_id": sid, "code": "print(3)"})
-            if status == 200 or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(1)
-        assert (status, data["stdout"]) == (200, "3\n"), data
+        # the step was not acknowledged: retried, it runs (once) from the last durable state
+        data = await _once_the_store_is_back(http, srv.url, EXEC, {"sandbox_id": sid, "code": "print(3)"})
+        assert data["stdout"] == "3\n", data
     finally:
         os.killpg(pgid, signal.SIGCONT)
         assert srv.stop() == 0
