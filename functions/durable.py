@@ -540,7 +540,8 @@ class DurableRuntime:
         sid = head.sandbox_id
         contents = await self._contents(head)
         await self._make_room()
-        await self.rt.create(head.snapshot, head.limits, head.metadata, sandbox_id=sid, forked_from=head.forked_from)
+        await self.rt.create(head.snapshot, head.limits, head.metadata, sandbox_id=sid, forked_from=head.forked_from,
+                             step_next=True)
         self._not_metered(sid)
         try:
             if head.files.entries or head.files.whiteouts or head.files.opaque:

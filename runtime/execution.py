@@ -28,6 +28,11 @@ KILL_GRACE_S = 3.0  # after a step's processes were killed, how long the agent h
 # ... of which a timed-out step waits this long (for its read-back files); past it the step returns
 # as killed and the agent's report is read before the sandbox's next frame (``settle``).
 REPORT_WAIT_S = 0.2
+# A step that starts within this long of the sandbox's previous one leaves a spare worker behind it
+# (forked by the agent ahead of the next step, ~1 ms off that step's path). Steps further apart, the
+# common case of an RL episode whose model thinks for seconds, leave none: an idle sandbox holds no
+# second process (its memory halves) and one that hibernates never forked a worker it did not use.
+SPARE_WINDOW_S = 2.0
 DRAIN_AFTER_EXIT_S = 0.2  # how long background holders of stdout may keep it open after the exit
 DRAIN_FACTOR = 8  # past the cap, output is read and dropped up to this many caps, then left to block
 
@@ -257,6 +262,8 @@ class Sandbox:
     created_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     execs: int = 0
+    step_ended: float | None = None  # monotonic time its last step ended (None: none yet)
+    alone: bool = False  # its agent said no process but itself (and an idle spare) outlived the last step
     step_kills: int = 0  # processes the supervisor killed on step timeouts
     owed_exit: bool = False  # a timed-out step's "exit" is still to come from the agent (see settle)
     forked_from: str | None = None
@@ -316,8 +323,10 @@ class Sandbox:
             await self.chan.send({"op": "prime"})
 
     async def want_spare(self) -> None:
-        """This sandbox will take steps: have its agent fork a worker ahead of the first one. (Pooled
-        sandboxes have none: a one-shot run needs none — its program runs as the sandbox's init.)"""
+        """A step is about to come: have the agent fork its worker now (a resumed sandbox, whose step
+        waits only for its files). Otherwise a sandbox has a spare only while its steps come within
+        SPARE_WINDOW_S of each other; pooled sandboxes have none (a one-shot run's program runs as the
+        sandbox's init)."""
         self._stats_fresh = False
         with contextlib.suppress(OSError):
             await self.chan.send({"op": "spare"})
@@ -340,7 +349,7 @@ class Sandbox:
                 raise
             finally:
                 self.busy = False
-                self.last_used = time.monotonic()
+                self.last_used = self.step_ended = time.monotonic()
 
     def abandon(self, why: str) -> None:
         """Kill the sandbox now: its control channel is out of step (or its agent misbehaved)."""
@@ -379,8 +388,11 @@ class Sandbox:
         os.set_blocking(out_w, True)
         os.set_blocking(err_w, True)
         inline = last and not req.read_files and self.ended is not None
+        self.alone = False
+        now = time.monotonic()
+        spare = not last and self.step_ended is not None and now - self.step_ended <= SPARE_WINDOW_S
         msg: dict[str, Any] = {"op": "exec", "env": req.env, "files": req.files, "read_files": req.read_files,
-                               "last": last, "inline": inline}
+                               "last": last, "inline": inline, "spare": spare}
         if req.code is not None:
             msg["code"] = req.code
         else:
@@ -436,6 +448,7 @@ class Sandbox:
             cpu, peak = 0.0, 0
         else:
             exit_code, sig = _exit_code(int(reply.get("status", 255 << 8)))
+            self.alone = not timed_out and reply.get("alone") is True
             files = reply.get("files") or {}
             cpu, peak = float(reply.get("cpu_s", 0.0)), int(reply.get("maxrss_bytes", 0))
             if reply.get("error"):

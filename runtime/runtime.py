@@ -287,11 +287,16 @@ class Runtime:
     @contextlib.asynccontextmanager
     async def frozen(self, sandbox_id: str) -> AsyncIterator[Sandbox]:
         """Hold a sandbox still (no exec in flight, every process but its init stopped) while its
-        upper directory — its filesystem diff, ``sandbox.upper_path`` — is read."""
+        upper directory — its filesystem diff, ``sandbox.upper_path`` — is read. When its agent said
+        that nothing outlived its last step, nothing can write while the lock is held: no signal is sent."""
         sb = self.get(sandbox_id)
         async with sb.lock:
             if sb.dead is not None:
                 raise SandboxDied(f"sandbox {sandbox_id} is gone ({sb.dead})", sandbox_id=sandbox_id)
+            if sb.alone and not sb.owed_exit:
+                yield sb
+                sb.last_used = time.monotonic()
+                return
             try:
                 await sb.settle()
                 await sb.chan.send({"op": "freeze"})
@@ -606,13 +611,15 @@ class Runtime:
     # ----------------------------------------------------------------- the API
     async def create(self, snapshot: str = "python", limits: LimitsArg = None,
                      metadata: dict[str, str] | None = None, sandbox_id: str | None = None,
-                     forked_from: str | None = None) -> SandboxInfo:
+                     forked_from: str | None = None, step_next: bool = False) -> SandboxInfo:
         """A sandbox restored from ``snapshot``. ``limits``: the fields to change from the snapshot's
         default limits (a ``Limits`` with only those fields given, or a mapping), or None for those defaults.
-        ``sandbox_id``: the id to give it (the durable layer resumes sandboxes under their own id)."""
+        ``sandbox_id``: the id to give it (the durable layer resumes sandboxes under their own id).
+        ``step_next``: a step follows at once (a resume), so its worker is forked now."""
         sb = await self._acquire(snapshot, limits, metadata, sandbox_id=sandbox_id)
         sb.forked_from = forked_from
-        await sb.want_spare()
+        if step_next:
+            await sb.want_spare()
         return self._info(sb)
 
     async def inject(self, sandbox_id: str, diff: dict[str, Any]) -> None:

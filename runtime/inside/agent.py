@@ -289,8 +289,17 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
                 files = _read_files(pending.get("read_files") or [])
                 proto.send(sock, {
                     "op": "exit", "status": status, "cpu_s": ru.ru_utime + ru.ru_stime,
-                    "maxrss_bytes": ru.ru_maxrss * 1024, "files": files,
+                    "maxrss_bytes": ru.ru_maxrss * 1024, "files": files, "alone": alone(),
                 })
+
+    def alone() -> bool:
+        """Nothing of the step outlived it: this pid namespace holds only init (and an idle spare).
+        Orphans are this init's children before their parent is reaped, so none is missed."""
+        keep = {1, spare[0]} if spare is not None else {1}
+        try:
+            return all(int(p) in keep for p in os.listdir("/proc") if p.isdigit())
+        except OSError:
+            return False
 
     def kill_all() -> None:
         for _ in range(1000):
@@ -337,8 +346,8 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
         worker = pid
 
     # This process moved itself into its cgroup before anything else (zygote.contain), so every fork
-    # is counted. Once asked for ("spare": the sandbox was handed out for steps) or once a step ran,
-    # keep one spare worker while idle. A pooled sandbox has none: a one-shot run needs none.
+    # is counted. When asked for ("spare": a step is on its way) or when an exec says its steps come
+    # fast, keep one spare worker while idle. A pooled sandbox has none: a one-shot run needs none.
     wants_spare = False
     while True:
         if wants_spare and spare is None and worker is None and not pending.get("last"):
@@ -356,7 +365,7 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
                 op = msg.get("op")
                 if op == "exec":
                     pending = msg
-                    wants_spare = True  # a sandbox that took one step is likely to take another
+                    wants_spare = bool(msg.get("spare"))  # the steps come fast: the next one is near
                     start(msg, reader.take_fds())
                 elif op == "spare":
                     wants_spare = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -355,3 +356,50 @@ async def test_cpu_of_a_step_is_the_programs_own(tmp_path: Path, cgroup: str) ->
     assert idle.cpu_s < 0.003, idle  # measured 1.1-2.3 ms; with the sandbox's setup counted, 3.6-5.1 ms
     for r in (busy, step):
         assert r.exit_code == 0 and 0.24 <= r.cpu_s < 0.35, r
+
+
+async def test_warm_modules_are_loaded_and_random_differs_between_sandboxes(rt: Runtime) -> None:
+    """The zygote imports the common stdlib (STDLIB_WARM) once for every fork; a module in the warm
+    heap must not hand every sandbox the same state: random reseeds in each fork."""
+    code = ("import sys, random, uuid\n"
+            "print('hashlib' in sys.modules, 'pathlib' in sys.modules, random.random(), uuid.uuid4())")
+    outs = [r.stdout.split() for r in await asyncio.gather(*(rt.run(ExecRequest(code=code)) for _ in range(4)))]
+    assert all(o[:2] == ["True", "True"] for o in outs), outs
+    assert len({o[2] for o in outs}) == 4 and len({o[3] for o in outs}) == 4, outs
+    sb = await rt.create("python")
+    try:
+        steps = [(await rt.exec(sb.sandbox_id, ExecRequest(code=code))).stdout.split() for _ in range(3)]
+    finally:
+        await rt.destroy(sb.sandbox_id)
+    assert len({s[2] for s in steps}) == 3, steps  # each step is a fresh fork of the sandbox's agent
+
+
+async def test_a_sandbox_is_frozen_for_a_read_only_while_a_step_left_processes(rt: Runtime) -> None:
+    """Reading a sandbox's files (a durable commit, a snapshot, a fork) stops its other processes
+    first, unless its agent said nothing outlived the last step: then nothing can write meanwhile."""
+    sb = await rt.create("python")
+    sid = sb.sandbox_id
+    try:
+        live = rt.sandboxes[sid]
+        assert not live.alone  # nothing known yet: freeze
+        await rt.exec(sid, ExecRequest(code="print(1)"))
+        assert live.alone
+        await rt.exec(sid, ExecRequest(command="(sleep 30 & echo $! > sleep.pid)"))  # orphaned to init
+        assert not live.alone
+        await rt.exec(sid, ExecRequest(command="kill $(cat sleep.pid); while kill -0 $(cat sleep.pid) 2>/dev/null; "
+                                               "do sleep 0.05; done"))
+        assert live.alone
+        # a step that keeps writing in the background: while frozen, the file stops growing
+        await rt.exec(sid, ExecRequest(command="(while :; do echo x >> bg.txt; sleep 0.01; done &) ; sleep 0.1"))
+        assert not live.alone
+        upper = f"{live.upper_path}/home/sandbox/bg.txt"
+        async with rt.frozen(sid):
+            size = os.path.getsize(upper)
+            await asyncio.sleep(0.2)
+            assert os.path.getsize(upper) == size
+        await asyncio.sleep(0.2)
+        assert os.path.getsize(upper) > size  # thawed
+        r = await rt.exec(sid, ExecRequest(command="test -s bg.txt"))
+        assert r.exit_code == 0 and not live.alone
+    finally:
+        await rt.destroy(sid)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from rollbox.runtime.errors import InvalidRequest
+from rollbox.runtime.snapshot import STDLIB_WARM
 from rollbox.snapshots.template import OciBase, load_template
 
 SHIPPED = Path(__file__).resolve().parents[2] / "snapshots" / "templates"
@@ -14,6 +15,7 @@ SHIPPED = Path(__file__).resolve().parents[2] / "snapshots" / "templates"
 def test_shipped_templates_load() -> None:
     py, _ = load_template(SHIPPED / "python.yaml")
     assert py.name == "python" and py.base == "host" and py.packages == ()
+    assert py.warm.imports == STDLIB_WARM  # a built python snapshot warms what the built-in one does
     sci, _ = load_template(SHIPPED / "python-sci.yaml")
     assert sci.packages == ("numpy", "pandas") and sci.warm.imports == ("numpy", "pandas")
     assert sci.limits.memory_max_bytes == 1 << 30
