@@ -142,6 +142,10 @@ class DurableRuntime:
         self._blobs_known: dict[str, float] = {}  # blob -> when it was last written or refreshed here
         self._tasks: list[asyncio.Task[None]] = []
         self._seen: OrderedDict[str, SandboxRecord] = OrderedDict()
+        # sandbox id -> (newest generation seen here, Unix time before which the sweep has nothing to do
+        # with it: it cannot expire, or its tombstone is kept, until then). The sweep reads only the
+        # records of sandboxes that passed that time or moved on, not every sandbox in the store.
+        self._due: dict[str, tuple[int, float]] = {}
         self._blob_cache: OrderedDict[str, bytes] = OrderedDict()  # content-addressed, so never stale
         self._blob_cache_bytes = 0
         self._blob_lock = threading.Lock()
@@ -337,9 +341,12 @@ class DurableRuntime:
 
     async def _head(self, sandbox_id: str) -> SandboxRecord:
         """The newest generation of a sandbox not live here; SandboxNotFound if it never existed.
-        From a generation seen here before (a record read or written), reading forward costs a GET
-        per generation and one that finds nothing; else the sandbox's records are listed first."""
+        From a generation seen here before (a record read or written; the record itself is kept for
+        the 4096 most recent, its generation for many more), reading forward costs a GET per
+        generation and one that finds nothing; else the sandbox's records are listed first."""
         head: SandboxRecord | None = self._seen.get(sandbox_id)
+        if head is None and (due := self._due.get(sandbox_id)) is not None:
+            head = await self._io(self._get, sandbox_id, due[0])  # the generation seen here last
         if head is None:
             keys = await self._io(self.objects.keys, f"sandboxes/{sandbox_id}/")
             gens = sorted(g for k in keys if (g := generation_of(k)) is not None)
@@ -355,6 +362,13 @@ class DurableRuntime:
 
     def _remember(self, record: SandboxRecord) -> None:
         """Keep the newest record seen of a sandbox (bounded): its next resume here skips the listing."""
+        if record.state == "destroyed":
+            due = record.last_used + self.tombstone_ttl_s
+        else:
+            due = min(record.created_at + record.limits.lifetime_s, record.last_used + record.limits.idle_s)
+        self._due[record.sandbox_id] = (record.generation, due)
+        while len(self._due) > 1_000_000:
+            self._due.pop(next(iter(self._due)))
         self._seen[record.sandbox_id] = record
         self._seen.move_to_end(record.sandbox_id)
         while len(self._seen) > 4096:
@@ -658,12 +672,18 @@ class DurableRuntime:
         for sid, gens in by_sid.items():
             if sid in self.live or sid in self._busy:
                 continue
+            known = self._due.get(sid)
+            if known is not None and known[0] == max(gens) and now < known[1]:
+                continue  # nothing changed since it was read or written here, and it is not due
             head = await self._io(self._get, sid, max(gens))
             if head is None:
                 continue
+            self._remember(head)
             if head.state == "destroyed":
                 if now - head.last_used > self.tombstone_ttl_s:
                     await self._io(self.objects.delete, list(gens.values()))
+                    self._due.pop(sid, None)
+                    self._seen.pop(sid, None)
                     removed += 1
             elif (why := head.expired(now)) is not None:
                 async with self._holding(sid):

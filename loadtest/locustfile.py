@@ -26,7 +26,7 @@ before it parses the flags. Ramping down kills users mid-episode (their sandbox 
 on_stop); `--stop-timeout S` lets them finish their episode first.
 
 At the end a summary is printed (episodes, retries by type and code, requests per host, the peak
-RSS of `--server-pid` and all its descendants sampled every second, the servers' /metrics counters
+memory (PSS) of `--server-pid` and all its descendants sampled every 2 s, the servers' /metrics counters
 rollbox_resumes_total and rollbox_hibernations_total, or n/a) and the exit code is 1 if the outcome
 rows (retry rows left out) fail more than `--max-fail-ratio` or their p99 is over `--max-p99-ms`.
 Every flag also reads an environment variable: see `_flags` below (Locust's --help prints before
@@ -95,7 +95,7 @@ def _flags(parser: Any) -> None:
     flag("--retry-after-max-s", "ROLLBOX_LOCUST_RETRY_AFTER_MAX_S", float, 10.0, "cap on one Retry-After wait")
     flag("--max-fail-ratio", "ROLLBOX_LOCUST_MAX_FAIL_RATIO", float, 0.01, "exit 1 above this failure ratio")
     flag("--max-p99-ms", "ROLLBOX_LOCUST_MAX_P99_MS", float, 5000.0, "exit 1 above this p99")
-    flag("--server-pid", "ROLLBOX_LOCUST_SERVER_PID", int, None, "report the peak RSS of this pid and descendants")
+    flag("--server-pid", "ROLLBOX_LOCUST_SERVER_PID", int, None, "report the peak memory (PSS) of this pid and descendants")
     flag("--experiment", "ROLLBOX_LOCUST_EXPERIMENT", str, "locust", "the experiment label of every episode")
     flag("--burst-users", "ROLLBOX_LOCUST_USERS", int, 50, "users in each burst of the burst shape")
     flag("--stage-s", "ROLLBOX_LOCUST_STAGE_S", float, 30.0, "seconds per stage of the burst shape")
@@ -367,8 +367,10 @@ class BurstAndScaleToZero(LoadTestShape):
         return stages[stage] if stage < len(stages) else None
 
 
-def _proc_tree_rss_bytes(root: int) -> int | None:
-    """The summed VmRSS of `root` and all its descendants; None if `root` is gone."""
+def _proc_tree_pss_bytes(root: int) -> int | None:
+    """The summed PSS of `root` and all its descendants (each shared page split between the processes
+    that map it, so the zygote's heap that every sandbox shares counts once, not once per sandbox, as
+    RSS would); None if `root` is gone."""
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -382,19 +384,19 @@ def _proc_tree_rss_bytes(root: int) -> int | None:
     while todo:
         pid = todo.pop()
         try:
-            with open(f"/proc/{pid}/status") as f:
-                rss_kb = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                pss_kb = next((int(line.split()[1]) for line in f if line.startswith("Pss:")), 0)
         except OSError:
             if pid == root:
                 return None
             continue
-        total += rss_kb * 1024
+        total += pss_kb * 1024
         todo.extend(children.get(pid, ()))
     return total
 
 
-class RssSampler:
-    """Samples the RSS of a process tree every second in a greenlet; keeps the peak."""
+class MemorySampler:
+    """Samples the PSS of a process tree every 2 s in a greenlet; keeps the peak."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -404,10 +406,10 @@ class RssSampler:
 
     def _run(self) -> None:
         while True:
-            if (rss := _proc_tree_rss_bytes(self.pid)) is not None:
-                self.peak_bytes = max(self.peak_bytes, rss)
+            if (pss := _proc_tree_pss_bytes(self.pid)) is not None:
+                self.peak_bytes = max(self.peak_bytes, pss)
                 self.samples += 1
-            gevent.sleep(1.0)
+            gevent.sleep(2.0)
 
     def report(self) -> str:
         if not self.samples:
@@ -415,7 +417,7 @@ class RssSampler:
         return f"{self.peak_bytes / MIB:.1f} MiB (pid {self.pid} and descendants, peak of {self.samples} samples)"
 
 
-SAMPLER: list[RssSampler] = []  # the one sampler of this process, once the test started
+SAMPLER: list[MemorySampler] = []  # the one sampler of this process, once the test started
 
 
 @events.init.add_listener
@@ -436,7 +438,7 @@ def _start_sampler(environment: Any, **_: Any) -> None:
     opts = environment.parsed_options
     if opts is None or opts.server_pid is None or isinstance(environment.runner, WorkerRunner) or SAMPLER:
         return
-    SAMPLER.append(RssSampler(opts.server_pid))
+    SAMPLER.append(MemorySampler(opts.server_pid))
 
 
 def _server_counters(host: str) -> str:
@@ -484,7 +486,7 @@ def _summary_and_thresholds(environment: Any, **_: Any) -> None:
           " (retry rows left out)")
     print(f"  retries: {retried} ({counts(TALLY.retries)}); gave up: {counts(TALLY.gave_up)}")
     print("  hosts: " + "; ".join(f"#{i + 1} {h} {TALLY.per_host[i]} requests" for i, h in enumerate(hosts)))
-    print(f"  server peak RSS: {SAMPLER[0].report() if SAMPLER else 'n/a (no --server-pid)'}")
+    print(f"  server peak memory (PSS): {SAMPLER[0].report() if SAMPLER else 'n/a (no --server-pid)'}")
     for host in dict.fromkeys(hosts):
         print(f"  server {host}: {_server_counters(host)}")
 

@@ -73,7 +73,7 @@ def test_locustfile_plays_episodes(small_server: ServerProc, tmp_path: Path) -> 
     summary = p.stdout[p.stdout.index("rollbox locust summary"):]
     turns = [int(n) for n in re.findall(r"#[12] \S+ (\d+) requests", summary)]
     assert len(turns) == 2 and min(turns) > 0 and abs(turns[0] - turns[1]) <= 10, summary  # each user alternates
-    rss = re.search(r"server peak RSS: ([\d.]+) MiB", summary)
+    rss = re.search(r"server peak memory \(PSS\): ([\d.]+) MiB", summary)
     assert rss and float(rss.group(1)) > 10, summary
     for counter in ("rollbox_resumes_total", "rollbox_hibernations_total"):
         assert re.search(rf"{counter} (\d+|n/a)", summary), summary
