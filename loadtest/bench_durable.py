@@ -2,7 +2,10 @@
 
   - step latency with durability off vs step, writing 1 KiB, 64 KiB, 1 MiB and 10 MiB per step;
   - a cross-replica step: resume + `print(1)` on the other replica, with a 1 MiB diff;
-  - hibernate + resume: the step after an idle hibernation, on the same replica.
+  - hibernate + resume: the step after an idle hibernation, on the same replica;
+  - churn: many open episodes over a small live cap (the embedded default, local store and recording):
+    every step resumes its sandbox and hibernates another, as in the many-users Locust run; the
+    machine's CPU per such step is what bounds how many episodes one box serves.
 
 Every server is a real `rollbox serve` (the durable ones share one bucket); every reply is checked.
 
@@ -67,10 +70,40 @@ def write_code(size: int) -> str:
     return f"import os; open('payload.bin', 'wb').write(os.urandom({size})); print('ok')"
 
 
+# the Locust file's action: append a line to the state file, print the file's sha256
+CHURN_CODE = ("import hashlib\nwith open('trajectory.txt', 'a') as f:\n    f.write('step\\n')\n"
+              "print(hashlib.sha256(open('trajectory.txt', 'rb').read()).hexdigest())\n")
+
+
+async def churn_row(http: httpx.AsyncClient, srv: ServerProc, args: argparse.Namespace,
+                    rows: list[tuple[str, int, float, float, float]]) -> float:
+    """Steps round-robin over more open sandboxes than the live cap, 8 at a time: each one resumes."""
+    sids = [await create(http, srv) for _ in range(args.churn_sandboxes)]
+    await asyncio.sleep(1.0)
+    todo = iter(range(args.churn_steps))
+    lat: list[float] = []
+
+    async def worker() -> None:
+        for i in todo:
+            ms, data = await step(http, srv, sids[i % len(sids)], code=CHURN_CODE)
+            assert data["resumed"] is True, data
+            lat.append(ms)
+
+    c0, t0 = busy_s(), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(8)))
+    wall, cpu = time.perf_counter() - t0, (busy_s() - c0) * 1000 / len(lat)
+    rows.append((f"churn: {args.churn_sandboxes} episodes, --max-live {args.churn_live}, c8 (each step resumes)",
+                 len(lat), statistics.median(lat), pct(lat, 0.99), cpu))
+    return len(lat) / wall
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=40, help="steps per row")
     ap.add_argument("--hibernate-rounds", type=int, default=8)
+    ap.add_argument("--churn-sandboxes", type=int, default=120, help="open episodes of the churn row")
+    ap.add_argument("--churn-live", type=int, default=16, help="--max-live of the churn row's server")
+    ap.add_argument("--churn-steps", type=int, default=600)
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="rollbox-bench-durable-"))
     s3 = SeaweedS3(base / "s3")
@@ -94,6 +127,7 @@ async def main() -> None:
         a = start("a", "--hibernate-after-s", "0", "--record", "off")
         b = start("b", "--hibernate-after-s", "0", "--record", "off")
         hib = start("hib", "--hibernate-after-s", "1")
+        churn = start("churn", "--max-live", str(args.churn_live), store=False)
         rows: list[tuple[str, int, float, float, float]] = []
         async with httpx.AsyncClient(timeout=120) as http:
             for size in (1 * KiB, 64 * KiB, 1024 * KiB, 10 * 1024 * KiB):
@@ -133,6 +167,7 @@ async def main() -> None:
                 after.append(ms)
             rows.append(("step after hibernation (resume + print(1)), 64 KiB diff", len(after),
                          statistics.median(after), pct(after, 0.99), float("nan")))
+            churn_rate = await churn_row(http, churn, args, rows)
         print(f"{'path':58} {'n':>4} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/step':>12}")
         for name, n, p50, p99, cpu in rows:
             print(f"{name:58} {n:4d} {p50:8.2f} {p99:8.2f} {cpu:12.1f}")
@@ -146,6 +181,7 @@ async def main() -> None:
             plain = by[f"durability step local write {size:>5} KiB/step"]
             recorded = by[f"durability step local + recording write {size:>5} KiB/step"]
             print(f"recording adds {recorded - plain:6.2f} ms p50 to a durable step (local store) writing {size} KiB")
+        print(f"churn: {churn_rate:.1f} steps/s, every one a resume (and a hibernation to make room)")
         print("(SeaweedFS `weed mini` on 127.0.0.1; every server a real `rollbox serve`; one client, sequential steps;"
               " CPU ms/step: busy CPU of the whole machine per step, SeaweedFS and this client included)")
     finally:

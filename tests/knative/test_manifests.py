@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,7 @@ def test_knative_folder_has_the_manifests() -> None:
     names = {p.relative_to(KNATIVE).as_posix() for p in ALL_YAML}
     assert {"base/service.yaml", "base/runtimeclass-kata.yaml", "base/eventing.yaml", "base/kustomization.yaml",
             "overlays/local-store/kustomization.yaml", "overlays/s3/kustomization.yaml"} <= names
-    assert [p.name for p in OVERLAYS] == ["kafka", "local-store", "s3"]
+    assert [p.name for p in OVERLAYS] == ["kafka", "kata-clh", "local-store", "s3"]
 
 
 @pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.relative_to(KNATIVE).as_posix())
@@ -297,9 +298,15 @@ def test_base_scales_to_zero_and_runs_in_kata() -> None:
     svc = rollbox_service(resources)
     tmpl = svc["spec"]["template"]
     assert tmpl["metadata"]["annotations"][AUTOSCALING + "min-scale"] == "0"
-    assert tmpl["spec"]["runtimeClassName"] == "kata"
-    assert [d["metadata"]["name"] for d in of_kind(resources, "RuntimeClass")] == ["kata"]
-    assert of_kind(resources, "RuntimeClass")[0]["handler"] == "kata"
+    assert tmpl["spec"]["runtimeClassName"] == "kata-qemu"  # the handler with VM templating
+    # as kata-deploy declares them (handler, pod overhead, node label), so both can be applied
+    classes = {d["metadata"]["name"]: d for d in of_kind(resources, "RuntimeClass")}
+    assert set(classes) == {"kata-qemu", "kata-clh"}
+    for name, memory in (("kata-qemu", "160Mi"), ("kata-clh", "130Mi")):
+        rc = classes[name]
+        assert rc["handler"] == name
+        assert rc["overhead"]["podFixed"] == {"cpu": "250m", "memory": memory}
+        assert rc["scheduling"]["nodeSelector"] == {"katacontainers.io/kata-runtime": "true"}
     (c,) = tmpl["spec"]["containers"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -322,7 +329,7 @@ def test_rollbox_serve_accepts_the_environment(directory: Path) -> None:
     assert set(env) <= known, f"not read by rollbox serve: {sorted(set(env) - known)}"
     values = resolve_options(SERVE_OPTIONS, argparse.Namespace(), env)
     assert values["host"] == "0.0.0.0" and values["port"] == 8080
-    if directory.name in ("s3", "kafka"):  # kafka: the s3 overlay, ordered through a Kafka Broker
+    if directory.name in ("s3", "kafka", "kata-clh"):  # kafka, kata-clh: the s3 overlay and more
         assert str(values["store"]).startswith("s3://") and values["s3_endpoint_url"].startswith("https://")
         assert int(rollbox_service(build(directory))["spec"]["template"]["metadata"]["annotations"][
             AUTOSCALING + "max-scale"]) > 1
@@ -406,3 +413,28 @@ def test_kafka_overlay_orders_every_trigger_and_replies_through_request_reply() 
     base = {key(d): d for d in build(KNATIVE / "overlays" / "s3")}
     assert base["Broker", "rollbox"]["metadata"]["annotations"]["eventing.knative.dev/broker.class"] \
         == "MTChannelBasedBroker"
+
+
+def test_the_kata_clh_overlay_runs_the_s3_deployment_in_cloud_hypervisor_vms() -> None:
+    clh, s3 = build(KNATIVE / "overlays/kata-clh"), build(KNATIVE / "overlays/s3")
+    spec = rollbox_service(clh)["spec"]["template"]["spec"]
+    assert spec["runtimeClassName"] == "kata-clh"
+    assert "kata-clh" in {d["metadata"]["name"] for d in of_kind(clh, "RuntimeClass")}
+    spec["runtimeClassName"] = "kata-qemu"
+    assert clh == s3  # nothing else differs
+
+
+def test_the_knative_readme_names_real_flags_and_the_template_settings() -> None:
+    """The node and cluster set-up in knative/README.md: the feature flags it patches exist in Knative
+    Serving's config-features, and both RuntimeClasses and the factory settings are described."""
+    text = (KNATIVE / "README.md").read_text()
+    features = yaml.safe_load((REFERENCE / "serving/features.yaml").read_text())["data"]["_example"]
+    patched = json.loads(re.search(r"-p \\\n\s*'(\{.*\})'", text).group(1))["data"]
+    assert set(patched) == {"kubernetes.podspec-runtimeclassname", "kubernetes.containerspec-addcapabilities"}
+    for flag, value in patched.items():
+        assert value == "enabled" and re.search(rf"^{re.escape(flag)}:", features, re.M), flag
+    for needed in ("enable_template = true", "initrd =", "# image =", "kata-runtime factory init",
+                   "kata-qemu", "kata-clh", "katacontainers.io/kata-runtime=true", "kubectl apply -k knative/overlays/s3"):
+        assert needed in text, needed
+    for overlay in OVERLAYS:
+        assert f"`overlays/{overlay.name}`" in text, overlay.name
