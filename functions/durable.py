@@ -362,6 +362,14 @@ class DurableRuntime:
 
     def _remember(self, record: SandboxRecord) -> None:
         """Keep the newest record seen of a sandbox (bounded): its next resume here skips the listing."""
+        self._note_due(record)
+        self._seen[record.sandbox_id] = record
+        self._seen.move_to_end(record.sandbox_id)
+        while len(self._seen) > 4096:
+            self._seen.popitem(last=False)
+
+    def _note_due(self, record: SandboxRecord) -> None:
+        """Note a sandbox's generation and when the sweep may next have to do with it (``_due``)."""
         if record.state == "destroyed":
             due = record.last_used + self.tombstone_ttl_s
         else:
@@ -369,10 +377,6 @@ class DurableRuntime:
         self._due[record.sandbox_id] = (record.generation, due)
         while len(self._due) > 1_000_000:
             self._due.pop(next(iter(self._due)))
-        self._seen[record.sandbox_id] = record
-        self._seen.move_to_end(record.sandbox_id)
-        while len(self._seen) > 4096:
-            self._seen.popitem(last=False)
 
     async def _fresh_live(self, sandbox_id: str) -> _Live | None:
         """The live copy here, if it is still the newest generation and its sandbox still runs."""
@@ -678,7 +682,7 @@ class DurableRuntime:
             head = await self._io(self._get, sid, max(gens))
             if head is None:
                 continue
-            self._remember(head)
+            self._note_due(head)  # (not _remember: a sweep must not push resumed sandboxes out of _seen)
             if head.state == "destroyed":
                 if now - head.last_used > self.tombstone_ttl_s:
                     await self._io(self.objects.delete, list(gens.values()))

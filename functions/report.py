@@ -431,6 +431,19 @@ def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
 
     def ys(col: str) -> Any:
         return np.append(tl[col].to_numpy(dtype=float), tl[col].iloc[-1])
+
+    def one_axes() -> tuple[Any, Any]:
+        fig = Figure(figsize=(10, 3.5), dpi=100, layout="constrained")
+        return fig, fig.subplots()
+
+    def save(fig: Any, ax: Any, name: str, ylabel: str, title: str, *, legend: bool = True) -> None:
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel("time (UTC)")
+        if legend:
+            ax.legend(loc="upper right", fontsize=8)
+        _axes_time(ax, xs)
+        fig.suptitle(title)
+        fig.savefig(out / f"{name}.png")
     captions: dict[str, str] = {}
 
     fig = Figure(figsize=(10, 5), dpi=100, layout="constrained")
@@ -452,52 +465,35 @@ def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
                              "last step, or its usage record's end), and steps that resumed a hibernated sandbox. "
                              "Whether an open sandbox was in memory or hibernated is not recorded.")
 
-    fig = Figure(figsize=(10, 3.5), dpi=100, layout="constrained")
-    ax = fig.subplots()
+    fig, ax = one_axes()
     ax.step(xs, ys("steps_per_s"), where="post", color="tab:green", label=f"steps/s ({b} buckets)")
     if sm["steps_per_s_avg"] is not None:
         ax.axhline(sm["steps_per_s_avg"], color="gray", ls="--", lw=1, label=f"average {sm['steps_per_s_avg']:.3g}")
-    ax.set_ylabel("steps/s")
-    ax.set_xlabel("time (UTC)")
-    ax.legend(loc="upper right", fontsize=8)
-    _axes_time(ax, xs)
-    fig.suptitle("Steps per second (every recorded step, by when its reply was made)")
-    fig.savefig(out / "steps.png")
+    save(fig, ax, "steps", "steps/s", "Steps per second (every recorded step, by when its reply was made)")
     captions["steps"] = f"Steps answered per second, in {b} buckets."
 
-    fig = Figure(figsize=(10, 3.5), dpi=100, layout="constrained")
-    ax = fig.subplots()
-    if tl["p50_ms"].notna().any():
+    fig, ax = one_axes()
+    execs = bool(tl["p50_ms"].notna().any())
+    if execs:
         for col, color in (("p50_ms", "tab:blue"), ("p90_ms", "tab:orange"), ("p99_ms", "tab:red")):
             ax.plot(x + width // 2, tl[col], marker=".", ms=3, lw=1, color=color, label=col.replace("_ms", ""))
         lo, hi = np.nanmin(tl["p50_ms"]), np.nanmax(tl["p99_ms"])
         if lo > 0 and hi / lo > 50:
             ax.set_yscale("log")
-        ax.legend(loc="upper right", fontsize=8)
     else:
         ax.text(0.5, 0.5, "no exec steps", ha="center", va="center", transform=ax.transAxes)
-    ax.set_ylabel("ms")
-    ax.set_xlabel("time (UTC)")
-    _axes_time(ax, xs)
-    fig.suptitle(f"Exec step latency (total_ms) percentiles per {b}")
-    fig.savefig(out / "latency.png")
+    save(fig, ax, "latency", "ms", f"Exec step latency (total_ms) percentiles per {b}", legend=execs)
     captions["latency"] = (f"p50, p90 and p99 of the exec steps' total_ms (event in to reply out) in each {b} "
                            "bucket.")
 
-    fig = Figure(figsize=(10, 3.5), dpi=100, layout="constrained")
-    ax = fig.subplots()
+    fig, ax = one_axes()
     ax.fill_between(xs, ys("cost_usd_per_h"), step="post", color="tab:blue", alpha=0.4,
                     label="billed per second ($/h)")
     ax.step(xs, ys("cost_usd_per_h"), where="post", color="tab:blue", lw=1)
     if sm["always_on_rate_usd_s"] is not None:
         ax.axhline(sm["always_on_rate_usd_s"] * 3600, color="tab:red", ls="--", lw=1.5,
                    label=f"always-on fleet of {sm['peak_open']} ($/h)")
-    ax.set_ylabel("$/h")
-    ax.set_xlabel("time (UTC)")
-    ax.legend(loc="upper right", fontsize=8)
-    _axes_time(ax, xs)
-    fig.suptitle("Cost rate: per-second billing vs an always-on fleet")
-    fig.savefig(out / "cost.png")
+    save(fig, ax, "cost", "$/h", "Cost rate: per-second billing vs an always-on fleet")
     captions["cost"] = ("Per-second billing: each sandbox life's cost spread evenly over its live time "
                         f"[ended_at - wall_s, ended_at], as a rate per {b} bucket; against the always-on "
                         "fleet's rate (peak open sandboxes at the typical limits).")

@@ -35,9 +35,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except OSError:
+    except OSError:  # gone (or not ours to read)
         return None
     fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3
     return fields[0], int(fields[19])

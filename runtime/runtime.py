@@ -410,17 +410,18 @@ class Runtime:
         for this runtime (its start-up probes and the latest sandbox read-back)."""
         if sandbox_id is not None:
             return self._report(self.get(sandbox_id))
-        facts = next(reversed(list(self._probed.values())), None)
-        return report.render(rootless=self.config.rootless, uid=os.geteuid(), host_ns=self.host_namespaces,
-                             backend=self.cgroup_backend, backend_reason=self.cgroup_reason, bpf=self.seccomp_bpf,
-                             facts=facts)
+        return self._render(next(reversed(list(self._probed.values())), None))
 
     def _report(self, sb: Sandbox) -> dict[str, str]:
         facts = self._probed.get(sb.source) if sb.source is not None else None
+        return self._render(facts, limits=sb.limits, group=sb.group, pid=sb.pid,
+                            rlimit_params=rlimit_params(sb.limits, sb.group is not None))
+
+    def _render(self, facts: dict[str, Any] | None, **sandbox: Any) -> dict[str, str]:
+        """``report.render`` with this runtime's side of it; ``sandbox``: one sandbox's own."""
         return report.render(rootless=self.config.rootless, uid=os.geteuid(), host_ns=self.host_namespaces,
                              backend=self.cgroup_backend, backend_reason=self.cgroup_reason, bpf=self.seccomp_bpf,
-                             facts=facts, limits=sb.limits, group=sb.group, pid=sb.pid,
-                             rlimit_params=rlimit_params(sb.limits, sb.group is not None))
+                             facts=facts, **sandbox)
 
     # ----------------------------------------------------------------- restore
     def _skel(self, view: SnapshotView) -> Path:

@@ -64,6 +64,11 @@ def sandboxes_cores(available: float, reserved_cores: float) -> float:
     return max(MIN_SANDBOXES_CORES, available - reserved_cores)
 
 
+def capped_cores(asked: float, cap_cores: float | None) -> float:
+    """The CPU a sandbox asking for ``asked`` cores gets under a parent capped at ``cap_cores``."""
+    return asked if cap_cores is None else min(asked, cap_cores)
+
+
 def quota_us(cores: float) -> int:
     """A CFS quota per CPU_PERIOD_US for ``cores`` CPUs (the kernel's minimum is 1 ms)."""
     return max(1000, int(cores * CPU_PERIOD_US))

@@ -19,6 +19,7 @@ from rollbox.runtime.isolation.cgroups import (
     CgroupStats,
     CpuPolicy,
     available_cores,
+    capped_cores,
     close_fds,
     mounts_of,
     open_procs,
@@ -86,7 +87,7 @@ class V1Group:
 
     def cpu_cores(self, asked: float) -> float:
         """The quota written for ``asked`` cores: at most the parent's cap."""
-        return asked if self.cap_cores is None else min(asked, self.cap_cores)
+        return capped_cores(asked, self.cap_cores)
 
     def paths(self) -> list[str]:
         return [str(d) for d in self.unique]

@@ -18,6 +18,7 @@ from rollbox.runtime.isolation.cgroups import (
     CgroupStats,
     CpuPolicy,
     available_cores,
+    capped_cores,
     close_fds,
     mounts_of,
     open_procs,
@@ -77,7 +78,7 @@ class V2Group:
 
     def cpu_cores(self, asked: float) -> float:
         """The cpu.max written for ``asked`` cores: at most the parent's cap."""
-        return asked if self.cap_cores is None else min(asked, self.cap_cores)
+        return capped_cores(asked, self.cap_cores)
 
     def paths(self) -> list[str]:
         return [str(self.path)]

@@ -6,6 +6,7 @@ does) and never answers, the worst an S3 endpoint can do. Real servers, real Sea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -46,6 +47,17 @@ def _serve(tmp_path: Path, weed: SeaweedS3, bucket: str, name: str, *args: str) 
     return start_server(tmp_path / name, "--home", str(tmp_path / name / "home"), *args, env=env)
 
 
+@contextlib.contextmanager
+def _hung(weed: SeaweedS3) -> Iterator[None]:
+    """The store accepts connections and answers nothing until the block ends (its processes stopped)."""
+    assert weed.proc is not None
+    os.killpg(weed.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(weed.proc.pid, signal.SIGCONT)
+
+
 async def _timed(http: httpx.AsyncClient, url: str, etype: str, data: dict[str, object]) -> tuple[float, int, dict]:
     t0 = time.monotonic()
     r = await send(http, url, event(etype, data))
@@ -83,14 +95,11 @@ async def test_a_hung_store_is_a_fast_503_for_what_needs_it_and_nothing_else_wai
 
     # durability off: fork and run need no store at all
     b = _serve(tmp_path, own_seaweed, bucket, "b", "--durability", "off")
-    assert own_seaweed.proc is not None
-    pgid = own_seaweed.proc.pid
     try:
         r = await send(http, b.url, event(CREATE, {"snapshot": "python"}))
         assert r.status == 200, r.data
         live = r.data["sandbox_id"]
-        os.killpg(pgid, signal.SIGSTOP)
-        try:
+        with _hung(own_seaweed):
             creates = [asyncio.create_task(_timed(http, b.url, CREATE, {"snapshot": "hung-t"})) for _ in range(8)]
             await asyncio.sleep(0.5)  # the creates are waiting on the store now
             took, status, data = await _timed(http, b.url, RUN, {"code": "print(6 * 7)"})
@@ -102,14 +111,11 @@ async def test_a_hung_store_is_a_fast_503_for_what_needs_it_and_nothing_else_wai
                 assert "did not answer within" in data["message"], data
             # the server itself stays up and answers its probes
             assert httpx.get(b.url + "healthz", timeout=2).status_code == 200
-        finally:
-            os.killpg(pgid, signal.SIGCONT)
         # the store is back: the same create works
         data = await _once_the_store_is_back(http, b.url, CREATE, {"snapshot": "hung-t"})
         r = await send(http, b.url, event(EXEC, {"sandbox_id": data["sandbox_id"], "command": "cat /home/sandbox/f"}))
         assert (r.status, r.data["stdout"]) == (200, "hi\n"), r.data
     finally:
-        os.killpg(pgid, signal.SIGCONT)
         assert b.stop() == 0
 
 
@@ -117,25 +123,19 @@ async def test_a_durable_step_on_a_hung_store_is_a_fast_503_and_a_run_still_answ
         own_seaweed: SeaweedS3, tmp_path: Path, http: httpx.AsyncClient) -> None:
     bucket = own_seaweed.new_bucket()
     srv = _serve(tmp_path, own_seaweed, bucket, "d")  # durability step: the default with a store
-    assert own_seaweed.proc is not None
-    pgid = own_seaweed.proc.pid
     try:
         r = await send(http, srv.url, event(CREATE, {"snapshot": "python"}))
         assert r.status == 200, r.data
         sid = r.data["sandbox_id"]
-        os.killpg(pgid, signal.SIGSTOP)
-        try:
+        with _hung(own_seaweed):
             step = asyncio.create_task(_timed(http, srv.url, EXEC, {"sandbox_id": sid, "code": "print(1)"}))
             await asyncio.sleep(0.3)
             took, status, data = await _timed(http, srv.url, RUN, {"code": "print(2)"})
             assert (status, data.get("stdout")) == (200, "2\n") and took < 1.0, (took, status, data)
             took, status, data = await step
             assert (status, data["code"]) == (503, "store_unavailable") and took < 10.0, (took, status, data)
-        finally:
-            os.killpg(pgid, signal.SIGCONT)
         # the step was not acknowledged: retried, it runs (once) from the last durable state
         data = await _once_the_store_is_back(http, srv.url, EXEC, {"sandbox_id": sid, "code": "print(3)"})
         assert data["stdout"] == "3\n", data
     finally:
-        os.killpg(pgid, signal.SIGCONT)
         assert srv.stop() == 0
