@@ -1,4 +1,4 @@
-"""The ``rollbox`` command: run, doctor, serve, snapshot, store, trajectories.
+"""The ``rollbox`` command: run, doctor, serve, snapshot, store, trajectories, report, knative.
 
 Every flag is mirrored by an environment variable (``--port`` / ``PORT``), cast strictly.
 Subcommands live with the code they drive; this module only wires them up.
@@ -36,9 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     trajectories.add_parser(sub)
     replay.add_parser(sub)
 
-    from rollbox.functions import report
+    from rollbox.functions import knative, report
 
     report.add_parser(sub)
+    knative.add_parser(sub)
 
     args = parser.parse_args(argv)
     rc: int = args.func(args)

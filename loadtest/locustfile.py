@@ -36,6 +36,7 @@ own (with --processes or workers, each worker counts its requests, the master no
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -54,6 +55,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 import gevent
+import locust.argument_parser
 from locust import FastHttpUser, LoadTestShape, events, run_single_user, task
 from locust.exception import StopUser
 from locust.runners import WorkerRunner
@@ -78,6 +80,13 @@ EXEC_TIMEOUT_S = 30.0
 SERVER_METRICS = ("rollbox_resumes_total", "rollbox_hibernations_total")
 
 log = logging.getLogger("rollbox.locust")
+
+# Locust (2.47) rebuilds its whole argument parser once per option for every spawn message a worker
+# gets (runners.py: `k not in argument_parser.default_args_dict()` inside a comprehension): with
+# --processes and a long ramp that was over half of each worker's CPU (py-spy), taken from the
+# server it measures. The defaults do not change while it runs, so build them once.
+if not hasattr(locust.argument_parser.default_args_dict, "cache_info"):
+    locust.argument_parser.default_args_dict = functools.cache(locust.argument_parser.default_args_dict)
 
 
 @events.init_command_line_parser.add_listener
