@@ -22,11 +22,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import urllib3.exceptions
-from kubernetes import client, config
 from rollbox.runtime.errors import InvalidRequest, RollboxError
+
+if TYPE_CHECKING:
+    from kubernetes import client
 
 __all__ = ["MIN_SCALE_ANNOTATION", "KnativeError", "Scale", "add_parser", "min_scale_patch", "prewarm", "release",
            "scale", "wait_ready"]
@@ -128,6 +129,9 @@ def _patch(namespace: str, service: str, body: dict[str, Any], api_client: clien
 
 def _call(namespace: str, service: str, doing: str, call: Callable[[client.CustomObjectsApi], Any],
           api_client: client.ApiClient | None) -> Any:
+    import urllib3.exceptions
+    from kubernetes import client, config
+
     where = f"Knative Service {namespace}/{service}"
     try:
         return call(client.CustomObjectsApi(api_client or _default_client()))
@@ -154,6 +158,10 @@ def _call(namespace: str, service: str, doing: str, call: Callable[[client.Custo
 
 def _default_client() -> client.ApiClient:
     """In a pod: its service account; elsewhere: the current kubeconfig context."""
+    try:
+        from kubernetes import client, config
+    except ImportError as exc:
+        raise RollboxError("the Kubernetes client is not installed: pip install 'rollbox[knative]'") from exc
     loaders: Any = config  # kubernetes.config's loaders are untyped
     try:
         cfg = client.Configuration()
@@ -194,6 +202,10 @@ def _namespace(given: str | None) -> str:
         return _POD_NAMESPACE.read_text().strip() or "default"
     except OSError:
         pass
+    try:
+        from kubernetes import config
+    except ImportError:
+        return "default"
     try:
         loaders: Any = config  # kubernetes.config's loaders are untyped
         _, context = loaders.list_kube_config_contexts()

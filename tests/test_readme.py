@@ -93,6 +93,9 @@ NOT_RUN: tuple[tuple[str, str], ...] = (
     (r"^\.venv/bin/rollbox serve --port 18090 ", "the server of the 5-minute load test below it"),
     (r"^kill \$SERVER_PID; wait \$SERVER_PID$", "stops the load test's server"),
     (r"^\.venv/bin/rollbox report --experiment rl-demo ", "reports on the load test's records (rl-demo)"),
+    (r"^scripts/image$", "builds the image (~2 min, as root): tests/knative/test_pod.py builds and runs it"),
+    (r"^podman load -i dist/rollbox-", "loads the image into podman: tests/knative/podkit.py does"),
+    (r"^kubectl apply -k knative/overlays/s3$", "needs a Kubernetes cluster with Knative (none runs here)"),
 )
 
 # -- what is run, and what it must print ----------------------------------------------------------------

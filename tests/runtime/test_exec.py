@@ -346,7 +346,10 @@ async def test_cpu_of_a_step_is_the_programs_own(tmp_path: Path, cgroup: str) ->
     parent = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT", f"rollbox-test-{os.getpid()}")  # as conftest's
     async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup=cgroup, cgroup_parent=parent, pool_max=0)) as rt2:
         assert (rt2.cgroup_backend is None) == (cgroup == "none")
-        idle = await rt2.run(ExecRequest(code="pass"))
+        # the least of three: the first fork of a fresh zygote pays extra copy-on-write faults (3.2 ms once
+        # rootless), while counting the sandbox's setup would put every run above the bound
+        idles = [await rt2.run(ExecRequest(code="pass")) for _ in range(3)]
+        idle = min(idles, key=lambda r: r.cpu_s)
         busy = await rt2.run(ExecRequest(code=burn))
         info = await rt2.create()
         try:
