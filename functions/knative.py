@@ -127,15 +127,26 @@ def _patch(namespace: str, service: str, body: dict[str, Any], api_client: clien
         _GROUP, _VERSION, namespace, _PLURAL, service, body, _content_type=_MERGE_PATCH), api_client)
 
 
+def _kubernetes() -> Any:
+    """The Kubernetes client (the ``knative`` extra), imported on first use: ``rollbox serve`` and the
+    image need none of it; without it every entry point here fails with one clear RollboxError."""
+    try:
+        import kubernetes.client
+        import kubernetes.config
+    except ImportError as exc:
+        raise RollboxError("the Kubernetes client is not installed: pip install 'rollbox[knative]'") from exc
+    return kubernetes
+
+
 def _call(namespace: str, service: str, doing: str, call: Callable[[client.CustomObjectsApi], Any],
           api_client: client.ApiClient | None) -> Any:
-    import urllib3.exceptions
-    from kubernetes import client, config
+    import urllib3.exceptions  # botocore's dependency: always there
 
+    k8s = _kubernetes()
     where = f"Knative Service {namespace}/{service}"
     try:
-        return call(client.CustomObjectsApi(api_client or _default_client()))
-    except client.ApiException as exc:
+        return call(k8s.client.CustomObjectsApi(api_client or _default_client()))
+    except k8s.client.ApiException as exc:
         hint = {
             401: "the credentials were refused",
             403: "the service account needs get and patch on services and get on revisions of "
@@ -148,7 +159,7 @@ def _call(namespace: str, service: str, doing: str, call: Callable[[client.Custo
             service=service,
             status=exc.status,
         ) from exc
-    except (urllib3.exceptions.HTTPError, config.ConfigException) as exc:
+    except (urllib3.exceptions.HTTPError, k8s.config.ConfigException) as exc:
         raise KnativeError(
             f"{doing} {where} failed: cannot reach the Kubernetes API ({exc})",
             namespace=namespace,
@@ -158,18 +169,13 @@ def _call(namespace: str, service: str, doing: str, call: Callable[[client.Custo
 
 def _default_client() -> client.ApiClient:
     """In a pod: its service account; elsewhere: the current kubeconfig context."""
+    k8s = _kubernetes()
     try:
-        from kubernetes import client, config
-    except ImportError as exc:
-        raise RollboxError("the Kubernetes client is not installed: pip install 'rollbox[knative]'") from exc
-    loaders: Any = config  # kubernetes.config's loaders are untyped
-    try:
-        cfg = client.Configuration()
-        loaders.load_incluster_config(client_configuration=cfg)
-        return client.ApiClient(cfg)
-    except config.ConfigException:
-        api_client: client.ApiClient = loaders.new_client_from_config()
-        return api_client
+        cfg = k8s.client.Configuration()
+        k8s.config.load_incluster_config(client_configuration=cfg)
+        return k8s.client.ApiClient(cfg)  # type: ignore[no-any-return]
+    except k8s.config.ConfigException:
+        return k8s.config.new_client_from_config()  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -203,14 +209,13 @@ def _namespace(given: str | None) -> str:
     except OSError:
         pass
     try:
-        from kubernetes import config
-    except ImportError:
+        k8s = _kubernetes()
+    except RollboxError:
         return "default"
     try:
-        loaders: Any = config  # kubernetes.config's loaders are untyped
-        _, context = loaders.list_kube_config_contexts()
+        _, context = k8s.config.list_kube_config_contexts()
         return str(context.get("context", {}).get("namespace") or "default")
-    except (config.ConfigException, OSError, TypeError):
+    except (k8s.config.ConfigException, OSError, TypeError):
         return "default"
 
 

@@ -21,7 +21,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,10 +74,9 @@ def main() -> None:
     s3.start()
     try:
         env = podkit.s3_env(s3.endpoint, s3.new_bucket(), ACCESS_KEY, SECRET_KEY)
-        push = podkit.Pod(baked, env=env, args=["snapshot", "push", "python-sci"])
-        cmd = push.command()
-        cmd[cmd.index("-d")] = "--rm"
-        subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+        push = podkit.Pod(baked, env=env, args=["snapshot", "push", "python-sci"]).run_once()
+        if push.returncode != 0:
+            raise SystemExit(f"pushing python-sci failed:\n{push.stdout[-2000:]}{push.stderr[-2000:]}")
         rows: dict[str, list[tuple[float, float, float]]] = {"layers baked in": [], "no layers (pulled from S3)": []}
         for _ in range(args.repeat):  # alternating, so drift hits both alike
             rows["layers baked in"].append(cold(baked, env))

@@ -60,8 +60,7 @@ def image(*, layers: bool = True) -> str:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(f"scripts/image failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    loaded = subprocess.run(["podman", "image", "inspect", "--format", "{{.Labels}}", tag],
-                            capture_output=True, text=True)
+    loaded = subprocess.run(["podman", "image", "exists", tag], capture_output=True)
     stamp = f"{archive.stat().st_mtime_ns}"
     marker = REPO / "dist" / f".loaded{suffix}"
     if loaded.returncode != 0 or not marker.exists() or marker.read_text() != stamp:
@@ -88,7 +87,7 @@ def podman_args(spec: dict[str, Any]) -> list[str]:
     """The manifest's securityContext as podman flags: exactly its capabilities and user."""
     sc = spec.get("securityContext") or {}
     caps = sc.get("capabilities") or {}
-    args = ["--cap-drop", "ALL"] if "ALL" in (caps.get("drop") or ["ALL"]) else []
+    args = ["--cap-drop", "ALL"] if "ALL" in (caps.get("drop") or []) else []
     for cap in caps.get("add") or []:
         args += ["--cap-add", cap]
     if "runAsUser" in sc:
@@ -121,12 +120,12 @@ class Pod:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/"
 
-    def command(self) -> list[str]:
+    def command(self, *, detach: bool = True) -> list[str]:
         spec = container_spec()
         env = {e["name"]: e["value"] for e in spec.get("env") or [] if "value" in e}
         env.update(self.env)
         env["PORT"] = str(self.port)  # Knative sets PORT from containerPort; the host network needs its own
-        cmd = ["podman", "run", "-d", "--name", self.name, "--runtime", "runc", "--network", "host",
+        cmd = ["podman", "run", "-d" if detach else "--rm", "--name", self.name, "--runtime", "runc", "--network", "host",
                *podman_args(spec), *_limits()]
         for k, v in env.items():
             cmd += ["--env", f"{k}={v}"]
@@ -138,6 +137,10 @@ class Pod:
         self.started_at = time.monotonic()
         subprocess.run(self.command(), check=True, capture_output=True, text=True, timeout=120)
         return self
+
+    def run_once(self, timeout_s: float = 600.0) -> subprocess.CompletedProcess[str]:
+        """Run the container in the foreground (a one-off command such as `doctor`) and remove it."""
+        return subprocess.run(self.command(detach=False), capture_output=True, text=True, timeout=timeout_s)
 
     def wait_ready(self, timeout_s: float = 60.0) -> float:
         """Seconds from `podman run` until /readyz answers 200."""

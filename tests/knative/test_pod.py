@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 
@@ -61,10 +60,7 @@ def test_the_manifest_grants_no_more_than_it_lists() -> None:
 
 
 def test_doctor_in_the_pod_shows_every_layer_in_force(pods: Callable[..., podkit.Pod]) -> None:
-    pod = pods(args=["doctor"])
-    cmd = pod.command()
-    cmd[cmd.index("-d")] = "--rm"
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = pods(args=["doctor"]).run_once(timeout_s=300)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     for layer in ("pid namespace", "net namespace", "overlayfs", "seccomp"):
@@ -132,10 +128,7 @@ def test_a_pod_from_zero_uses_the_layers_built_into_it(pods: Callable[..., podki
     """Its store names the snapshot (pushed from the image, as an operator does) but holds none of its
     layers: the pod's first python-sci run can only come from the layers built into the image.
     (How fast: loadtest/bench_coldstart.py.)"""
-    push = pods(env=s3, args=["snapshot", "push", "python-sci"])
-    cmd = push.command()
-    cmd[cmd.index("-d")] = "--rm"
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = pods(env=s3, args=["snapshot", "push", "python-sci"]).run_once()
     assert done.returncode == 0, done.stdout + done.stderr
     bucket, prefix = s3["ROLLBOX_STORE"][len("s3://"):].split("/", 1)
     client = seaweed.client()

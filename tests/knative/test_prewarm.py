@@ -219,3 +219,12 @@ def test_the_knative_command_names_what_failed(fake: tuple[FakeApi, Any], tmp_pa
     state.replicas = [(True, 0)]
     done = _rollbox(kubeconfig, "prewarm", "--namespace", "rl", "--replicas", "3", "--wait-s", "0.3")
     assert done.returncode == 1 and "0 of 3 replicas ready" in done.stderr
+
+
+def test_without_the_kubernetes_client_the_command_says_what_to_install(tmp_path: Any) -> None:
+    blocked = ("import sys; sys.modules['kubernetes'] = None\n"  # as if the knative extra were not installed
+               "from rollbox.functions.cli import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", blocked, "knative", "release", "--namespace", "rl"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "pip install 'rollbox[knative]'" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
