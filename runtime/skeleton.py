@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import stat
+import threading
 from pathlib import Path
 
 from rollbox.runtime.isolation import mounts
@@ -35,7 +36,9 @@ def build(state_dir: Path, host_binds: tuple[str, ...], rootless: bool) -> Path:
     done = state_dir / f"skel-{key}.complete"
     if done.exists() and skel.is_dir():
         return skel
-    tmp = state_dir / f".skel-{key}-{os.getpid()}"
+    # built aside, then renamed into place: per process *and thread* (two snapshots' zygotes starting
+    # at once in one server build it in two threads; the loser of the rename uses the winner's)
+    tmp = state_dir / f".skel-{key}-{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for d in ("usr", "proc", "dev", "etc", "root", "var/tmp", "run", "opt", "mnt", "home"):
