@@ -1,47 +1,48 @@
 """The ``rollbox`` command: run, doctor, serve, snapshot, store, trajectories, report, knative.
 
 Every flag is mirrored by an environment variable (``--port`` / ``PORT``), cast strictly.
-Subcommands live with the code they drive; this module only wires them up.
+Subcommands live with the code they drive; this module only wires them up, and imports only the
+module of the command being run (``rollbox serve`` starting from zero pays no import it does not use).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
+# command -> the module whose ``add_parser(sub)`` registers it (in the order ``--help`` lists them)
+COMMANDS: dict[str, str] = {
+    "run": "rollbox.functions.cmd_runtime",
+    "doctor": "rollbox.functions.cmd_runtime",
+    "serve": "rollbox.functions.server",
+    "snapshot": "rollbox.snapshots.cli",
+    "store": "rollbox.snapshots.cli",
+    "trajectories": "rollbox.functions.trajectories",
+    "replay": "rollbox.functions.replay",
+    "report": "rollbox.functions.report",
+    "knative": "rollbox.functions.knative",
+}
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line (its first word that is not an option), if known."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="rollbox", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from rollbox.functions import cmd_runtime
-
-    cmd_runtime.add_parsers(sub)
-    try:
-        from rollbox.functions import server
-    except ImportError:  # pragma: no cover - only while the service is being built
-        server = None  # type: ignore[assignment]
-    if server is not None and hasattr(server, "add_parser"):
-        server.add_parser(sub)
-    try:
-        from rollbox.snapshots import cli as snapshot_cli
-    except ImportError:  # pragma: no cover
-        snapshot_cli = None  # type: ignore[assignment]
-    if snapshot_cli is not None and hasattr(snapshot_cli, "add_parser"):
-        snapshot_cli.add_parser(sub)
-
-    from rollbox.functions import replay, trajectories
-
-    trajectories.add_parser(sub)
-    replay.add_parser(sub)
-
-    from rollbox.functions import knative, report
-
-    report.add_parser(sub)
-    knative.add_parser(sub)
-
-    args = parser.parse_args(argv)
+    command = _command(args_in)
+    modules = [COMMANDS[command]] if command else list(dict.fromkeys(COMMANDS.values()))
+    for name in modules:
+        importlib.import_module(name).add_parser(sub)
+    args = parser.parse_args(args_in)
     rc: int = args.func(args)
     return rc
 

@@ -32,7 +32,7 @@ def limit_overrides(opts: dict[str, Any], snapshot_lifetime_s: float) -> dict[st
     return out
 
 
-def add_parsers(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="run code or a command in one fresh sandbox and pass its output through")
     add_options(p, RUN_OPTIONS)
     p.add_argument("--json", action="store_true", help="print the whole result record as JSON")
@@ -57,8 +57,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"rollbox run: {exc}", file=sys.stderr)
         return 2
     if args.file is not None:
-        with sys.stdin if args.file == "-" else open(args.file) as f:
-            code: str | None = f.read()
+        try:
+            with sys.stdin if args.file == "-" else open(args.file) as f:
+                code: str | None = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"rollbox run: cannot read {args.file}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+            return 2
     else:
         code = args.code
     try:
@@ -110,4 +114,4 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-__all__ = ["add_parsers"]
+__all__ = ["add_parser"]

@@ -31,6 +31,23 @@ def test_run_file_and_json_record(tmp_path: Path) -> None:
     assert p.returncode == 0 and rec["stdout"] == "45\n" and rec["exit_code"] == 0 and rec["timed_out"] is False
 
 
+def test_run_of_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    p = run("run", str(tmp_path / "nope.py"), tmp=tmp_path)
+    assert p.returncode == 2 and p.stdout == "", p
+    assert p.stderr == f"rollbox run: cannot read {tmp_path / 'nope.py'}: No such file or directory\n", p.stderr
+
+
+def test_each_command_loads_only_its_own_module(tmp_path: Path) -> None:
+    """`rollbox run` pays no import of the service (pyarrow, functions-framework); --help lists all."""
+    code = ("import sys; from rollbox.functions import cli; rc = cli.main(['run', '--code', 'pass']); "
+            "print(sorted(m for m in ('pyarrow', 'functions_framework', 'rollbox.functions.server') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, ROLLBOX_HOME=str(tmp_path)), timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p
+    h = run("--help", tmp=tmp_path)
+    assert h.returncode == 0 and all(c in h.stdout for c in ("run", "serve", "snapshot", "trajectories", "knative")), h
+
+
 def test_run_timeout_exits_137_and_says_so(tmp_path: Path) -> None:
     p = run("run", "--timeout-s", "1", "--command", "sleep 30", tmp=tmp_path)
     assert p.returncode == 137 and "timed out" in p.stderr
