@@ -10,10 +10,27 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from rollbox.runtime.errors import Overloaded, RollboxError, ShuttingDown
 
-__all__ = ["Admission", "Rejected"]
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Caps and windows of one service process (every one is a ``rollbox serve`` flag)."""
+
+    max_live: int = 256
+    max_queued: int = 1024
+    max_body_bytes: int = 8 * MiB
+    idempotency_entries: int = 100_000
+    idempotency_ttl_s: float = 600.0
+    idempotency_max_bytes: int = 256 * MiB
+    retry_after_s: float = 1.0
+
+
+__all__ = ["Admission", "Rejected", "ServiceConfig"]
 
 
 class Rejected(Exception):

@@ -87,6 +87,15 @@ def path(raw: str) -> Path:
     return Path(raw.strip())
 
 
+def names(raw: str) -> tuple[str, ...]:
+    """A comma-separated list of names (``""``: none); each a plain name, no blanks inside."""
+    out = tuple(n.strip() for n in raw.split(",") if n.strip())
+    bad = [n for n in out if not all(c.isalnum() or c in "-_.:" for c in n)]
+    if bad:
+        raise ValueError(f"not a name: {bad[0]!r} (comma-separated names, e.g. python,python-sci)")
+    return tuple(dict.fromkeys(out))
+
+
 def level(raw: str) -> str:
     v = raw.strip().lower()
     if v not in ("debug", "info", "warning", "error"):

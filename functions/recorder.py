@@ -40,6 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily
+from rollbox.functions.prices import Prices
 from rollbox.functions.records import (
     DEFAULT_EXPERIMENT,
     SCHEMA_VERSION,
@@ -58,14 +59,7 @@ log = logging.getLogger("rollbox.recorder")
 GiB = 1024**3
 KINDS = {"step": ("trajectories", STEP_SCHEMA), "usage": ("usage", USAGE_SCHEMA)}
 FLUSH_DEADLINE_S = 120.0  # a flush the store does not finish in this time fails; its segment is kept
-
-
-@dataclass(frozen=True)
-class Prices:
-    """Dollars per vCPU-second and per GiB-second of a sandbox's limits (defaults: E2B's published rates)."""
-
-    vcpu_s: float = 0.000014
-    gib_s: float = 0.0000045
+WARM_UP_AFTER_S = 1.0  # after start: a replica scaled from zero answers its first event before
 
 
 def partition_key(kind: str, experiment: str | None, when: float | str, name: str) -> str:
@@ -206,7 +200,6 @@ class Recorder:
     # ------------------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(_warm_up)
         await self._recover_left()
         self._open_segment()
         self._loop = asyncio.get_running_loop()
@@ -365,6 +358,13 @@ class Recorder:
 
     # --------------------------------------------------------------------------------- flush
     async def _flush_loop(self) -> None:
+        # pyarrow's kernels and Parquet writer load lazily (~0.6 s, pandas included): once, in the
+        # background after the server answers, so that neither its start nor its first flush waits
+        await asyncio.sleep(WARM_UP_AFTER_S)
+        try:
+            await asyncio.to_thread(_warm_up)
+        except Exception:  # only a head start: the first flush loads what it needs
+            log.exception("warming up the Parquet writer failed")
         while True:
             await asyncio.sleep(min(1.0, self.flush_interval_s))
             self._push([])  # lines no reply waited for: on disk within a second

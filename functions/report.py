@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from rollbox.functions.options import ConfigError, Option, add_options, amount, resolve_options
-from rollbox.functions.recorder import GiB, Prices
+from rollbox.functions.prices import Prices
+from rollbox.functions.recorder import GiB
 from rollbox.functions.trajectories import add_store_arguments
 
 __all__ = ["add_parser", "choose_bucket", "render", "sandbox_lives", "summarize", "timeline"]

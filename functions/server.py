@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import math
 import os
 import signal
@@ -18,12 +19,11 @@ import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvicorn
 import uvloop
-from rollbox.functions import episodes, logs, sandbox, snapshot
-from rollbox.functions.durable import DurableRuntime
+from rollbox.functions import logs
+from rollbox.functions.admission import ServiceConfig
 from rollbox.functions.logs import lifecycle, logger
 from rollbox.functions.options import (
     ConfigError,
@@ -33,20 +33,33 @@ from rollbox.functions.options import (
     choice,
     integer,
     level,
+    names,
     path,
     resolve_options,
     seconds,
     seconds_or_never,
     text,
 )
-from rollbox.functions.recorder import Prices, Recorder
-from rollbox.functions.service import Service, ServiceConfig
-from rollbox.functions.steps import StepLog
-from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_store, state_objects
-from rollbox.runtime.errors import RollboxError, StoreUnavailable
+from rollbox.functions.prices import Prices
+from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_local, open_remote, state_objects
+from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreUnavailable
 from rollbox.runtime.runtime import RuntimeConfig
 from rollbox.snapshots.calls import StoreCalls
-from rollbox.snapshots.store_s3 import S3Store
+
+if TYPE_CHECKING:
+    from rollbox.functions.durable import DurableRuntime
+    from rollbox.functions.recorder import Recorder
+    from rollbox.functions.service import Service
+    from rollbox.functions.steps import StepLog
+    from rollbox.snapshots.store_s3 import S3Store
+
+# What answers events, loaded only by ``serve`` (in a thread, while the prewarmed zygotes start):
+# contract models, functions-framework, pyarrow, uvicorn — most of a cold replica's first second.
+SERVICE_MODULES = (
+    "uvicorn", "rollbox.functions.service", "rollbox.functions.durable", "rollbox.functions.recorder",
+    "rollbox.functions.steps", "rollbox.functions.episodes", "rollbox.functions.sandbox",
+    "rollbox.functions.snapshot",
+)
 
 __all__ = ["ConfigError", "ServeConfig", "add_parser", "resolve", "serve"]
 
@@ -186,6 +199,9 @@ OPTIONS: tuple[Option, ...] = (
            RuntimeConfig.model_fields["cpu_reserved_cores"].default,
            "CPU kept from the sandboxes for this server and its zygotes: all sandboxes together are capped at "
            "the host's cores less this (cgroups v1 and v2; without cgroups, sandboxes run at nice 10 instead)"),
+    Option("prewarm", "--prewarm", "ROLLBOX_PREWARM", names, ("python",),
+           "snapshots whose warm process and one ready sandbox start with the server, before any event "
+           "asks for them (comma-separated; empty: none); one missing from the store is logged and skipped"),
     Option("log_level", "--log-level", "ROLLBOX_LOG_LEVEL", level, "info", "debug, info, warning or error"),
     Option(
         "home",
@@ -249,6 +265,7 @@ class ServeConfig:
     price_vcpu_s: float = Prices.vcpu_s
     price_gib_s: float = Prices.gib_s
     cpu_reserved_cores: float = RuntimeConfig.model_fields["cpu_reserved_cores"].default
+    prewarm: tuple[str, ...] = ()
     store: StoreConfig = field(default_factory=StoreConfig)
 
 
@@ -282,12 +299,24 @@ def _main(args: argparse.Namespace) -> int:
         return runner.run(serve(cfg))
 
 
-class _Server(uvicorn.Server):
+def _uvicorn_server(config: Any) -> Any:
     """uvicorn, minus its signal handling: ``serve`` owns SIGTERM/SIGINT and drains first."""
+    import uvicorn
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Server(config)
+
+
+def _load_service_and_remote(store: StoreConfig) -> S3Store | None:
+    """The slow part of a start, off the event loop: the service's modules, and the S3 client."""
+    remote = open_remote(store)
+    for name in SERVICE_MODULES:
+        importlib.import_module(name)
+    return remote
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -310,23 +339,11 @@ async def serve(cfg: ServeConfig) -> int:
         return 1
     port = sock.getsockname()[1]
     try:
-        resolver = open_store(cfg.store)
+        resolver = open_local(cfg.store)  # with S3: its cache alone until the remote is attached below
     except (RollboxError, OSError) as exc:
         sock.close()
         logger.error(f"cannot open the snapshot store: {exc}")
         return 1
-    remote = resolver.cache.remote
-    store_ok = True
-    if isinstance(remote, S3Store):  # say at once what is wrong with it, not per request later
-        try:
-            await resolver.calls.run(remote.check, doing="checking the store at start", deadline_s=10.0)
-        except StoreUnavailable as exc:  # an outage: start, but not ready until it answers
-            store_ok = False
-            logger.warning(f"the snapshot store cannot be reached; not ready until it can: {exc.message}")
-        except RollboxError as exc:
-            sock.close()
-            logger.error(f"the snapshot store is not usable: {exc}")
-            return 1
     layer_root = Path(resolver.layer_root)
     home = cfg.store.home or default_home()
     durable_on = cfg.durability == "step"
@@ -337,13 +354,49 @@ async def serve(cfg: ServeConfig) -> int:
                                fork_inject_max_bytes=(1 << 30) if durable_on else 8 * 1024 * 1024),
                  resolver=resolver)
     resolver.cache.in_use = in_use_of(rt.layers_in_use)
-    await rt.start()
+    try:
+        await rt.start()
+    except BaseException:
+        sock.close()
+        raise
+    # A replica scaled from zero: its zygotes start first (their own processes, on the other cores),
+    # from the snapshots its local store holds (baked into the image), while this process loads the
+    # rest — the S3 client, the service — in a thread. A name the local store lacks waits for S3.
+    remote_attached = asyncio.Event()
+    warming = [asyncio.create_task(_prewarm(rt, name, remote_attached)) for name in cfg.prewarm]
     durable: DurableRuntime | None = None
     recorder: Recorder | None = None
     watch: asyncio.Task[None] | None = None
     rc = 0
     replica = f"{socket.gethostname()}-{os.getpid()}"
     try:
+        try:
+            remote = await asyncio.to_thread(_load_service_and_remote, cfg.store)
+        except (RollboxError, OSError) as exc:
+            logger.error(f"cannot open the snapshot store: {exc}")
+            sock.close()
+            return 1
+        resolver.cache.remote = remote
+        rt.forget_names()  # names resolved from the local store alone are asked of S3 again
+        remote_attached.set()
+        import uvicorn
+        from rollbox.functions import episodes, sandbox, snapshot
+        from rollbox.functions.durable import DurableRuntime
+        from rollbox.functions.recorder import Recorder
+        from rollbox.functions.service import Service
+        from rollbox.functions.steps import StepLog
+
+        store_ok = True
+        if remote is not None:  # say at once what is wrong with it, not per request later
+            try:
+                await resolver.calls.run(remote.check, doing="checking the store at start", deadline_s=10.0)
+            except StoreUnavailable as exc:  # an outage: start, but not ready until it answers
+                store_ok = False
+                logger.warning(f"the snapshot store cannot be reached; not ready until it can: {exc.message}")
+            except RollboxError as exc:
+                sock.close()
+                logger.error(f"the snapshot store is not usable: {exc}")
+                return 1
         objects = state_objects(resolver.cache)
         if durable_on:
             durable = DurableRuntime(rt, objects, hibernate_after_s=cfg.hibernate_after_s,
@@ -368,12 +421,12 @@ async def serve(cfg: ServeConfig) -> int:
         service.metrics.watch_cleanup(lambda: {**rt.cleanup_failures, "leftover": rt.sweeper.failed})
         if recorder is not None:
             recorder.bind_metrics(service.metrics.registry)
-        if isinstance(remote, S3Store):
+        if remote is not None:
             service.store_ok = store_ok
             watch = asyncio.create_task(_watch_store(remote, service))
         if durable is not None:
             durable.bind_metrics(service.metrics.registry)
-        server = _Server(
+        server = _uvicorn_server(
             uvicorn.Config(
                 service.asgi_app(),
                 lifespan="off",
@@ -433,6 +486,9 @@ async def serve(cfg: ServeConfig) -> int:
         if watch is not None:
             watch.cancel()
     finally:
+        for t in warming:
+            t.cancel()
+        await asyncio.gather(*warming, return_exceptions=True)
         if recorder is not None:
             with contextlib.suppress(Exception):
                 await recorder.close()
@@ -447,6 +503,24 @@ async def serve(cfg: ServeConfig) -> int:
             loop.remove_signal_handler(sig)
     lifecycle.info("stopped", extra={"fields": {"rc": rc}})
     return rc
+
+
+async def _prewarm(rt: Any, snapshot: str, remote_attached: asyncio.Event) -> None:
+    t0 = asyncio.get_running_loop().time()
+    try:
+        try:
+            await rt.prewarm(snapshot, count=1)
+        except SnapshotNotFound:  # not in the local store: S3 may hold it, once attached
+            if remote_attached.is_set():
+                raise
+            await remote_attached.wait()
+            await rt.prewarm(snapshot, count=1)
+    except Exception as exc:  # a missing snapshot, a store outage, a zygote that failed: served on demand
+        why = exc.message if isinstance(exc, RollboxError) else f"{type(exc).__name__}: {exc}"
+        lifecycle.warning(f"not prewarmed: {why}", extra={"fields": {"snapshot": snapshot}})
+    else:
+        took = asyncio.get_running_loop().time() - t0
+        lifecycle.info("prewarmed", extra={"fields": {"snapshot": snapshot, "s": round(took, 3)}})
 
 
 async def _watch_store(store: S3Store, service: Service, every_s: float = 5.0) -> None:

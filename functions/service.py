@@ -28,7 +28,7 @@ from cloudevents.http import CloudEvent
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from rollbox.functions import sandbox
-from rollbox.functions.admission import Admission, Rejected
+from rollbox.functions.admission import Admission, Rejected, ServiceConfig
 from rollbox.functions.contract import (
     REPLY_CARRIES,
     SANDBOX_CREATED,
@@ -53,18 +53,6 @@ __all__ = ["ERROR_TABLE", "Service", "ServiceConfig", "handle"]
 
 MiB = 1024 * 1024
 
-
-@dataclass(frozen=True)
-class ServiceConfig:
-    """Caps and windows of one service process (every one is a ``rollbox serve`` flag)."""
-
-    max_live: int = 256
-    max_queued: int = 1024
-    max_body_bytes: int = 8 * MiB
-    idempotency_entries: int = 100_000
-    idempotency_ttl_s: float = 600.0
-    idempotency_max_bytes: int = 256 * MiB
-    retry_after_s: float = 1.0
 
 
 @dataclass(frozen=True)

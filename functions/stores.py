@@ -14,15 +14,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollbox.runtime.errors import StoreError
 from rollbox.snapshots.cache import LayerCache
 from rollbox.snapshots.resolver import StoreResolver
 from rollbox.snapshots.state import LocalObjects, Objects
+from rollbox.snapshots.store import parse_s3_url
 from rollbox.snapshots.store_local import LocalStore
-from rollbox.snapshots.store_s3 import S3Objects, S3Store, parse_s3_url
 
-__all__ = ["StoreConfig", "check_store_url", "in_use_of", "open_store", "state_objects"]
+if TYPE_CHECKING:
+    from rollbox.snapshots.store_s3 import S3Store
+
+__all__ = ["StoreConfig", "check_store_url", "in_use_of", "open_local", "open_remote", "open_store", "state_objects"]
 
 
 @dataclass(frozen=True)
@@ -54,19 +58,36 @@ def check_store_url(raw: str) -> str:
 def open_store(cfg: StoreConfig) -> StoreResolver:
     """The resolver over the configured store (S3 is not contacted here: a server may start during
     an S3 outage and serve what its cache holds)."""
+    resolver = open_local(cfg)
+    resolver.cache.remote = open_remote(cfg)
+    return resolver
+
+
+def open_local(cfg: StoreConfig) -> StoreResolver:
+    """The resolver over the local part alone: the local store, or the cache in front of S3 before
+    ``open_remote`` (boto3 and its client: ~0.4 s) is attached as its ``remote``. ``rollbox serve``
+    starts its runtime and prewarmed zygotes on it meanwhile."""
     if cfg.store is None or not cfg.store.startswith("s3://"):
-        local = LocalStore(cfg.store or cfg.home)
-        return StoreResolver(LayerCache(local))
-    remote = S3Store(cfg.store, endpoint_url=cfg.s3_endpoint_url, region=cfg.s3_region,
-                     max_attempts=cfg.s3_max_attempts)
-    local = LocalStore(cfg.cache_dir or cfg.home)
-    return StoreResolver(LayerCache(local, remote, max_bytes=cfg.cache_max_bytes))
+        return StoreResolver(LayerCache(LocalStore(cfg.store or cfg.home)))
+    return StoreResolver(LayerCache(LocalStore(cfg.cache_dir or cfg.home), max_bytes=cfg.cache_max_bytes))
+
+
+def open_remote(cfg: StoreConfig) -> S3Store | None:
+    """The S3 store of ``--store s3://...`` (None for a local one); raises ``StoreError``."""
+    if cfg.store is None or not cfg.store.startswith("s3://"):
+        return None
+    from rollbox.snapshots.store_s3 import S3Store
+
+    return S3Store(cfg.store, endpoint_url=cfg.s3_endpoint_url, region=cfg.s3_region,
+                   max_attempts=cfg.s3_max_attempts)
 
 
 def state_objects(cache: LayerCache) -> Objects:
     """Where durable sandbox state lives: beside the snapshots, in S3 when the store is S3, else in
     the local store's directory (``sandboxes/``, ``blobs/``)."""
     if cache.remote is not None:
+        from rollbox.snapshots.store_s3 import S3Objects, S3Store
+
         assert isinstance(cache.remote, S3Store)
         return S3Objects(cache.remote)
     return LocalObjects(cache.local.root)

@@ -280,6 +280,11 @@ class Runtime:
             self._views[snapshot] = (view, now)
         return view
 
+    def forget_names(self) -> None:
+        """Resolve every name afresh (its store changed: the server attached S3 to its cache); views
+        by id stay (content-addressed)."""
+        self._views = {k: v for k, v in self._views.items() if v[1] is None}
+
     def register_view(self, view: SnapshotView) -> None:
         """Make a snapshot known without the resolver (a fork's scratch layer, say)."""
         self._views[view.id] = (view, None)

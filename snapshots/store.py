@@ -16,7 +16,9 @@ import os
 import tempfile
 from collections.abc import Callable
 from typing import Protocol
+from urllib.parse import urlparse
 
+from rollbox.runtime.errors import StoreError
 from rollbox.snapshots.manifest import Manifest
 
 ByteCallback = Callable[[int], None]
@@ -80,3 +82,11 @@ def copy_snapshot(src: Store, dst: Store, name_or_id: str, *, tmp_dir: str | Non
     if name_or_id != snapshot_id:
         dst.set_name(name_or_id, snapshot_id)
     return manifest
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> (bucket, "some/prefix")."""
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise StoreError(f"invalid S3 store URL {url!r}: expected s3://bucket[/prefix]")
+    return parsed.netloc, parsed.path.strip("/")

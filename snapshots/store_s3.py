@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlparse
 
 import boto3
 import boto3.exceptions
@@ -54,7 +53,7 @@ from rollbox.runtime.spec import Limits
 from rollbox.snapshots.layers import check_layer_id
 from rollbox.snapshots.manifest import Manifest, check_name, check_snapshot_id
 from rollbox.snapshots.state import REFRESH_AFTER_S
-from rollbox.snapshots.store import ByteCallback
+from rollbox.snapshots.store import ByteCallback, parse_s3_url
 
 MiB = 1024 * 1024
 _UNREACHABLE = (
@@ -130,14 +129,6 @@ def is_own_rule(rule: LifecycleRule, prefix: str) -> bool:
     of the same bucket, and rules that are not rollbox's, are told apart."""
     rule_id = str(rule.get("ID", ""))
     return rule_id.startswith(RULE_ID_PREFIX) and rule_id.partition(":")[2] == prefix.strip("/")
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/some/prefix`` -> (bucket, "some/prefix")."""
-    parsed = urlparse(url)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise StoreError(f"invalid S3 store URL {url!r}: expected s3://bucket[/prefix]")
-    return parsed.netloc, parsed.path.strip("/")
 
 
 class S3Store:

@@ -96,7 +96,8 @@ async def test_queue_cap_is_429(small_server: ServerProc, http: httpx.AsyncClien
 
 async def test_internal_error_is_500_without_host_details(tmp_path: Path, http: httpx.AsyncClient) -> None:
     state = tmp_path / "state"
-    srv = start_server(tmp_path / "logs", "--durability", "off", env={"ROLLBOX_HOME": str(state)})
+    # no prewarmed pool: the create below must build a root under the broken directory
+    srv = start_server(tmp_path / "logs", "--durability", "off", "--prewarm", "", env={"ROLLBOX_HOME": str(state)})
     try:
         # break the runtime's state directory under it: the next restore cannot build its root
         aside = tmp_path / "state-aside"

@@ -9,6 +9,7 @@ The first test of a fresh checkout builds the image (~2 min) and loads it into p
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -37,8 +38,9 @@ def tag() -> str:
 def pods(tag: str) -> Iterator[Callable[..., podkit.Pod]]:
     made: list[podkit.Pod] = []
 
-    def make(env: dict[str, str] | None = None, args: list[str] | None = None) -> podkit.Pod:
-        pod = podkit.Pod(tag, env=env or {}, args=args)
+    def make(env: dict[str, str] | None = None, args: list[str] | None = None,
+             entrypoint: list[str] | None = None) -> podkit.Pod:
+        pod = podkit.Pod(tag, env=env or {}, args=args, entrypoint=entrypoint)
         made.append(pod)
         return pod
 
@@ -68,6 +70,16 @@ def test_doctor_in_the_pod_shows_every_layer_in_force(pods: Callable[..., podkit
     # the entrypoint made the container's cgroups writable: real per-sandbox groups, not rlimits
     assert "one group per sandbox" in out or "this sandbox's group" in out, out
     assert "ran `id -u; hostname` as uid 1000" in out, out
+
+
+def test_the_images_modules_load_from_their_bytecode(pods: Callable[..., podkit.Pod]) -> None:
+    """Not compiled again at every start (timestamp .pyc files go stale when the image is made)."""
+    done = pods(entrypoint=["/opt/rollbox/bin/python", "-v", "-c", "import rollbox.functions.server"]).run_once()
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = [ln for ln in done.stderr.splitlines() if ln.startswith("# code object from '/opt/rollbox/")]
+    stale = [ln for ln in done.stderr.splitlines() if "bytecode is stale" in ln or
+             ln.startswith("# code object from /opt/rollbox/")]  # (unquoted: compiled from the source)
+    assert len(loaded) > 100 and not stale, (len(loaded), stale[:10])
 
 
 async def test_a_run_and_an_episode_against_the_pod(pods: Callable[..., podkit.Pod], s3: dict[str, str]) -> None:
@@ -143,4 +155,8 @@ def test_a_pod_from_zero_uses_the_layers_built_into_it(pods: Callable[..., podki
                    json={"snapshot": "python-sci", "code": "import pandas; print('ok')"}, timeout=120)
     assert r.status_code == 200 and r.json()["stdout"] == "ok\n", r.text
     assert r.json()["snapshot_id"] in done.stdout  # the snapshot the store names, not a local stand-in
-    assert "as held here" not in pod.logs()
+    logs = pod.logs()
+    assert "as held here" not in logs
+    # the manifest's ROLLBOX_PREWARM: both baked snapshots' zygotes started with the pod, at once
+    warmed = {json.loads(ln).get("snapshot") for ln in logs.splitlines() if '"msg": "prewarmed"' in ln}
+    assert warmed == {"python", "python-sci"} and "not prewarmed" not in logs, logs[-4000:]
