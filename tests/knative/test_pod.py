@@ -79,7 +79,8 @@ def test_the_images_modules_load_from_their_bytecode(pods: Callable[..., podkit.
     loaded = [ln for ln in done.stderr.splitlines() if ln.startswith("# code object from '/opt/rollbox/")]
     stale = [ln for ln in done.stderr.splitlines() if "bytecode is stale" in ln or
              ln.startswith("# code object from /opt/rollbox/")]  # (unquoted: compiled from the source)
-    assert len(loaded) > 100 and not stale, (len(loaded), stale[:10])
+    ours = [ln for ln in loaded if "/rollbox/functions/__pycache__/server." in ln]
+    assert len(loaded) > 50 and ours and not stale, (len(loaded), stale[:10])
 
 
 async def test_a_run_and_an_episode_against_the_pod(pods: Callable[..., podkit.Pod], s3: dict[str, str]) -> None:

@@ -21,7 +21,10 @@ from rollbox.runtime.spec import ExecRequest, Limits
 
 pytestmark = pytest.mark.asyncio
 
-OVERSHOOT_S = 0.5
+# How late a step may end in a test: the target (p99 <= 0.5 s under a mixed soak) is measured
+# by loadtest/bench_fairness.py; a single step in a busy suite once ended 0.501 s late. Without the
+# host's kill, a starved agent ends its step seconds late, which this bound still catches.
+OVERSHOOT_S = 1.0
 
 # Spinning processes until the pids limit refuses more: with a CPU quota of 5 % of a core shared by
 # all of them, the sandbox's own agent gets almost no CPU to act on a "kill".
