@@ -96,6 +96,14 @@ def names(raw: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def uid_range(raw: str) -> str:
+    """``START:COUNT`` of host uids, or ``none``."""
+    from rollbox.runtime.slots import parse_range
+
+    parse_range(raw)  # raises ValueError naming the problem
+    return raw.strip()
+
+
 def level(raw: str) -> str:
     v = raw.strip().lower()
     if v not in ("debug", "info", "warning", "error"):

@@ -39,6 +39,7 @@ from rollbox.functions.options import (
     seconds,
     seconds_or_never,
     text,
+    uid_range,
 )
 from rollbox.functions.prices import Prices
 from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_local, open_remote, state_objects
@@ -199,6 +200,10 @@ OPTIONS: tuple[Option, ...] = (
            RuntimeConfig.model_fields["cpu_reserved_cores"].default,
            "CPU kept from the sandboxes for this server and its zygotes: all sandboxes together are capped at "
            "the host's cores less this (cgroups v1 and v2; without cgroups, sandboxes run at nice 10 instead)"),
+    Option("uid_range", "--uid-range", "ROLLBOX_UID_RANGE", uid_range, RuntimeConfig.model_fields["uid_range"].default,
+           "as root: host uids START:COUNT, each owning the user namespace of one live sandbox, so the "
+           "kernel's per-user budgets (processes, inotify, message queues, signals) are per sandbox; none: "
+           "every sandbox shares uid 1000's"),
     Option("prewarm", "--prewarm", "ROLLBOX_PREWARM", names, ("python",),
            "snapshots whose warm process and one ready sandbox start with the server, before any event "
            "asks for them (comma-separated; empty: none); one missing from the store is logged and skipped"),
@@ -265,6 +270,7 @@ class ServeConfig:
     price_vcpu_s: float = Prices.vcpu_s
     price_gib_s: float = Prices.gib_s
     cpu_reserved_cores: float = RuntimeConfig.model_fields["cpu_reserved_cores"].default
+    uid_range: str = RuntimeConfig.model_fields["uid_range"].default
     prewarm: tuple[str, ...] = ()
     store: StoreConfig = field(default_factory=StoreConfig)
 
@@ -348,7 +354,7 @@ async def serve(cfg: ServeConfig) -> int:
     home = cfg.store.home or default_home()
     durable_on = cfg.durability == "step"
     rt = Runtime(RuntimeConfig(max_live=cfg.service.max_live, state_dir=home, layer_root=layer_root,
-                               cpu_reserved_cores=cfg.cpu_reserved_cores,
+                               cpu_reserved_cores=cfg.cpu_reserved_cores, uid_range=cfg.uid_range,
                                # durable fork children take their parent's files inside them (a diff
                                # in a stacked scratch layer would not be in their durable state)
                                fork_inject_max_bytes=(1 << 30) if durable_on else 8 * 1024 * 1024),

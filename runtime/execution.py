@@ -21,6 +21,7 @@ from rollbox.runtime.errors import IsolationError, SandboxDied
 from rollbox.runtime.inside import proto
 from rollbox.runtime.isolation.cgroups import CgroupStats, Group
 from rollbox.runtime.restore import WarmSource
+from rollbox.runtime.slots import Slot
 from rollbox.runtime.snapshot import SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, Usage
 
@@ -258,6 +259,8 @@ class Sandbox:
     cg_base: CgroupStats | None = None  # the (reused) cgroup's counters when this sandbox joined it
     cg_final: CgroupStats | None = None  # its counters once every process of the sandbox was gone
     release_group: Callable[[Group], None] | None = None
+    user_slot: Slot | None = None  # its user namespace (owned by a host uid of its own), if any
+    release_slot: Callable[[Slot, bool], None] | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -625,6 +628,9 @@ class Sandbox:
                 self.release_group(self.group)
             else:
                 await asyncio.to_thread(self.group.close)
+        if self.user_slot is not None and self.release_slot is not None:
+            self.release_slot(self.user_slot, self.exited.is_set())  # reused only once all its processes are gone
+            self.user_slot = None
         self.chan.close()
         if self.source is not None:
             self.source.forget(self.source_pid, self.ended)

@@ -89,6 +89,10 @@ def user(facts: Mapping[str, Any] | None, rootless: bool) -> str:
     uid_map = facts.get("uid_map", "?")
     if rootless:
         how = f"user namespace (uid_map '{uid_map}' onto the zygote's namespace, which maps onto the caller)"
+    elif uid_map.split()[:3] == ["0", "0", "4294967295"] and facts.get("userns_owner", 0):
+        how = (f"a user namespace of its own (identity maps) owned by host uid {facts['userns_owner']}, one "
+               "per sandbox: its processes, inotify instances and watches, message queues and pending "
+               "signals count against budgets of its own (pipe buffers stay per host uid)")
     elif uid_map.split()[:3] == ["0", "0", "4294967295"]:
         how = "no user namespace: setresuid on the host"
     else:
@@ -242,7 +246,8 @@ def _rlimit(name: str, soft: int) -> str:
     return _size(soft) if name in ("fsize", "as") else str(soft)
 
 
-def rlimits(params: Mapping[str, int] | None, facts: Mapping[str, Any] | None, in_cgroup: bool, rootless: bool) -> str:
+def rlimits(params: Mapping[str, int] | None, facts: Mapping[str, Any] | None, in_cgroup: bool,
+            own_userns: bool) -> str:
     if params is None:  # the runtime's view: the rule, and what the latest probed sandbox read back
         out = "per sandbox: core 0, nofile and fsize from its limits"
         out += "" if in_cgroup else ", nproc and address space too (no cgroup)"
@@ -254,7 +259,7 @@ def rlimits(params: Mapping[str, int] | None, facts: Mapping[str, Any] | None, i
         return f"{out}; read back in a sandbox: {seen}"
     out = f"core 0, nofile {params['nofile']}, fsize {_size(params['fsize_bytes'])}"
     if "nproc" in params:
-        out += f", nproc {params['nproc']}" + (" (counted in its own user namespace)" if rootless else
+        out += f", nproc {params['nproc']}" + (" (counted in its own user namespace)" if own_userns else
                                                " (counted across every process of its host uid)")
     if "as_bytes" in params:
         out += f", address space {_size(params['as_bytes'])}"
@@ -296,7 +301,8 @@ def render(*, rootless: bool, uid: int, host_ns: Mapping[str, int], backend: Bac
         "filesystem": lambda: filesystem(facts, limits),
         "cgroups": lambda: cgroups(backend, backend_reason, group, pid, rlimit_params if pid is not None else None),
         "cpu": lambda: cpu(backend, group, limits, rlimit_params if pid is not None else None),
-        "rlimits": lambda: rlimits(rlimit_params if pid is not None else None, facts, backend is not None, rootless),
+        "rlimits": lambda: rlimits(rlimit_params if pid is not None else None, facts, backend is not None,
+                                  rootless or bool((facts or {}).get("userns_owner"))),
         "seccomp": lambda: seccomp_layer(facts, bpf),
         "limits": lambda: limits_layer(limits),
     }

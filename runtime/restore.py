@@ -38,9 +38,15 @@ spec = importlib.util.spec_from_file_location('rollbox.runtime', rt + '/__init__
                                               submodule_search_locations=[rt])
 mod = importlib.util.module_from_spec(spec); sys.modules['rollbox.runtime'] = mod
 spec.loader.exec_module(mod)
-from rollbox.runtime.inside.zygote import main
-main(int(sys.argv[1]))
+from importlib import import_module
+import_module('rollbox.runtime.inside.' + sys.argv[3]).main(int(sys.argv[1]), *sys.argv[4:])
 """
+
+
+def boot_args(python: str, fd: int, module: str, *args: str) -> list[str]:
+    """The command line of a stdlib-only helper: ``rollbox.runtime.inside.<module>.main(fd, *args)``
+    under ``python -I -S``, loading this runtime's package from its files (not the caller's path)."""
+    return [python, "-I", "-S", "-c", _BOOT, str(fd), RUNTIME_DIR, module, *args]
 
 RUNTIME_DIR = str(Path(rollbox.runtime.__file__).resolve().parent)
 BASE_ENV = {
@@ -114,7 +120,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                self.view.warm.python, "-I", "-S", "-c", _BOOT, str(theirs.fileno()), RUNTIME_DIR,
+                *boot_args(self.view.warm.python, theirs.fileno(), "zygote"),
                 pass_fds=[theirs.fileno()], env={"LANG": "C.UTF-8"}, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd="/", start_new_session=True,
             )

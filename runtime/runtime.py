@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from rollbox.runtime import owners, report, skeleton
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from rollbox.runtime import owners, report, skeleton, slots
 from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import (
     InvalidRequest,
@@ -115,6 +115,15 @@ class RuntimeConfig(BaseModel):
     reaper_interval_s: Annotated[float, Field(gt=0)] = 0.5
     fork_inject_max_bytes: Annotated[int, Field(ge=0)] = Field(
         default=8 * 1024 * 1024, description="fork diffs up to this size are applied inside pooled sandboxes")
+    uid_range: str = Field(
+        default=slots.DEFAULT_RANGE, description="as root: host uids (START:COUNT) owning one user namespace per "
+        "live sandbox, so per-user kernel budgets are per sandbox; 'none': every sandbox in the host's")
+
+    @field_validator("uid_range")
+    @classmethod
+    def _uid_range(cls, v: str) -> str:
+        slots.parse_range(v)
+        return v
 
 
 class Runtime:
@@ -139,6 +148,7 @@ class Runtime:
         self.releasing: set[Group] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.cgroup_reason = ""
+        self.user_slots: slots.UserSlots | None = None  # as root: a user namespace per sandbox
         self.seccomp_bpf = b""
         self.host_namespaces: dict[str, int] = {}  # probed at start: what "unshared" is measured against
         # What the first sandbox of each warm source read back from its own /proc after containment
@@ -176,7 +186,30 @@ class Runtime:
         self._leftovers = await asyncio.to_thread(self._sweep)
         self._swept = time.monotonic()
         self._reaper = asyncio.create_task(self._reap_loop())
+        uid_range = slots.parse_range(cfg.uid_range)
+        if uid_range and not cfg.rootless:
+            self.user_slots = slots.UserSlots(*uid_range)
+            task = asyncio.create_task(self._prepare_slots(self.user_slots))  # beside the first zygotes
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         self.started = True
+
+    async def _prepare_slots(self, user_slots: slots.UserSlots) -> None:
+        try:
+            await user_slots.prepare()
+        except Exception as exc:
+            self._no_slots(exc)
+
+    def _no_slots(self, exc: Exception) -> None:
+        if self.user_slots is not None:
+            log.warning("no user namespace per sandbox (%s): every sandbox shares uid %d's per-user budgets",
+                        getattr(exc, "message", None) or exc, 1000)
+            self.user_slots.close()
+            self.user_slots = None
+
+    def release_slot(self, slot: slots.Slot, gone: bool) -> None:
+        if self.user_slots is not None:
+            self.user_slots.release(slot, gone=gone)
 
     def _sweep(self) -> int:
         """Remove what runtimes that died left behind (``owners``: found by who made them, not by a
@@ -217,6 +250,8 @@ class Runtime:
         self.free_groups.clear()
         if self.cgroup_backend:
             self.cgroup_backend.close()
+        if self.user_slots is not None:
+            self.user_slots.close()
         self.started = False
 
     async def __aenter__(self) -> Runtime:
@@ -484,15 +519,38 @@ class Runtime:
             params["probe"] = True
         self.restoring[sid] = group
         try:
-            return await self._contain(view, limits, z, sid, group, params)
+            slot = await self._slot()
+            try:
+                sb = await self._contain(view, limits, z, sid, group, params, slot)
+            except BaseException:
+                if slot is not None:  # a child of a failed spawn may still be on its way: not reused
+                    self.release_slot(slot, False)
+                raise
+            sb.user_slot, sb.release_slot = slot, self.release_slot
+            return sb
         finally:
             self.restoring.pop(sid, None)
 
-    async def _contain(self, view: SnapshotView, limits: Limits, z: WarmSource, sid: str, group: Group | None,
-                       params: dict[str, Any]) -> Sandbox:
+    async def _slot(self) -> slots.Slot | None:
+        """The user namespace (its own owner uid) a new sandbox joins, if sandboxes get one."""
+        if self.user_slots is None:
+            return None
         try:
-            cg_fds = group.procs_fds() if group else []
-            zpid, sock = await z.spawn(params, cg_fds)
+            return await self.user_slots.acquire()
+        except IsolationError as exc:
+            if self.user_slots is not None and self.user_slots.made == 0:  # the helper cannot make any
+                self._no_slots(exc)
+                return None
+            raise
+
+    async def _contain(self, view: SnapshotView, limits: Limits, z: WarmSource, sid: str, group: Group | None,
+                       params: dict[str, Any], slot: slots.Slot | None = None) -> Sandbox:
+        try:
+            fds = group.procs_fds() if group else []
+            if slot is not None:  # the zygote takes it as the first fd after the socket
+                params = {**params, "userns": True}
+                fds = [slot.fd, *fds]
+            zpid, sock = await z.spawn(params, fds)
         except BaseException:
             if group:
                 self.drop_group(group)

@@ -20,7 +20,9 @@ def test_runtime_package_imports_without_third_party_modules() -> None:
 
     from rollbox.runtime.restore import _BOOT, RUNTIME_DIR
 
-    probe = _BOOT.replace("from rollbox.runtime.inside.zygote import main\nmain(int(sys.argv[1]))",
-                          "import rollbox.runtime.inside.zygote\nprint('pydantic' in sys.modules)")
+    # the helpers it boots (zygote, userns), imported instead of run
+    head = _BOOT.split("from importlib import import_module")[0]
+    assert head != _BOOT
+    probe = head + "import rollbox.runtime.inside.zygote, rollbox.runtime.inside.userns\nprint('pydantic' in sys.modules)"
     p = subprocess.run([sys.executable, "-I", "-S", "-c", probe, "0", RUNTIME_DIR], capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr

@@ -18,7 +18,7 @@ STATUS_FIELDS = ("Uid", "Gid", "CapEff", "CapPrm", "CapBnd", "NoNewPrivs", "Secc
 RLIMITS = {"core": resource.RLIMIT_CORE, "nofile": resource.RLIMIT_NOFILE, "fsize": resource.RLIMIT_FSIZE,
            "nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS}
 
-__all__ = ["NAMESPACES", "namespaces", "read_back"]
+__all__ = ["NAMESPACES", "namespaces", "read_back", "userns_owner"]
 
 
 def namespaces() -> dict[str, int]:
@@ -63,6 +63,20 @@ def _interfaces() -> list[str]:
     return [line.split(":", 1)[0].strip() for line in lines if ":" in line]
 
 
+def userns_owner(ns: str = "/proc/self/ns/user") -> int:
+    """The uid owning a user namespace (0 for the host's), from the NS_GET_OWNER_UID ioctl."""
+    import fcntl
+    import struct
+
+    fd = os.open(ns, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        buf = bytearray(4)
+        fcntl.ioctl(fd, 0xB704, buf)
+        return int(struct.unpack("I", buf)[0])
+    finally:
+        os.close(fd)
+
+
 def read_back() -> dict[str, Any]:
     """The facts, as plain JSON values. A fact that cannot be read is reported as its error."""
     facts: dict[str, Any] = {"ns": namespaces()}
@@ -70,6 +84,7 @@ def read_back() -> dict[str, Any]:
         "status": _status,
         "uid_map": lambda: " ".join(_text("/proc/self/uid_map").split()),
         "gid_map": lambda: " ".join(_text("/proc/self/gid_map").split()),
+        "userns_owner": userns_owner,
         "mounts": _mounts,
         "rlimits": lambda: {k: list(resource.getrlimit(r)) for k, r in RLIMITS.items()},
         "net": _interfaces,

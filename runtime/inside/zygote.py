@@ -25,6 +25,7 @@ def contain(cfg: dict[str, Any], req: dict[str, Any], cgroup_fds: list[int]) -> 
     """Checklist, in order; every step is required (a failure ends this sandbox, reported by the
     supervisor as an isolation error naming the syscall). Returns the upper-layer fd."""
     libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    userns_fd = cgroup_fds.pop(0) if req.get("userns") else -1
     for fd in cgroup_fds:  # into its cgroup first: everything after is counted and limited
         os.write(fd, b"0")
         os.close(fd)
@@ -34,7 +35,7 @@ def contain(cfg: dict[str, Any], req: dict[str, Any], cgroup_fds: list[int]) -> 
     )
     libc.sethostname("sandbox")
     # --- privileges drop here: from now on the process is the unprivileged sandbox user ---
-    users.drop_privileges(cfg["rootless"])
+    users.drop_privileges(cfg["rootless"], userns_fd)
     # After the drop: rootless, RLIMIT_NPROC then counts this sandbox's own user namespace only.
     rlimits.apply(req["nofile"], req["fsize_bytes"], req.get("nproc"), req.get("as_bytes"), req.get("nice"))
     libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)  # cleared by the credential change

@@ -27,18 +27,23 @@ def enter_rootless_userns() -> None:
     map_self(0, 0, uid, gid)
 
 
-def drop_privileges(rootless: bool) -> None:
+def drop_privileges(rootless: bool, userns_fd: int = -1) -> None:
     """Become the unprivileged sandbox user with no capabilities.
 
-    As root: setgroups/setresgid/setresuid to 1000 (the kernel clears capabilities). Rootless: the
-    process is root only of the zygote's user namespace, which maps to the caller; a nested user
-    namespace maps 1000 onto it, then capset clears every capability.
+    As root: first into the sandbox's own user namespace if it has one (``userns_fd``: identity maps,
+    owned by a host uid of its own, see runtime/slots.py), then setgroups/setresgid/setresuid to 1000
+    (the kernel clears capabilities, the namespace's root being host root). Rootless: the process is
+    root only of the zygote's user namespace, which maps to the caller; a nested user namespace maps
+    1000 onto it, then capset clears every capability.
     """
     if rootless:
         libc.unshare(libc.CLONE_NEWUSER)
         map_self(SANDBOX_UID, SANDBOX_GID, 0, 0)
         libc.drop_all_capabilities()
     else:
+        if userns_fd >= 0:
+            libc.setns(userns_fd, libc.CLONE_NEWUSER)
+            os.close(userns_fd)
         os.setgroups([])
         os.setresgid(SANDBOX_GID, SANDBOX_GID, SANDBOX_GID)
         os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)

@@ -70,6 +70,8 @@ def test_doctor_in_the_pod_shows_every_layer_in_force(pods: Callable[..., podkit
     # the entrypoint made the container's cgroups writable: real per-sandbox groups, not rlimits
     assert "one group per sandbox" in out or "this sandbox's group" in out, out
     assert "ran `id -u; hostname` as uid 1000" in out, out
+    # each sandbox in a user namespace of its own (per-sandbox kernel budgets) with the manifest's capabilities
+    assert "a user namespace of its own (identity maps) owned by host uid" in out, out
 
 
 def test_the_images_modules_load_from_their_bytecode(pods: Callable[..., podkit.Pod]) -> None:

@@ -99,8 +99,8 @@ def test_doctor_lists_every_layer(tmp_path: Path) -> None:
     in_force = p.stdout.split("layers in force in that sandbox (sb-", 1)[1].splitlines()[1:]
     layers = dict(line.strip().split(": ", 1) for line in in_force)
     assert list(layers) == ["mode", "namespaces", "user", "filesystem", "cgroups", "cpu", "rlimits", "seccomp", "limits"]
-    assert layers["namespaces"].startswith("unshared from the host: mnt, pid, ipc, uts, net;")
-    assert layers["user"].startswith("uid 1000 gid 1000 inside = host uid 1000 gid 1000; no user namespace")
+    assert layers["namespaces"].startswith("unshared from the host: mnt, pid, ipc, uts, net, user;")
+    assert layers["user"].startswith("uid 1000 gid 1000 inside = host uid 1000 gid 1000; a user namespace of its own")
     assert layers["cgroups"].startswith(("v1: cgroup v1 at rollbox", "v2: cgroup v2 at rollbox"))
     assert "its init is in it" in layers["cgroups"]
     assert layers["seccomp"].startswith("filter loaded (Seccomp=2")

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from rollbox.runtime.inside import probe
 from rollbox.runtime.isolation import cgroups
 from rollbox.runtime.isolation.cgroups_v1 import V1
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
@@ -23,6 +24,11 @@ MiB = 1024 * 1024
 ROOTLESS = os.geteuid() != 0
 NS_INODES = ("import json, os\nprint(json.dumps({n: os.stat('/proc/self/ns/' + n).st_ino for n in os.listdir('/proc/self/ns')"
              " if not n.endswith('_for_children')}))")
+
+
+def ns_owner(pid: int) -> int:
+    """The host uid owning the user namespace of a process, read from the host."""
+    return probe.userns_owner(f"/proc/{pid}/ns/user")
 
 
 def _unshared(report: dict[str, str]) -> set[str]:
@@ -49,7 +55,7 @@ async def test_sandbox_report_matches_the_kernel(rt: Runtime) -> None:
         ours = {n: os.stat(f"/proc/self/ns/{n}").st_ino for n in inside}
         assert _unshared(rep) == {n for n in inside if inside[n] != ours[n]}
         assert {"mnt", "pid", "ipc", "uts", "net"} <= _unshared(rep)
-        assert ("user" in _unshared(rep)) is ROOTLESS
+        assert "user" in _unshared(rep)  # rootless: nested in the zygote's; as root: one owned by its own uid
         assert "network interfaces: lo" in rep["namespaces"]
         # mode and user: the uid inside, and the uid the host sees the sandbox's init run as
         assert rep["mode"].startswith("rootless" if ROOTLESS else "root")
@@ -59,6 +65,10 @@ async def test_sandbox_report_matches_the_kernel(rt: Runtime) -> None:
         assert f"= host uid {_host_uid(sb.pid)} " in rep["user"]
         assert _host_uid(sb.pid) == (os.getuid() if ROOTLESS else 1000)
         assert ("user namespace (uid_map" in rep["user"]) is ROOTLESS
+        if not ROOTLESS:  # the owner of its namespace, as the host reads it (NS_GET_OWNER_UID)
+            owner = ns_owner(sb.pid)
+            assert owner >= 65536 and f"a user namespace of its own (identity maps) owned by host uid {owner}," \
+                in rep["user"], rep["user"]
         assert "no capabilities" in rep["user"] and ("no_new_privs" in rep["user"]) is (nnp.split()[1] == "1")
         # seccomp: the mode the kernel reports for a process of the sandbox
         assert mode.split()[1] == "2" and rep["seccomp"].startswith("filter loaded (Seccomp=2")
@@ -129,8 +139,7 @@ async def test_report_says_rlimits_when_cgroups_are_off(tmp_path: Path) -> None:
             as_bytes = lim.memory_max_bytes + 256 * MiB
             assert rep["cgroups"] == (f"none (disabled by the runtime's configuration); fell back to rlimits: "
                                       f"RLIMIT_AS {as_bytes // MiB} MiB, RLIMIT_NPROC 24; cpu not limited")
-            assert f"nproc 24 (counted {'in its own user namespace' if ROOTLESS else 'across every process'}" \
-                in rep["rlimits"]
+            assert "nproc 24 (counted in its own user namespace)" in rep["rlimits"]  # rootless, and as root with slots
             r = await rt.exec(info.sandbox_id, ExecRequest(command="grep -E '^Max (processes|address space)' "
                                                            "/proc/self/limits"))
             got = {k: int(v) for k, v in re.findall(r"^(Max [a-z ]+?)\s+(\d+)", r.stdout, re.M)}

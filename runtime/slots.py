@@ -1,0 +1,164 @@
+"""User slots: as root, every live sandbox in a user namespace owned by a host uid of its own.
+
+The kernel counts several per-user budgets per user namespace and charges each namespace's total to
+its owner in the parent namespace: processes against RLIMIT_NPROC, inotify instances and watches,
+POSIX message queue bytes, pending signals. With one owner per sandbox (a uid from ``--uid-range``
+that no process runs as), one sandbox exhausting a budget leaves the others theirs; without cgroups
+RLIMIT_NPROC becomes a per-sandbox limit. The namespaces map every id onto itself, so a sandbox's
+processes still run as host uid 1000 and every file keeps its owner. What the kernel counts per
+host uid regardless of namespaces stays shared: pipe buffers (``fs.pipe-user-pages-soft``) and
+keyrings (whose syscalls the seccomp filter denies).
+
+Namespaces are made ahead of demand, in batches, by ``rollbox.runtime.inside.userns`` (a
+single-threaded helper process), and reused: a slot goes back to the end of the free queue once
+its sandbox's init has exited (the kernel ends a pid namespace's init only after every other
+process in it is gone); one whose init did not exit is retired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+from rollbox.runtime.errors import IsolationError
+
+log = logging.getLogger("rollbox.runtime")
+
+DEFAULT_RANGE = "1073741824:65536"  # 2^30: far above the uids of accounts and of /etc/subuid ranges
+BATCH = 32
+
+
+def parse_range(text: str) -> tuple[int, int] | None:
+    """``START:COUNT`` (as in /etc/subuid) -> (start, count); ``""`` or ``none`` -> None."""
+    text = text.strip()
+    if text in ("", "none", "off"):
+        return None
+    try:
+        start_s, count_s = text.split(":")
+        start, count = int(start_s), int(count_s)
+    except ValueError:
+        raise ValueError(f"uid range {text!r}: expected START:COUNT, e.g. {DEFAULT_RANGE}") from None
+    if start < 65536 or count < 1 or start + count > 2**32 - 2:
+        raise ValueError(f"uid range {text!r}: START must be >= 65536 (no account's uid) and the range below 2^32 - 1")
+    return start, count
+
+
+@dataclass
+class Slot:
+    uid: int  # the host uid owning the namespace
+    fd: int  # the namespace (an fd of /proc/<pid>/ns/user)
+
+
+class UserSlots:
+    def __init__(self, start: int, count: int, *, batch: int = BATCH):
+        self.start, self.count = start, count
+        self.batch = batch
+        self._next = start  # the next uid never handed out
+        self._free: collections.deque[Slot] = collections.deque()
+        self._all: dict[int, Slot] = {}
+        self._making: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self.in_use = 0
+
+    @property
+    def made(self) -> int:
+        return len(self._all)
+
+    async def acquire(self) -> Slot:
+        """A slot for a new sandbox: the free one released longest ago, or one of a new batch."""
+        while not self._free:
+            if self._next >= self.start + self.count:
+                raise IsolationError(f"no free uid in the uid range {self.start}:{self.count} "
+                                     f"({self.in_use} sandboxes hold one each)")
+            await self._make(only_if_none_free=True)
+        slot = self._free.popleft()
+        self.in_use += 1
+        if len(self._free) < self.batch // 4 and self._next < self.start + self.count \
+                and (self._making is None or self._making.done()):
+            self._making = asyncio.get_running_loop().create_task(self._make())
+            self._making.add_done_callback(_log_failure)
+        return slot
+
+    def release(self, slot: Slot, *, gone: bool) -> None:
+        """``gone``: its sandbox's init has exited (which the kernel lets happen only after every
+        other process of its pid namespace is gone), so the namespace's counts are back to zero and
+        it may serve the next sandbox. Otherwise it is retired, never handed out again."""
+        self.in_use -= 1
+        if gone:
+            self._free.append(slot)
+        else:
+            self._all.pop(slot.uid, None)
+            os.close(slot.fd)
+
+    async def _make(self, only_if_none_free: bool = False) -> None:
+        async with self._lock:  # one batch at a time; a waiter finds the batch made meanwhile
+            if (only_if_none_free and self._free) or self._next >= self.start + self.count:
+                return
+            owners = list(range(self._next, min(self._next + self.batch, self.start + self.count)))
+            fds = await make_namespaces(owners)
+            self._next += len(owners)
+            for uid, fd in zip(owners, fds, strict=True):
+                slot = self._all[uid] = Slot(uid, fd)
+                self._free.append(slot)
+
+    async def prepare(self) -> None:
+        """Make the first batch (at start, beside the first zygotes)."""
+        if not self._all:
+            await self._make()
+
+    def close(self) -> None:
+        if self._making is not None:
+            self._making.cancel()
+        for slot in self._all.values():
+            try:
+                os.close(slot.fd)
+            except OSError:
+                pass
+        self._all.clear()
+        self._free.clear()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("making user namespaces ahead of demand failed: %s", task.exception())
+
+
+async def make_namespaces(owners: list[int]) -> list[int]:
+    """One user namespace per owner uid, made by the stdlib helper; returns their fds."""
+    from rollbox.runtime.restore import boot_args
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *boot_args(sys.executable, theirs.fileno(), "userns", json.dumps(owners)),
+            pass_fds=[theirs.fileno()], env={"LANG": "C.UTF-8"}, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd="/",
+        )
+    finally:
+        theirs.close()
+    try:
+        msg, fds = await asyncio.to_thread(_receive, ours, len(owners))
+    finally:
+        ours.close()
+        _, err = await proc.communicate()
+    if "error" in msg or len(fds) != len(owners):
+        for fd in fds:
+            os.close(fd)
+        why = msg.get("error") or err.decode(errors="replace").strip()[-500:] or "no namespaces came back"
+        raise IsolationError(f"cannot make user namespaces: {why}")
+    return fds
+
+
+def _receive(sock: socket.socket, n: int) -> tuple[dict[str, object], list[int]]:
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, n)
+    try:
+        msg = json.loads(data or b"{}")
+    except ValueError:
+        msg = {"error": f"bad reply {data[:200]!r}"}
+    return msg, list(fds)

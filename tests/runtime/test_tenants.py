@@ -1,0 +1,104 @@
+"""Tenants cannot use up each other's per-user kernel budgets: as root every live sandbox is in a
+user namespace owned by a host uid of its own (runtime/slots.py), so the kernel counts its
+processes (RLIMIT_NPROC), inotify instances, message queues and pending signals apart from every
+other sandbox's, while its processes still run as uid 1000 and files keep their owners."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from rollbox.runtime.inside import probe
+from rollbox.runtime.runtime import Runtime, RuntimeConfig
+from rollbox.runtime.slots import parse_range
+from rollbox.runtime.spec import ExecRequest, Limits
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+ROOTLESS = os.geteuid() != 0
+as_root = pytest.mark.skipif(ROOTLESS, reason="rootless sandboxes' namespaces all have the caller as owner")
+
+# Holds every inotify instance it can get, says how many and why it stopped, then waits.
+INOTIFY_HOG = """
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+n = 0
+while libc.inotify_init1(0) >= 0:
+    n += 1
+open("/tmp/held", "w").write(f"{n} {ctypes.get_errno()}")
+time.sleep(60)
+"""
+INOTIFY_ONE = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+print(fd >= 0, ctypes.get_errno())
+"""
+FORK_4 = "sleep 0.5 & sleep 0.5 & sleep 0.5 & sleep 0.5 & wait && echo ok"
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+
+
+def ns_owner(pid: int) -> int:
+    """The host uid owning the user namespace of a process, read from the host."""
+    return probe.userns_owner(f"/proc/{pid}/ns/user")
+
+
+def host_uid(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise AssertionError("no Uid line")
+
+
+@as_root
+async def test_live_sandboxes_never_share_a_namespace_owner(rt: Runtime) -> None:
+    start, count = parse_range(rt.config.uid_range) or (0, 0)
+    infos = [await rt.create() for _ in range(6)]
+    try:
+        pids = [rt.sandboxes[i.sandbox_id].pid for i in infos]
+        owners = [ns_owner(pid) for pid in pids]
+        assert len(set(owners)) == len(owners) and all(start <= o < start + count for o in owners), owners
+        assert {host_uid(pid) for pid in pids} == {1000}  # the processes: uid 1000, as before
+        # files keep their owners inside: the sandbox's home is its own, the system's files root's
+        r = await rt.exec(infos[0].sandbox_id, ExecRequest(command="id -u; stat -c %u ~ /usr/bin; touch ~/f && echo w"))
+        assert r.stdout.split() == ["1000", "1000", "0", "w"], r
+    finally:
+        for i in infos:
+            await rt.destroy(i.sandbox_id)
+
+
+@as_root
+async def test_a_sandbox_holding_every_inotify_instance_leaves_the_others_theirs(rt: Runtime) -> None:
+    hog, other = await rt.create(), await rt.create()
+    try:
+        await rt.exec(hog.sandbox_id, ExecRequest(command=f"python3 -c '{INOTIFY_HOG}' >/dev/null 2>&1 &"))
+        held = ""
+        for _ in range(200):
+            held = (await rt.exec(hog.sandbox_id, ExecRequest(command="cat /tmp/held 2>/dev/null"))).stdout
+            if held:
+                break
+            await asyncio.sleep(0.05)
+        n, errno = map(int, held.split())
+        assert n > 0 and errno == 24, held  # EMFILE: it took every instance its budget allows
+        r = await rt.exec(other.sandbox_id, ExecRequest(code=INOTIFY_ONE))
+        assert r.stdout.split() == ["True", "0"], r  # and the other sandbox still gets one of its own
+    finally:
+        await rt.destroy(hog.sandbox_id)
+        await rt.destroy(other.sandbox_id)
+
+
+async def test_without_cgroups_64_sandboxes_fork_their_children_beside_a_fork_bomb(tmp_path: Path) -> None:
+    """RLIMIT_NPROC, the only process limit without cgroups, counts per sandbox: 63 sandboxes each
+    forking 4 children all succeed while a 64th runs a fork bomb into its own limit."""
+    lim = Limits(pids_max=8)
+    cfg = RuntimeConfig(state_dir=tmp_path, cgroup="none", pool_max=0)
+    async with Runtime(cfg) as rt:
+        bomb = asyncio.ensure_future(rt.run(ExecRequest(code=FORK_BOMB, timeout_s=3), limits=lim))
+        runs = await asyncio.gather(*(rt.run(ExecRequest(command=FORK_4, timeout_s=30), limits=lim)
+                                      for _ in range(63)))
+        failed = [r.stderr[-200:] for r in runs if r.exit_code != 0 or r.stdout != "ok\n"]
+        assert not failed, f"{len(failed)} of 63 failed: {failed[:3]}"
+        r = await bomb
+        assert r.timed_out, r  # contained by its own limit, and ended at its deadline
