@@ -2,6 +2,9 @@
 
     .venv/bin/python loadtest/bench_restore.py [--n 200] [--cold-n 10]
 
+As root it adds, side by side, a user namespace per sandbox (``--uid-range``) against none: unpooled
+restore latency and one-shot runs/s at concurrency 16, in alternating rounds.
+
 The snapshot is built ad hoc: a layer holding this environment's numpy under /opt/rollbox/site-packages,
 and a warm recipe that imports numpy. Three ways to get a ready, fully contained sandbox:
 
@@ -26,9 +29,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy
+from rollbox.runtime import slots
 from rollbox.runtime.restore import Zygote
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
-from rollbox.runtime.snapshot import BuiltinResolver, WarmRecipe, host_python_view
+from rollbox.runtime.snapshot import BuiltinResolver, SnapshotView, WarmRecipe, host_python_view
 from rollbox.runtime.spec import ExecRequest
 
 SITE = "/opt/rollbox/site-packages"
@@ -108,6 +112,7 @@ async def main(n: int, cold_n: int) -> None:
             pooled.append((time.perf_counter() - t0) * 1000)
             hits += info.pooled
             await rt.destroy(info.sandbox_id)
+        own = await slots_ab(view, resolver, state, n) if os.geteuid() == 0 else None
     finally:
         await rt.close()
         shutil.rmtree(state, ignore_errors=True)
@@ -120,6 +125,60 @@ async def main(n: int, cold_n: int) -> None:
         print(f"{name:<18}{len(xs):>6}{statistics.median(xs):>10.2f}{pct(xs, 99):>10.2f}")
     c50, u50, p50 = (statistics.median(x) for _, x in rows)
     print(f"cold / unpooled p50: {c50 / u50:.0f}x   cold / pooled p50: {c50 / p50:.0f}x")
+    if own is not None:
+        print("\na user namespace per sandbox (--uid-range) vs none, alternating rounds in one run:")
+        print(f"{'uid range':<22}{'restores':>9}{'p50 ms':>9}{'p99 ms':>9}{'runs':>7}{'runs/s c16':>12}")
+        for name, (lat, rates) in own.items():
+            print(f"{name:<22}{len(lat):>9}{statistics.median(lat):>9.2f}{pct(lat, 99):>9.2f}"
+                  f"{len(rates) * RUNS:>7}{statistics.median(rates):>12.1f}   (rounds: "
+                  + " ".join(f"{x:.0f}" for x in rates) + ")")
+        (on_lat, on_rate), (off_lat, off_rate) = own.values()
+        print(f"unpooled restore p50 {100 * (statistics.median(on_lat) / statistics.median(off_lat) - 1):+.1f} %, "
+              f"runs/s {100 * (statistics.median(on_rate) / statistics.median(off_rate) - 1):+.1f} % "
+              f"(target: within 5 %)")
+
+
+RUNS = 200  # one-shot runs of print(1) per throughput round, 16 at a time
+
+
+async def slots_ab(view: SnapshotView, resolver: BuiltinResolver, base: Path, n: int,
+                   rounds: int = 8) -> dict[str, tuple[list[float], list[float]]]:
+    """Unpooled restore latency and one-shot runs/s at c16, with and without a user namespace per
+    sandbox, in alternating rounds (ABBA, so drift hits both alike). No warm pool: an idle runtime's
+    pool refilling during the other's round would be measured as the other's cost."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    runtimes = {}
+    for uid_range in (slots.DEFAULT_RANGE, "none"):
+        state = Path(tempfile.mkdtemp(prefix="ab-", dir=base))
+        rt = Runtime(RuntimeConfig(state_dir=state, layer_root=Path(view.layer_root), uid_range=uid_range, pool_max=0,
+                                   cgroup_parent=f"rollbox-bench-{os.getpid()}-{len(runtimes)}"), resolver=resolver)
+        await rt.start()
+        await rt.run(ExecRequest(code="pass"), snapshot=view.id)
+        runtimes[uid_range] = rt
+        out[uid_range] = ([], [])
+    try:
+        for i in range(rounds):
+            for uid_range, rt in (list(runtimes.items()) if i % 2 == 0 else reversed(runtimes.items())):  # ABBA
+                lat, rates = out[uid_range]
+                z = await rt.zygote(view)
+                for _ in range(n // rounds):
+                    t0 = time.perf_counter()
+                    sb = await rt.restore(view, view.limits, zygote=z)
+                    lat.append((time.perf_counter() - t0) * 1000)
+                    await sb.close("destroyed")
+                sem = asyncio.Semaphore(16)
+
+                async def one(rt: Runtime = rt, sem: asyncio.Semaphore = sem) -> None:
+                    async with sem:
+                        r = await rt.run(ExecRequest(code="print(1)"), snapshot=view.id)
+                        assert r.stdout == "1\n", r
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one() for _ in range(RUNS)))
+                rates.append(RUNS / (time.perf_counter() - t0))
+    finally:
+        for rt in runtimes.values():
+            await rt.close()
+    return {f"{k}": v for k, v in out.items()}
 
 
 if __name__ == "__main__":
