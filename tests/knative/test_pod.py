@@ -58,7 +58,7 @@ def test_the_manifest_grants_no_more_than_it_lists() -> None:
     args = podkit.podman_args(podkit.container_spec())
     assert args[:2] == ["--cap-drop", "ALL"] and "--privileged" not in args
     caps = {args[i + 1] for i, a in enumerate(args) if a == "--cap-add"}
-    assert caps == {"SYS_ADMIN", "SETUID", "SETGID", "KILL", "CHOWN", "FOWNER", "DAC_OVERRIDE", "MKNOD"}
+    assert caps == {"SYS_ADMIN", "SETUID", "SETGID", "KILL", "CHOWN", "FOWNER", "DAC_OVERRIDE", "MKNOD", "SETFCAP"}
 
 
 def test_doctor_in_the_pod_shows_every_layer_in_force(pods: Callable[..., podkit.Pod]) -> None:
