@@ -540,8 +540,9 @@ class Runtime:
         except IsolationError as exc:
             if self.user_slots is not None and self.user_slots.made == 0:  # the helper cannot make any
                 self._no_slots(exc)
-                return None
-            raise
+            else:  # none free and no more made: this sandbox shares the host's (rather than no sandbox)
+                log.warning("sandbox without a user namespace of its own: %s", exc.message)
+            return None
 
     async def _contain(self, view: SnapshotView, limits: Limits, z: WarmSource, sid: str, group: Group | None,
                        params: dict[str, Any], slot: slots.Slot | None = None) -> Sandbox:

@@ -89,6 +89,8 @@ class UserSlots:
         """``gone``: its sandbox's init has exited (which the kernel lets happen only after every
         other process of its pid namespace is gone), so the namespace's counts are back to zero and
         it may serve the next sandbox. Otherwise it is retired, never handed out again."""
+        if self._all.get(slot.uid) is not slot:  # closed or retired already: its fd number may be another's now
+            return
         self.in_use -= 1
         if gone:
             self._free.append(slot)

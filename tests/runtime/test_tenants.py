@@ -102,3 +102,30 @@ async def test_without_cgroups_64_sandboxes_fork_their_children_beside_a_fork_bo
         assert not failed, f"{len(failed)} of 63 failed: {failed[:3]}"
         r = await bomb
         assert r.timed_out, r  # contained by its own limit, and ended at its deadline
+
+
+@as_root
+async def test_slots_are_reused_when_released_and_never_after_close() -> None:
+    from rollbox.runtime.errors import IsolationError
+    from rollbox.runtime.slots import UserSlots
+
+    start = parse_range(RuntimeConfig().uid_range)[0]  # type: ignore[index]
+    slots = UserSlots(start, 4, batch=2)
+    a, b = await slots.acquire(), await slots.acquire()
+    assert (a.uid, b.uid) == (start, start + 1) and probe.userns_owner(f"/proc/self/fd/{a.fd}") == a.uid
+    slots.release(a, gone=True)
+    assert await slots.acquire() is a  # its sandbox is gone: the next one gets it
+    slots.release(b, gone=False)  # its sandbox's init did not exit: retired, never handed out again
+    d, e = await slots.acquire(), await slots.acquire()
+    assert (d.uid, e.uid) == (start + 2, start + 3)
+    with pytest.raises(IsolationError, match="no free uid"):
+        await slots.acquire()
+    slots.close()
+    r, w = os.pipe()  # likely to get a closed slot's fd number
+    try:
+        slots.release(d, gone=False)  # a sandbox ending after its runtime closed: nothing of ours is closed
+        os.fstat(r)
+        os.fstat(w)
+    finally:
+        os.close(r)
+        os.close(w)
