@@ -54,7 +54,6 @@ __all__ = ["ERROR_TABLE", "Service", "ServiceConfig", "handle"]
 MiB = 1024 * 1024
 
 
-
 @dataclass(frozen=True)
 class _Reply:
     status: int

@@ -67,19 +67,24 @@ def open_local(cfg: StoreConfig) -> StoreResolver:
     """The resolver over the local part alone: the local store, or the cache in front of S3 before
     ``open_remote`` (boto3 and its client: ~0.4 s) is attached as its ``remote``. ``rollbox serve``
     starts its runtime and prewarmed zygotes on it meanwhile."""
-    if cfg.store is None or not cfg.store.startswith("s3://"):
+    if _s3_url(cfg) is None:
         return StoreResolver(LayerCache(LocalStore(cfg.store or cfg.home)))
     return StoreResolver(LayerCache(LocalStore(cfg.cache_dir or cfg.home), max_bytes=cfg.cache_max_bytes))
 
 
 def open_remote(cfg: StoreConfig) -> S3Store | None:
     """The S3 store of ``--store s3://...`` (None for a local one); raises ``StoreError``."""
-    if cfg.store is None or not cfg.store.startswith("s3://"):
+    url = _s3_url(cfg)
+    if url is None:
         return None
     from rollbox.snapshots.store_s3 import S3Store
 
-    return S3Store(cfg.store, endpoint_url=cfg.s3_endpoint_url, region=cfg.s3_region,
+    return S3Store(url, endpoint_url=cfg.s3_endpoint_url, region=cfg.s3_region,
                    max_attempts=cfg.s3_max_attempts)
+
+
+def _s3_url(cfg: StoreConfig) -> str | None:
+    return cfg.store if cfg.store is not None and cfg.store.startswith("s3://") else None
 
 
 def state_objects(cache: LayerCache) -> Objects:

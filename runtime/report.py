@@ -89,14 +89,14 @@ def user(facts: Mapping[str, Any] | None, rootless: bool) -> str:
     uid_map = facts.get("uid_map", "?")
     if rootless:
         how = f"user namespace (uid_map '{uid_map}' onto the zygote's namespace, which maps onto the caller)"
-    elif uid_map.split()[:3] == ["0", "0", "4294967295"] and facts.get("userns_owner", 0):
+    elif uid_map.split()[:3] != ["0", "0", "4294967295"]:
+        how = f"user namespace (uid_map '{uid_map}')"
+    elif facts.get("userns_owner", 0):  # identity maps, in a namespace owned by a uid of its own
         how = (f"a user namespace of its own (identity maps) owned by host uid {facts['userns_owner']}, one "
                "per sandbox: its processes, inotify instances and watches, message queues and pending "
                "signals count against budgets of its own (pipe buffers stay per host uid)")
-    elif uid_map.split()[:3] == ["0", "0", "4294967295"]:
-        how = "no user namespace: setresuid on the host"
     else:
-        how = f"user namespace (uid_map '{uid_map}')"
+        how = "no user namespace: setresuid on the host"
     return f"uid {uid} gid {gid} inside = {host}; {how}; {_caps(status)}, {nnp}"
 
 

@@ -42,12 +42,6 @@ from importlib import import_module
 import_module('rollbox.runtime.inside.' + sys.argv[3]).main(int(sys.argv[1]), *sys.argv[4:])
 """
 
-
-def boot_args(python: str, fd: int, module: str, *args: str) -> list[str]:
-    """The command line of a stdlib-only helper: ``rollbox.runtime.inside.<module>.main(fd, *args)``
-    under ``python -I -S``, loading this runtime's package from its files (not the caller's path)."""
-    return [python, "-I", "-S", "-c", _BOOT, str(fd), RUNTIME_DIR, module, *args]
-
 RUNTIME_DIR = str(Path(rollbox.runtime.__file__).resolve().parent)
 BASE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -58,6 +52,12 @@ BASE_ENV = {
     "TMPDIR": "/tmp",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
+
+
+def boot_args(python: str, fd: int, module: str, *args: str) -> list[str]:
+    """The command line of a stdlib-only helper: ``rollbox.runtime.inside.<module>.main(fd, *args)``
+    under ``python -I -S``, loading this runtime's package from its files (not the caller's path)."""
+    return [python, "-I", "-S", "-c", _BOOT, str(fd), RUNTIME_DIR, module, *args]
 
 
 class WarmSource(Protocol):

@@ -202,8 +202,8 @@ class Runtime:
 
     def _no_slots(self, exc: Exception) -> None:
         if self.user_slots is not None:
-            log.warning("no user namespace per sandbox (%s): every sandbox shares uid %d's per-user budgets",
-                        getattr(exc, "message", None) or exc, 1000)
+            log.warning("no user namespace per sandbox (%s): every sandbox shares the sandbox uid's per-user "
+                        "budgets", getattr(exc, "message", None) or exc)
             self.user_slots.close()
             self.user_slots = None
 

@@ -64,11 +64,14 @@ class UserSlots:
         self._all: dict[int, Slot] = {}
         self._making: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
-        self.in_use = 0
 
     @property
     def made(self) -> int:
         return len(self._all)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._all) - len(self._free)
 
     async def acquire(self) -> Slot:
         """A slot for a new sandbox: the free one released longest ago, or one of a new batch."""
@@ -78,7 +81,6 @@ class UserSlots:
                                      f"({self.in_use} sandboxes hold one each)")
             await self._make(only_if_none_free=True)
         slot = self._free.popleft()
-        self.in_use += 1
         if len(self._free) < self.batch // 4 and self._next < self.start + self.count \
                 and (self._making is None or self._making.done()):
             self._making = asyncio.get_running_loop().create_task(self._make())
@@ -91,7 +93,6 @@ class UserSlots:
         it may serve the next sandbox. Otherwise it is retired, never handed out again."""
         if self._all.get(slot.uid) is not slot:  # closed or retired already: its fd number may be another's now
             return
-        self.in_use -= 1
         if gone:
             self._free.append(slot)
         else:

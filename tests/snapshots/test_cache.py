@@ -4,7 +4,6 @@ threads or tasks ask at once, and LRU eviction under a size cap that spares laye
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,8 @@ from rollbox.snapshots.cache import LayerCache
 from rollbox.snapshots.resolver import StoreResolver
 from rollbox.snapshots.store import copy_snapshot
 from rollbox.snapshots.store_local import LocalStore
+
+from tests.threads import at_once
 
 from .s3server import S3Factory, sample_snapshot
 
@@ -55,21 +56,7 @@ def test_concurrent_pulls_of_one_layer_download_it_once(tmp_path: Path, s3_url: 
     layer_ids = [ref.id for ref in m["a"].layers]
 
     cache = LayerCache(LocalStore(tmp_path / "threads"), s3)
-    barrier = threading.Barrier(8)
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        barrier.wait()
-        try:
-            cache.ensure(layer_ids)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _, errors = at_once(lambda: cache.ensure(layer_ids), 8)
     assert errors == []
     assert s3.stats["layer_downloads"] == 2
     # every other ensure of a layer waited on the one download or found it done (which depends on
