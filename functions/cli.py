@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -47,5 +48,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return rc
 
 
+# commands that read Parquet through Arrow, whose thread pools can abort a normal interpreter exit with
+# "terminate called without an active exception" (rc -6; apache/arrow#34314) after the output is written
+ARROW_COMMANDS = frozenset({"trajectories", "replay", "report"})
+
+
+def script() -> None:
+    """The ``rollbox`` console script: ``main``, then exit. After a command that read through Arrow the
+    exit skips the C++ teardown (``os._exit`` once the output is flushed); nothing of theirs is left to
+    clean up by then (they write their files before returning)."""
+    rc = main()
+    if _command(sys.argv[1:]) in ARROW_COMMANDS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    script()
