@@ -89,12 +89,20 @@ def user(facts: Mapping[str, Any] | None, rootless: bool) -> str:
     uid_map = facts.get("uid_map", "?")
     if rootless:
         how = f"user namespace (uid_map '{uid_map}' onto the zygote's namespace, which maps onto the caller)"
+    elif str(facts.get("host_uid")) != uid and f" {uid} {facts.get('host_uid')} 1 " in f" {' '.join(uid_map.split())} ":
+        # its map puts 1000 on a host uid of its own, the namespace's owner (runtime/slots.py; seen from
+        # inside, the owner is 1000 itself); its layers are idmapped onto it
+        how = (f"a user namespace of its own owned by host uid {facts.get('host_uid')}, which its processes run "
+               "as (uid 1000 inside; its layers are idmapped mounts, so files keep uid 1000), one per sandbox: "
+               "its processes, inotify instances and watches, message queues, pending signals, pipe buffers "
+               "and keyrings count against budgets of its own")
     elif uid_map.split()[:3] != ["0", "0", "4294967295"]:
         how = f"user namespace (uid_map '{uid_map}')"
     elif facts.get("userns_owner", 0):  # identity maps, in a namespace owned by a uid of its own
         how = (f"a user namespace of its own (identity maps) owned by host uid {facts['userns_owner']}, one "
                "per sandbox: its processes, inotify instances and watches, message queues and pending "
-               "signals count against budgets of its own (pipe buffers stay per host uid)")
+               "signals count against budgets of its own (pipe buffers and keyrings stay per host uid: "
+               "this host's layers take no idmapped mounts)")
     else:
         how = "no user namespace: setresuid on the host"
     return f"uid {uid} gid {gid} inside = {host}; {how}; {_caps(status)}, {nnp}"

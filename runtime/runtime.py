@@ -188,7 +188,13 @@ class Runtime:
         self._reaper = asyncio.create_task(self._reap_loop())
         uid_range = slots.parse_range(cfg.uid_range)
         if uid_range and not cfg.rootless:
-            self.user_slots = slots.UserSlots(*uid_range)
+            # empty directories: a scratch one (a tmpfs goes over it in the probe's own mount namespace),
+            # then one on each filesystem sandbox layers come from: the layer store, the skeletons'
+            probe_dirs = [cfg.state_dir / "idmap-probe" / "scratch", self.layer_root / ".idmap-probe",
+                     cfg.state_dir / "idmap-probe" / "lower"]
+            for d in probe_dirs:
+                d.mkdir(parents=True, exist_ok=True)
+            self.user_slots = slots.UserSlots(*uid_range, probe=[str(d) for d in probe_dirs])
             task = asyncio.create_task(self._prepare_slots(self.user_slots))  # beside the first zygotes
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -549,7 +555,7 @@ class Runtime:
         try:
             fds = group.procs_fds() if group else []
             if slot is not None:  # the zygote takes it as the first fd after the socket
-                params = {**params, "userns": True}
+                params = {**params, "userns": True, "idmap": slot.uid if slot.shifted else 0}
                 fds = [slot.fd, *fds]
             zpid, sock = await z.spawn(params, fds)
         except BaseException:

@@ -4,10 +4,15 @@ The kernel counts several per-user budgets per user namespace and charges each n
 its owner in the parent namespace: processes against RLIMIT_NPROC, inotify instances and watches,
 POSIX message queue bytes, pending signals. With one owner per sandbox (a uid from ``--uid-range``
 that no process runs as), one sandbox exhausting a budget leaves the others theirs; without cgroups
-RLIMIT_NPROC becomes a per-sandbox limit. The namespaces map every id onto itself, so a sandbox's
-processes still run as host uid 1000 and every file keeps its owner. What the kernel counts per
-host uid regardless of namespaces stays shared: pipe buffers (``fs.pipe-user-pages-soft``) and
-keyrings (whose syscalls the seccomp filter denies).
+RLIMIT_NPROC becomes a per-sandbox limit.
+
+Where the layers' filesystems take idmapped mounts (probed once, with the first batch), each
+namespace also maps uid 1000 onto its owner and the sandbox's layers are stacked through that map:
+its processes run as that host uid (so what the kernel counts per host uid, pipe buffers and
+keyrings, is per sandbox too) while every file keeps uid 1000 on disk and inside. Elsewhere (a
+container's overlay root filesystem refuses idmapped mounts) the namespaces map every id onto
+itself: processes run as host uid 1000 and pipe buffers (``fs.pipe-user-pages-soft``) and keyrings
+(whose syscalls the seccomp filter denies) stay shared. ``shifted`` and ``idmap_error`` say which.
 
 Namespaces are made ahead of demand, in batches, by ``rollbox.runtime.inside.userns`` (a
 single-threaded helper process), and reused: a slot goes back to the end of the free queue once
@@ -53,12 +58,18 @@ def parse_range(text: str) -> tuple[int, int] | None:
 class Slot:
     uid: int  # the host uid owning the namespace
     fd: int  # the namespace (an fd of /proc/<pid>/ns/user)
+    shifted: bool = False  # its map puts uid 1000 on ``uid``: stack the sandbox's layers through it
 
 
 class UserSlots:
-    def __init__(self, start: int, count: int, *, batch: int = BATCH):
+    def __init__(self, start: int, count: int, *, batch: int = BATCH, probe: list[str] | None = None):
+        """``probe``: [a scratch directory, then the directories the sandboxes' layers come from];
+        if an overlay of idmapped mounts of them works, sandboxes run as their slot's uid."""
         self.start, self.count = start, count
         self.batch = batch
+        self._probe = probe
+        self.shifted: bool | None = None  # known once the first batch is made
+        self.idmap_error = ""
         self._next = start  # the next uid never handed out
         self._free: collections.deque[Slot] = collections.deque()
         self._all: dict[int, Slot] = {}
@@ -104,10 +115,21 @@ class UserSlots:
             if (only_if_none_free and self._free) or self._next >= self.start + self.count:
                 return
             owners = list(range(self._next, min(self._next + self.batch, self.start + self.count)))
-            fds = await make_namespaces(owners)
+            request: dict[str, object] = {"owners": owners}
+            if self.shifted is None and self._probe:
+                request["probe"] = self._probe
+            else:
+                request["shift"] = bool(self.shifted)
+            fds, reply = await make_namespaces(request)
+            if self.shifted is None:
+                self.shifted = bool(reply.get("shift"))
+                self.idmap_error = str(reply.get("idmap_error") or "")
+                if not self.shifted and self.idmap_error:
+                    log.info("sandboxes run as host uid 1000 (namespaces owned per sandbox): no idmapped "
+                             "layers here: %s", self.idmap_error)
             self._next += len(owners)
             for uid, fd in zip(owners, fds, strict=True):
-                slot = self._all[uid] = Slot(uid, fd)
+                slot = self._all[uid] = Slot(uid, fd, bool(self.shifted))
                 self._free.append(slot)
 
     async def prepare(self) -> None:
@@ -132,14 +154,17 @@ def _log_failure(task: asyncio.Task[None]) -> None:
         log.warning("making user namespaces ahead of demand failed: %s", task.exception())
 
 
-async def make_namespaces(owners: list[int]) -> list[int]:
-    """One user namespace per owner uid, made by the stdlib helper; returns their fds."""
+async def make_namespaces(request: dict[str, object]) -> tuple[list[int], dict[str, object]]:
+    """One user namespace per owner uid (``request["owners"]``), made by the stdlib helper
+    (runtime/inside/userns.py); returns their fds and the helper's reply."""
+    owners = request["owners"]
+    assert isinstance(owners, list)
     from rollbox.runtime.restore import boot_args
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         proc = await asyncio.create_subprocess_exec(
-            *boot_args(sys.executable, theirs.fileno(), "userns", json.dumps(owners)),
+            *boot_args(sys.executable, theirs.fileno(), "userns", json.dumps(request)),
             pass_fds=[theirs.fileno()], env={"LANG": "C.UTF-8"}, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd="/",
         )
@@ -155,7 +180,7 @@ async def make_namespaces(owners: list[int]) -> list[int]:
             os.close(fd)
         why = msg.get("error") or err.decode(errors="replace").strip()[-500:] or "no namespaces came back"
         raise IsolationError(f"cannot make user namespaces: {why}")
-    return fds
+    return fds, msg
 
 
 def _receive(sock: socket.socket, n: int) -> tuple[dict[str, object], list[int]]:

@@ -31,7 +31,8 @@ def contain(cfg: dict[str, Any], req: dict[str, Any], cgroup_fds: list[int]) -> 
         os.close(fd)
     libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS | libc.CLONE_NEWNET)
     upper_fd = mounts.build_sandbox_root(
-        req["layers"], cfg["host_binds"], cfg["host_masks"], req["disk_bytes"], cfg["rootless"]
+        req["layers"], cfg["host_binds"], cfg["host_masks"], req["disk_bytes"], cfg["rootless"],
+        userns_fd if req.get("idmap") else -1, req.get("idmapped"),
     )
     libc.sethostname("sandbox")
     # --- privileges drop here: from now on the process is the unprivileged sandbox user ---
@@ -113,6 +114,9 @@ def main(ctl_fd: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     children: set[int] = set()
+    # per user slot (its host uid): the view's layer store and skeleton seen through its id map,
+    # made on the slot's first sandbox and shared by every later one (runtime/slots.py)
+    idmapped: dict[int, tuple[int, int]] = {}
     proto.send(ctl, {"op": "warm", "python": sys.version.split()[0], "modules": versions, "pid": os.getpid()})
 
     while True:
@@ -148,7 +152,14 @@ def main(ctl_fd: int) -> None:
                     os.close(fd)
                 proto.send(ctl, {"op": "error", "req": msg.get("req"), "error": "bad spawn request"})
                 continue
+            keep: list[int] = []
             try:
+                if msg.get("idmap") and msg.get("userns") and len(fds) > 1:
+                    keep = list(idmapped.get(msg["idmap"]) or ())
+                    if not keep:
+                        keep = list(mounts.idmapped_lowers(fds[1]))
+                        idmapped[msg["idmap"]] = (keep[0], keep[1])
+                    msg["idmapped"] = keep
                 libc.unshare(libc.CLONE_NEWPID)
                 pid = os.fork()
             except OSError as exc:
@@ -160,7 +171,7 @@ def main(ctl_fd: int) -> None:
                 signal.set_wakeup_fd(-1)
                 ctl.detach()  # closed below with every other fd: nothing of the zygote's crosses over
                 low = 3
-                for fd in sorted(fds):
+                for fd in sorted(fds + keep):
                     os.closerange(low, fd)
                     low = fd + 1
                 os.closerange(low, 1 << 16)

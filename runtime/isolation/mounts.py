@@ -81,16 +81,39 @@ def make_dev_links(dev: str) -> None:
     os.chmod(f"{dev}/shm", 0o1777)
 
 
+def idmapped_lowers(userns_fd: int) -> tuple[int, int]:
+    """The view's layer store and skeleton seen through the id map of ``userns_fd`` (detached mounts:
+    made by the zygote once per user slot, shared by the sandboxes it forks into that slot)."""
+    layers = libc.idmapped_clone(LAYERS, userns_fd)
+    try:
+        return layers, libc.idmapped_clone(SKEL, userns_fd)
+    except OSError:
+        os.close(layers)
+        raise
+
+
 def build_sandbox_root(layers: list[str], host_binds: list[str], host_masks: list[str], disk_bytes: int,
-                       rootless: bool) -> int:
+                       rootless: bool, idmap_fd: int = -1, idmapped: list[int] | None = None) -> int:
     """In the sandbox's new mount namespace (as pid 1 of its pid namespace): make its root and pivot
-    into it. Returns an O_PATH fd of the tmpfs that holds the upper layer (for checkpoints)."""
+    into it. Returns an O_PATH fd of the tmpfs that holds the upper layer (for checkpoints).
+
+    ``idmap_fd``: the sandbox's user namespace, whose map puts uid 1000 on a host uid of its own (see
+    runtime/slots.py). Every layer, the upper one included, is then stacked as an idmapped mount
+    through that map: files stay owned by 1000 on disk (checkpoints and snapshots read and write them
+    as before) while the sandbox's processes, running as its own host uid, see them as theirs.
+    ``idmapped``: the fds of ``idmapped_lowers`` for that namespace, if the zygote made them."""
     mount("tmpfs", SANDBOX, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_bytes},mode=755")
     for d in ("upper", "work", "root"):
         os.mkdir(f"{SANDBOX}/{d}")
     root = f"{SANDBOX}/root"
-    lower = ":".join([f"{LAYERS}/{x}" for x in layers] + [SKEL])
-    opts = f"lowerdir={lower},upperdir={SANDBOX}/upper,workdir={SANDBOX}/work"
+    clones: list[int] = []
+    if idmap_fd >= 0:
+        clones = [*(idmapped or idmapped_lowers(idmap_fd)), libc.idmapped_clone(SANDBOX, idmap_fd)]
+        layer_dir, skel, sandbox = (f"{HOSTPROC}/self/fd/{fd}" for fd in clones)  # (the view has no /proc)
+    else:
+        layer_dir, skel, sandbox = LAYERS, SKEL, SANDBOX
+    lower = ":".join([f"{layer_dir}/{x}" for x in layers] + [skel])
+    opts = f"lowerdir={lower},upperdir={sandbox}/upper,workdir={sandbox}/work"
     # Plain copy-up only (no redirect_dir, no metacopy): an upper dir is then a self-contained layer
     # that a checkpoint can stack under other sandboxes. userxattr (rootless) implies both off.
     opts += ",userxattr" if rootless else ",redirect_dir=off,metacopy=off"
@@ -99,6 +122,8 @@ def build_sandbox_root(layers: list[str], host_binds: list[str], host_masks: lis
     # and /dev needs no mounts of its own. Rootless, a user namespace forces nodev: /dev is a tmpfs
     # with the host's nodes bound in.
     mount("overlay", root, "overlay", MS_NOSUID | (MS_NODEV if rootless else 0), opts)
+    for fd in clones:  # the overlay holds its layers' mounts
+        os.close(fd)
     for path in host_binds:
         _bind_ro(path, root + path)
     for path in host_masks:

@@ -63,12 +63,21 @@ async def test_sandbox_report_matches_the_kernel(rt: Runtime) -> None:
         uid, nnp, mode = r.stdout.split("\n")[:3]
         assert f"uid {uid} " in rep["user"] and uid == "1000"
         assert f"= host uid {_host_uid(sb.pid)} " in rep["user"]
-        assert _host_uid(sb.pid) == (os.getuid() if ROOTLESS else 1000)
         assert ("user namespace (uid_map" in rep["user"]) is ROOTLESS
-        if not ROOTLESS:  # the owner of its namespace, as the host reads it (NS_GET_OWNER_UID)
+        if ROOTLESS:
+            assert _host_uid(sb.pid) == os.getuid()
+        else:  # the owner of its namespace, as the host reads it (NS_GET_OWNER_UID)
             owner = ns_owner(sb.pid)
-            assert owner >= 65536 and f"a user namespace of its own (identity maps) owned by host uid {owner}," \
-                in rep["user"], rep["user"]
+            assert owner >= 65536, owner
+            assert rt.user_slots is not None
+            if rt.user_slots.shifted:  # its processes run as that owner, its layers idmapped onto it
+                assert _host_uid(sb.pid) == owner
+                assert f"a user namespace of its own owned by host uid {owner}, which its processes run as" \
+                    in rep["user"], rep["user"]
+            else:  # identity maps: uid 1000 on the host, as in a container whose root refuses idmapped mounts
+                assert _host_uid(sb.pid) == 1000
+                assert f"a user namespace of its own (identity maps) owned by host uid {owner}," in rep["user"], \
+                    rep["user"]
         assert "no capabilities" in rep["user"] and ("no_new_privs" in rep["user"]) is (nnp.split()[1] == "1")
         # seccomp: the mode the kernel reports for a process of the sandbox
         assert mode.split()[1] == "2" and rep["seccomp"].startswith("filter loaded (Seccomp=2")

@@ -76,7 +76,9 @@ async def test_a_fork_bomb_that_starves_its_agent_ends_at_its_deadline(tmp_path:
                 wall = time.monotonic() - t0  # as the caller waited, output drained and all
                 assert r.timed_out and r.exit_code == 137 and r.sandbox_alive, r
                 assert wall <= 1.0 + OVERSHOOT_S, f"the step ended {wall - 1.0:.2f} s after its deadline"
-                assert rt.sandboxes[info.sandbox_id].step_kills > 1  # killed from the host, not by the agent
+                sb = rt.sandboxes[info.sandbox_id]
+                if sb.group is not None:  # its cgroup holds it to 0.05 CPU: the agent is starved, the host kills
+                    assert sb.step_kills > 1  # (without one the agent may still get the CPU to end the step itself)
                 for _ in range(100):  # killed processes finish exiting; the agent forks its spare worker
                     left = _others(rt, info.sandbox_id)
                     if left in ([], ["S"]):
