@@ -122,7 +122,11 @@ def build_sandbox_root(layers: list[str], host_binds: list[str], host_masks: lis
     # and /dev needs no mounts of its own. Rootless, a user namespace forces nodev: /dev is a tmpfs
     # with the host's nodes bound in.
     mount("overlay", root, "overlay", MS_NOSUID | (MS_NODEV if rootless else 0), opts)
-    for fd in clones:  # the overlay holds its layers' mounts
+    # The overlay holds its layers' mounts. The lower ones are the zygote's, shared: closing our copies
+    # frees nothing. The upper's idmapped clone is this sandbox's own: closing it now would tear the
+    # detached mount down on the restore path (measured: ~3 % fewer runs/s); it stays open in the init
+    # (close-on-exec; every worker the agent forks closes it) and goes when the sandbox ends.
+    for fd in clones[:2]:
         os.close(fd)
     for path in host_binds:
         _bind_ro(path, root + path)
