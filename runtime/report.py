@@ -88,7 +88,9 @@ def user(facts: Mapping[str, Any] | None, rootless: bool) -> str:
         nnp = f"no_new_privs OFF (NoNewPrivs={status.get('NoNewPrivs')})"
     uid_map = facts.get("uid_map", "?")
     if rootless:
-        how = f"user namespace (uid_map '{uid_map}' onto the zygote's namespace, which maps onto the caller)"
+        how = (f"user namespace (uid_map '{uid_map}' onto the zygote's namespace, which maps onto the caller): "
+               "every sandbox runs as the caller and shares its per-user budgets (subordinate uid ranges are "
+               "not used)")
     elif str(facts.get("host_uid")) != uid and f" {uid} {facts.get('host_uid')} 1 " in f" {' '.join(uid_map.split())} ":
         # its map puts 1000 on a host uid of its own, the namespace's owner (runtime/slots.py; seen from
         # inside, the owner is 1000 itself); its layers are idmapped onto it

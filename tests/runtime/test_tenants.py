@@ -14,7 +14,7 @@ import pytest
 from rollbox.runtime.inside import probe
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.slots import parse_range
-from rollbox.runtime.spec import ExecRequest, Limits
+from rollbox.runtime.spec import ExecRequest, ExecResult, Limits
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -92,11 +92,12 @@ async def test_live_sandboxes_never_share_a_namespace_owner(rt: Runtime) -> None
             await rt.destroy(i.sandbox_id)
 
 
-@as_root
-async def test_a_sandbox_holding_every_inotify_instance_leaves_the_others_theirs(rt: Runtime) -> None:
+async def hold_in_one_then_try_another(rt: Runtime, hog_code: str, try_code: str) -> tuple[tuple[int, int], ExecResult]:
+    """Runs ``hog_code`` in the background of one sandbox until it wrote "<count> <errno>" to /tmp/held
+    (it took all it could get), then ``try_code`` in another sandbox: (count, errno), that step's result."""
     hog, other = await rt.create(), await rt.create()
     try:
-        await rt.exec(hog.sandbox_id, ExecRequest(command=f"python3 -c '{INOTIFY_HOG}' >/dev/null 2>&1 &"))
+        await rt.exec(hog.sandbox_id, ExecRequest(command=f"python3 -c '{hog_code}' >/dev/null 2>&1 &"))
         held = ""
         for _ in range(200):
             held = (await rt.exec(hog.sandbox_id, ExecRequest(command="cat /tmp/held 2>/dev/null"))).stdout
@@ -104,32 +105,24 @@ async def test_a_sandbox_holding_every_inotify_instance_leaves_the_others_theirs
                 break
             await asyncio.sleep(0.05)
         n, errno = map(int, held.split())
-        assert n > 0 and errno == 24, held  # EMFILE: it took every instance its budget allows
-        r = await rt.exec(other.sandbox_id, ExecRequest(code=INOTIFY_ONE))
-        assert r.stdout.split() == ["True", "0"], r  # and the other sandbox still gets one of its own
+        return (n, errno), await rt.exec(other.sandbox_id, ExecRequest(code=try_code))
     finally:
         await rt.destroy(hog.sandbox_id)
         await rt.destroy(other.sandbox_id)
+
+
+@as_root
+async def test_a_sandbox_holding_every_inotify_instance_leaves_the_others_theirs(rt: Runtime) -> None:
+    (n, errno), r = await hold_in_one_then_try_another(rt, INOTIFY_HOG, INOTIFY_ONE)
+    assert n > 0 and errno == 24, (n, errno)  # EMFILE: it took every instance its budget allows
+    assert r.stdout.split() == ["True", "0"], r  # and the other sandbox still gets one of its own
 
 
 @as_root
 async def test_a_sandbox_holding_every_pipe_buffer_it_can_get_leaves_the_others_theirs(rt: Runtime) -> None:
-    hog, other = await rt.create(), await rt.create()
-    try:
-        await rt.exec(hog.sandbox_id, ExecRequest(command=f"python3 -c '{PIPE_HOG}' >/dev/null 2>&1 &"))
-        held = ""
-        for _ in range(200):
-            held = (await rt.exec(hog.sandbox_id, ExecRequest(command="cat /tmp/held 2>/dev/null"))).stdout
-            if held:
-                break
-            await asyncio.sleep(0.05)
-        n, errno = map(int, held.split())
-        assert n > 1 and errno == 1, held  # EPERM: its budget of pipe buffers is used up
-        r = await rt.exec(other.sandbox_id, ExecRequest(code=PIPE_ONE))
-        assert r.exit_code == 0 and r.stdout == f"{1 << 20}\n", r  # the other sandbox still sizes a pipe to 1 MiB
-    finally:
-        await rt.destroy(hog.sandbox_id)
-        await rt.destroy(other.sandbox_id)
+    (n, errno), r = await hold_in_one_then_try_another(rt, PIPE_HOG, PIPE_ONE)
+    assert n > 1 and errno == 1, (n, errno)  # EPERM: its budget of pipe buffers is used up
+    assert r.exit_code == 0 and r.stdout == f"{1 << 20}\n", r  # the other sandbox still sizes a pipe to 1 MiB
 
 
 async def test_without_cgroups_64_sandboxes_fork_their_children_beside_a_fork_bomb(tmp_path: Path) -> None:
