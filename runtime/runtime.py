@@ -188,13 +188,14 @@ class Runtime:
         self._reaper = asyncio.create_task(self._reap_loop())
         uid_range = slots.parse_range(cfg.uid_range)
         if uid_range and not cfg.rootless:
-            # empty directories: a scratch one (a tmpfs goes over it in the probe's own mount namespace),
-            # then one on each filesystem sandbox layers come from: the layer store, the skeletons'
-            probe_dirs = [cfg.state_dir / "idmap-probe" / "scratch", self.layer_root / ".idmap-probe",
-                     cfg.state_dir / "idmap-probe" / "lower"]
+            # a scratch directory (a tmpfs goes over it in the probe's own mount namespace), then the
+            # lower layers as sandboxes stack them: the layer store itself and, beside the skeletons, an
+            # empty directory (nothing is written into the layer store: every entry there is a layer)
+            probe_dirs = [cfg.state_dir / "idmap-probe" / "scratch", cfg.state_dir / "idmap-probe" / "lower"]
             for d in probe_dirs:
                 d.mkdir(parents=True, exist_ok=True)
-            self.user_slots = slots.UserSlots(*uid_range, probe=[str(d) for d in probe_dirs])
+            self.user_slots = slots.UserSlots(*uid_range, probe=[str(probe_dirs[0]), str(self.layer_root),
+                                                                 str(probe_dirs[1])])
             task = asyncio.create_task(self._prepare_slots(self.user_slots))  # beside the first zygotes
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

@@ -84,6 +84,8 @@ async def test_live_sandboxes_never_share_a_namespace_owner(rt: Runtime) -> None
         assert len(set(owners)) == len(owners) and all(start <= o < start + count for o in owners), owners
         # the processes run as that host uid (uid 1000 inside), checked from the host
         assert [host_uid(pid) for pid in pids] == owners, (owners, [host_uid(pid) for pid in pids])
+        # (the probe that chose this wrote nothing into the layer store, where every entry is a layer)
+        assert all(not p.name.startswith(".") for p in rt.layer_root.iterdir()), list(rt.layer_root.iterdir())
         # files keep their owners inside: the sandbox's home is its own, the system's files root's
         r = await rt.exec(infos[0].sandbox_id, ExecRequest(command="id -u; stat -c %u ~ /usr/bin; touch ~/f && echo w"))
         assert r.stdout.split() == ["1000", "1000", "0", "w"], r
