@@ -201,9 +201,10 @@ OPTIONS: tuple[Option, ...] = (
            "CPU kept from the sandboxes for this server and its zygotes: all sandboxes together are capped at "
            "the host's cores less this (cgroups v1 and v2; without cgroups, sandboxes run at nice 10 instead)"),
     Option("uid_range", "--uid-range", "ROLLBOX_UID_RANGE", uid_range, RuntimeConfig.model_fields["uid_range"].default,
-           "as root: host uids START:COUNT, each owning the user namespace of one live sandbox, so the "
-           "kernel's per-user budgets (processes, inotify, message queues, signals) are per sandbox; none: "
-           "every sandbox shares uid 1000's"),
+           "as root: host uids START:COUNT, each owning the user namespace of one live sandbox (and running "
+           "its processes where the layers take idmapped mounts), so the kernel's per-user budgets (processes, "
+           "inotify, message queues, signals; then pipe buffers too) are per sandbox; none: every sandbox "
+           "shares uid 1000's"),
     Option("prewarm", "--prewarm", "ROLLBOX_PREWARM", names, ("python",),
            "snapshots whose warm process and one ready sandbox start with the server, before any event "
            "asks for them (comma-separated; empty: none); one missing from the store is logged and skipped"),

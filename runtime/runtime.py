@@ -117,7 +117,8 @@ class RuntimeConfig(BaseModel):
         default=8 * 1024 * 1024, description="fork diffs up to this size are applied inside pooled sandboxes")
     uid_range: str = Field(
         default=slots.DEFAULT_RANGE, description="as root: host uids (START:COUNT) owning one user namespace per "
-        "live sandbox, so per-user kernel budgets are per sandbox; 'none': every sandbox in the host's")
+        "live sandbox (and running its processes where layers take idmapped mounts), so per-user kernel "
+        "budgets are per sandbox; 'none': every sandbox in the host's")
 
     @field_validator("uid_range")
     @classmethod

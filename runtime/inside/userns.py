@@ -2,8 +2,8 @@
 
 Run by the supervisor as ``python -I -S`` (a single-threaded process: unshare(CLONE_NEWUSER) refuses
 threaded ones) with a socket and the owner uids. For each owner it forks a child that becomes that
-uid and unshares a user namespace; this process (root) writes the namespace's identity maps, and
-the child sends back an fd of it. The fds go to the supervisor in one message; the children exit,
+uid and unshares a user namespace; this process (root) writes the namespace's maps, and the child
+sends back an fd of it. The fds go to the supervisor in one message; the children exit,
 the namespaces live on through the fds.
 
 Why the owner matters: the kernel charges a namespace's per-user counts (processes under
@@ -99,17 +99,16 @@ def probe_idmap(paths: list[str], owner: int) -> str:
     if pid == 0:
         os.close(r)
         try:
-            from rollbox.runtime.isolation import libc as lc
-            lc.unshare(lc.CLONE_NEWNS)
-            lc.mount("none", "/", None, lc.MS_REC | lc.MS_PRIVATE)
-            lowers = [lc.idmapped_clone(p, ns_fd) for p in paths[1:]]
+            libc.unshare(libc.CLONE_NEWNS)
+            libc.mount("none", "/", None, libc.MS_REC | libc.MS_PRIVATE)
+            lowers = [libc.idmapped_clone(p, ns_fd) for p in paths[1:]]
             scratch = paths[0]  # a tmpfs over a directory of ours, in this namespace only
-            lc.mount("tmpfs", scratch, "tmpfs", 0, "size=64k")
+            libc.mount("tmpfs", scratch, "tmpfs", 0, "size=64k")
             for d in ("upper", "work", "root"):
                 os.mkdir(f"{scratch}/{d}")
-            top = lc.idmapped_clone(scratch, ns_fd)
+            top = libc.idmapped_clone(scratch, ns_fd)
             lower = ":".join(f"/proc/self/fd/{fd}" for fd in lowers)
-            lc.mount("overlay", f"{scratch}/root", "overlay", 0,
+            libc.mount("overlay", f"{scratch}/root", "overlay", 0,
                      f"lowerdir={lower},upperdir=/proc/self/fd/{top}/upper,workdir=/proc/self/fd/{top}/work")
             os._exit(0)
         except BaseException as exc:

@@ -32,7 +32,7 @@ def contain(cfg: dict[str, Any], req: dict[str, Any], cgroup_fds: list[int]) -> 
     libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS | libc.CLONE_NEWNET)
     upper_fd = mounts.build_sandbox_root(
         req["layers"], cfg["host_binds"], cfg["host_masks"], req["disk_bytes"], cfg["rootless"],
-        userns_fd if req.get("idmap") else -1, req.get("idmapped"),
+        userns_fd, req.get("idmapped"),
     )
     libc.sethostname("sandbox")
     # --- privileges drop here: from now on the process is the unprivileged sandbox user ---
@@ -154,12 +154,11 @@ def main(ctl_fd: int) -> None:
                 continue
             keep: list[int] = []
             try:
-                if msg.get("idmap") and msg.get("userns") and len(fds) > 1:
-                    keep = list(idmapped.get(msg["idmap"]) or ())
-                    if not keep:
-                        keep = list(mounts.idmapped_lowers(fds[1]))
-                        idmapped[msg["idmap"]] = (keep[0], keep[1])
-                    msg["idmapped"] = keep
+                if msg.get("idmap"):  # (set only with "userns": its namespace is fds[1])
+                    lowers = idmapped.get(msg["idmap"])
+                    if lowers is None:
+                        lowers = idmapped[msg["idmap"]] = mounts.idmapped_lowers(fds[1])
+                    keep = msg["idmapped"] = list(lowers)
                 libc.unshare(libc.CLONE_NEWPID)
                 pid = os.fork()
             except OSError as exc:

@@ -93,22 +93,22 @@ def idmapped_lowers(userns_fd: int) -> tuple[int, int]:
 
 
 def build_sandbox_root(layers: list[str], host_binds: list[str], host_masks: list[str], disk_bytes: int,
-                       rootless: bool, idmap_fd: int = -1, idmapped: list[int] | None = None) -> int:
+                       rootless: bool, userns_fd: int = -1, idmapped: list[int] | None = None) -> int:
     """In the sandbox's new mount namespace (as pid 1 of its pid namespace): make its root and pivot
     into it. Returns an O_PATH fd of the tmpfs that holds the upper layer (for checkpoints).
 
-    ``idmap_fd``: the sandbox's user namespace, whose map puts uid 1000 on a host uid of its own (see
-    runtime/slots.py). Every layer, the upper one included, is then stacked as an idmapped mount
-    through that map: files stay owned by 1000 on disk (checkpoints and snapshots read and write them
-    as before) while the sandbox's processes, running as its own host uid, see them as theirs.
-    ``idmapped``: the fds of ``idmapped_lowers`` for that namespace, if the zygote made them."""
+    ``idmapped``: the fds of ``idmapped_lowers`` (made by the zygote) for the sandbox's user namespace
+    ``userns_fd``, whose map puts uid 1000 on a host uid of its own (see runtime/slots.py). Every
+    layer, the upper one included, is then stacked as an idmapped mount through that map: files stay
+    owned by 1000 on disk (checkpoints and snapshots read and write them as before) while the
+    sandbox's processes, running as its own host uid, see them as theirs."""
     mount("tmpfs", SANDBOX, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_bytes},mode=755")
     for d in ("upper", "work", "root"):
         os.mkdir(f"{SANDBOX}/{d}")
     root = f"{SANDBOX}/root"
     clones: list[int] = []
-    if idmap_fd >= 0:
-        clones = [*(idmapped or idmapped_lowers(idmap_fd)), libc.idmapped_clone(SANDBOX, idmap_fd)]
+    if idmapped:
+        clones = [*idmapped, libc.idmapped_clone(SANDBOX, userns_fd)]
         layer_dir, skel, sandbox = (f"{HOSTPROC}/self/fd/{fd}" for fd in clones)  # (the view has no /proc)
     else:
         layer_dir, skel, sandbox = LAYERS, SKEL, SANDBOX

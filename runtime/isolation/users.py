@@ -30,11 +30,11 @@ def enter_rootless_userns() -> None:
 def drop_privileges(rootless: bool, userns_fd: int = -1) -> None:
     """Become the unprivileged sandbox user with no capabilities.
 
-    As root: first into the sandbox's own user namespace if it has one (``userns_fd``: identity maps,
-    owned by a host uid of its own, see runtime/slots.py), then setgroups/setresgid/setresuid to 1000
-    (the kernel clears capabilities, the namespace's root being host root). Rootless: the process is
-    root only of the zygote's user namespace, which maps to the caller; a nested user namespace maps
-    1000 onto it, then capset clears every capability.
+    As root: first into the sandbox's own user namespace if it has one (``userns_fd``: owned by a host
+    uid of its own, its map identity or putting 1000 on that uid, see runtime/slots.py), then
+    setgroups/setresgid/setresuid to 1000 (the kernel clears capabilities, the namespace's root being
+    host root). Rootless: the process is root only of the zygote's user namespace, which maps to the
+    caller; a nested user namespace maps 1000 onto it, then capset clears every capability.
     """
     if rootless:
         libc.unshare(libc.CLONE_NEWUSER)
