@@ -257,8 +257,12 @@ def main() -> int:
             def med(rs: list[dict[str, Any]], k: str) -> float:
                 return statistics.median(r[k] for r in rs)
             cost = 100 * (1 - med(on, "runs_per_s") / med(off, "runs_per_s"))
+            # each repetition measured on and off back to back: the ratio of a pair is what drift
+            # between repetitions (this VM's phases) leaves alone
+            paired = 100 * (1 - statistics.median(a["runs_per_s"] / b["runs_per_s"] for a, b in zip(on, off, strict=True)))
             print(f"recording on vs off at c{c}: {cost:+.1f} % runs/s lost (median of {len(on)}: "
-                  f"{med(on, 'runs_per_s'):.1f} vs {med(off, 'runs_per_s'):.1f} runs/s; server CPU "
+                  f"{med(on, 'runs_per_s'):.1f} vs {med(off, 'runs_per_s'):.1f} runs/s; median of the "
+                  f"{len(on)} back-to-back pairs' ratios: {paired:+.1f} %; server CPU "
                   f"{med(on, 'server_ms_per_run'):.2f} vs {med(off, 'server_ms_per_run'):.2f} ms/run)")
     if "on" in modes:
         print(f"(recording on: its server flushed {flushed} Parquet files of trajectories to its store)")
