@@ -104,7 +104,8 @@ class Snapshots:
         t1 = time.perf_counter()
         async with self.rt.frozen(data.sandbox_id) as sb:
             t_frozen = time.perf_counter()
-            child = await asyncio.to_thread(checkpoint, self.cache.local, parent, sb.upper_path, name=data.name)
+            child = await asyncio.to_thread(checkpoint, self.cache.local, parent, sb.upper_path, name=data.name,
+                                            remap=sb.owner_shift)
             checkpoint_ms = (time.perf_counter() - t_frozen) * 1000
         if self.cache.remote is not None:  # the store's own pool, with a deadline: a hung store is a 503
             await self.calls.run(self._push, child, data.name, doing=f"pushing snapshot {child.id}",

@@ -20,6 +20,7 @@ from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import IsolationError, SandboxDied
 from rollbox.runtime.inside import proto
 from rollbox.runtime.isolation.cgroups import CgroupStats, Group
+from rollbox.runtime.isolation.users import SANDBOX_UID
 from rollbox.runtime.restore import WarmSource
 from rollbox.runtime.slots import Slot
 from rollbox.runtime.snapshot import SnapshotView
@@ -126,6 +127,19 @@ def walk_upper(upper: str) -> Iterator[tuple[str, str, os.stat_result, str]]:
                 yield path, "l", st, e.path
             elif stat.S_ISREG(st.st_mode):
                 yield path, "f", st, e.path
+
+
+def give_back(tree: str, shift: tuple[int, int]) -> None:
+    """Owners ``shift[0]`` (uid or gid) in ``tree`` become ``shift[1]``: a copy of a sandbox's upper
+    directory stacked as a layer under other sandboxes (see ``Sandbox.owner_shift``)."""
+    src, dst = shift
+    for _, _, st, host_path in walk_upper(tree):
+        if st.st_uid == src or st.st_gid == src:
+            os.chown(host_path, dst if st.st_uid == src else st.st_uid, dst if st.st_gid == src else st.st_gid,
+                     follow_symlinks=False)
+    st = os.lstat(tree)
+    if st.st_uid == src or st.st_gid == src:
+        os.chown(tree, dst if st.st_uid == src else st.st_uid, dst if st.st_gid == src else st.st_gid)
 
 
 def upper_diff(upper: str, file_fields: Callable[[str, os.stat_result, str], dict[str, Any] | None],
@@ -313,6 +327,13 @@ class Sandbox:
     def upper_path(self) -> str:
         """The sandbox's upper (diff) directory, readable by the supervisor through its fd."""
         return f"/proc/{os.getpid()}/fd/{self.upper_fd}/upper"
+
+    @property
+    def owner_shift(self) -> tuple[int, int] | None:
+        """(its host uid, 1000) if its processes run as a host uid of their own: the files it wrote
+        to its upper directory are that uid's (and gid's) there, and go into a layer as 1000's."""
+        slot = self.user_slot
+        return (slot.uid, SANDBOX_UID) if slot is not None and slot.shifted else None
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, OSError):

@@ -38,7 +38,7 @@ from rollbox.runtime.errors import (
     ShuttingDown,
     Unsupported,
 )
-from rollbox.runtime.execution import Sandbox, pack_upper
+from rollbox.runtime.execution import Sandbox, give_back, pack_upper
 from rollbox.runtime.inside import probe, proto
 from rollbox.runtime.isolation import cgroups, rlimits, seccomp
 from rollbox.runtime.isolation.cgroups import Backend, Group
@@ -390,6 +390,8 @@ class Runtime:
                     shutil.rmtree(dst, ignore_errors=True)
                     raise IsolationError(f"copying the sandbox's files failed: {err.decode(errors='replace')[-300:]}",
                                          sandbox_id=sandbox_id)
+                if sb.owner_shift is not None:  # its children run as other uids: the layer's files are 1000's
+                    await asyncio.to_thread(give_back, str(dst), sb.owner_shift)
         meta = metadata if metadata is not None else parent.metadata
         if diff is not None:
             view = parent.view

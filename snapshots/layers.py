@@ -138,8 +138,10 @@ def _walk(root: str, rel: str = "") -> Iterator[tuple[str, str]]:
 
 
 def pack(src: str | os.PathLike[str], out: BinaryIO | None = None, *,
-         owner: tuple[int, int] | None = None) -> PackedLayer:
-    """Write the canonical tar of directory ``src`` to ``out`` (or only hash it); return id and size."""
+         owner: tuple[int, int] | None = None, remap: tuple[int, int] | None = None) -> PackedLayer:
+    """Write the canonical tar of directory ``src`` to ``out`` (or only hash it); return id and size.
+    ``remap`` (from, to): an owner uid or gid ``from`` is written as ``to`` (a sandbox's upper directory,
+    whose files its host uid owns, packed as the sandbox user's)."""
     root = os.fspath(src)
     if not os.path.isdir(root):
         raise StoreError(f"cannot pack {root!r}: not a directory")
@@ -152,6 +154,9 @@ def pack(src: str | os.PathLike[str], out: BinaryIO | None = None, *,
             info.mtime = 0
             info.mode = stat.S_IMODE(st.st_mode)
             info.uid, info.gid = owner if owner is not None else (st.st_uid, st.st_gid)
+            if remap is not None:
+                info.uid = remap[1] if info.uid == remap[0] else info.uid
+                info.gid = remap[1] if info.gid == remap[0] else info.gid
             info.uname = info.gname = ""
             fmt = stat.S_IFMT(st.st_mode)
             if fmt == stat.S_IFDIR:
@@ -208,9 +213,9 @@ class _Exact:
 
 
 def pack_to_file(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
-                 owner: tuple[int, int] | None = None) -> PackedLayer:
+                 owner: tuple[int, int] | None = None, remap: tuple[int, int] | None = None) -> PackedLayer:
     with open(dest, "wb") as out:
-        return pack(src, out, owner=owner)
+        return pack(src, out, owner=owner, remap=remap)
 
 
 def layer_id(src: str | os.PathLike[str], *, owner: tuple[int, int] | None = None) -> str:

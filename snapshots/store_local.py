@@ -109,14 +109,15 @@ class LocalStore:
         finally:
             remove_tree(work)
 
-    def add_layer_dir(self, src: str | os.PathLike[str], *,
-                      owner: tuple[int, int] | None = (0, 0)) -> LayerRef:
+    def add_layer_dir(self, src: str | os.PathLike[str], *, owner: tuple[int, int] | None = (0, 0),
+                      remap: tuple[int, int] | None = None) -> LayerRef:
         """Commit a directory as a layer (packed, then unpacked here verified); returns its ref.
-        ``owner`` forces every entry's owner (built layers) or keeps them (``None``, checkpoints)."""
+        ``owner`` forces every entry's owner (built layers) or keeps them (``None``, checkpoints);
+        ``remap``: see ``layers.pack``."""
         work = self.tmp_dir()
         try:
             tar = os.path.join(work, "layer.tar")
-            packed = pack_to_file(src, tar, owner=owner)
+            packed = pack_to_file(src, tar, owner=owner, remap=remap)
             self.put_layer(packed.id, tar)
         finally:
             remove_tree(work)

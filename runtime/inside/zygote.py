@@ -31,8 +31,7 @@ def contain(cfg: dict[str, Any], req: dict[str, Any], cgroup_fds: list[int]) -> 
         os.close(fd)
     libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS | libc.CLONE_NEWNET)
     upper_fd = mounts.build_sandbox_root(
-        req["layers"], cfg["host_binds"], cfg["host_masks"], req["disk_bytes"], cfg["rootless"],
-        userns_fd, req.get("idmapped"),
+        req["layers"], cfg["host_binds"], cfg["host_masks"], req["disk_bytes"], cfg["rootless"], req.get("idmapped"),
     )
     libc.sethostname("sandbox")
     # --- privileges drop here: from now on the process is the unprivileged sandbox user ---

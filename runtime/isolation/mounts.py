@@ -93,27 +93,28 @@ def idmapped_lowers(userns_fd: int) -> tuple[int, int]:
 
 
 def build_sandbox_root(layers: list[str], host_binds: list[str], host_masks: list[str], disk_bytes: int,
-                       rootless: bool, userns_fd: int = -1, idmapped: list[int] | None = None) -> int:
+                       rootless: bool, idmapped: list[int] | None = None) -> int:
     """In the sandbox's new mount namespace (as pid 1 of its pid namespace): make its root and pivot
     into it. Returns an O_PATH fd of the tmpfs that holds the upper layer (for checkpoints).
 
-    ``idmapped``: the fds of ``idmapped_lowers`` (made by the zygote) for the sandbox's user namespace
-    ``userns_fd``, whose map puts uid 1000 on a host uid of its own (see runtime/slots.py). Every
-    layer, the upper one included, is then stacked as an idmapped mount through that map: files stay
-    owned by 1000 on disk (checkpoints and snapshots read and write them as before) while the
-    sandbox's processes, running as its own host uid, see them as theirs."""
+    ``idmapped``: the fds of ``idmapped_lowers`` (made by the zygote) for the sandbox's user namespace,
+    whose map puts uid 1000 on a host uid of its own (see runtime/slots.py). Every
+    lower layer is then stacked as an idmapped mount through that map: its files stay owned by 1000
+    on disk while the sandbox's processes, running as its own host uid, see them as theirs. The
+    upper layer is not idmapped (a clone of it per sandbox cost ~2 % of restore time, measured): what
+    the sandbox writes is owned by its host uid there, and whatever packs the upper directory into a
+    layer (a snapshot, a fork's scratch layer) gives those files back to 1000 (``Sandbox.owner_shift``).
+    A durable step's diff carries no owners."""
     mount("tmpfs", SANDBOX, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_bytes},mode=755")
     for d in ("upper", "work", "root"):
         os.mkdir(f"{SANDBOX}/{d}")
     root = f"{SANDBOX}/root"
-    clones: list[int] = []
     if idmapped:
-        clones = [*idmapped, libc.idmapped_clone(SANDBOX, userns_fd)]
-        layer_dir, skel, sandbox = (f"{HOSTPROC}/self/fd/{fd}" for fd in clones)  # (the view has no /proc)
+        layer_dir, skel = (f"{HOSTPROC}/self/fd/{fd}" for fd in idmapped)  # (the view has no /proc)
     else:
-        layer_dir, skel, sandbox = LAYERS, SKEL, SANDBOX
+        layer_dir, skel = LAYERS, SKEL
     lower = ":".join([f"{layer_dir}/{x}" for x in layers] + [skel])
-    opts = f"lowerdir={lower},upperdir={sandbox}/upper,workdir={sandbox}/work"
+    opts = f"lowerdir={lower},upperdir={SANDBOX}/upper,workdir={SANDBOX}/work"
     # Plain copy-up only (no redirect_dir, no metacopy): an upper dir is then a self-contained layer
     # that a checkpoint can stack under other sandboxes. userxattr (rootless) implies both off.
     opts += ",userxattr" if rootless else ",redirect_dir=off,metacopy=off"
@@ -122,11 +123,8 @@ def build_sandbox_root(layers: list[str], host_binds: list[str], host_masks: lis
     # and /dev needs no mounts of its own. Rootless, a user namespace forces nodev: /dev is a tmpfs
     # with the host's nodes bound in.
     mount("overlay", root, "overlay", MS_NOSUID | (MS_NODEV if rootless else 0), opts)
-    # The overlay holds its layers' mounts. The lower ones are the zygote's, shared: closing our copies
-    # frees nothing. The upper's idmapped clone is this sandbox's own: closing it now would tear the
-    # detached mount down on the restore path (measured: ~3 % fewer runs/s); it stays open in the init
-    # (close-on-exec; every worker the agent forks closes it) and goes when the sandbox ends.
-    for fd in clones[:2]:
+    # The overlay holds its layers' mounts (the zygote's, shared: closing our copies frees nothing).
+    for fd in idmapped or ():
         os.close(fd)
     for path in host_binds:
         _bind_ro(path, root + path)

@@ -7,7 +7,9 @@ as that host uid, so pipe buffers and keyrings are its own too, while files keep
 from __future__ import annotations
 
 import asyncio
+import io
 import os
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from rollbox.runtime.inside import probe
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.slots import parse_range
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits
+from rollbox.snapshots.layers import pack
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -140,6 +143,40 @@ async def test_without_cgroups_64_sandboxes_fork_their_children_beside_a_fork_bo
         assert not failed, f"{len(failed)} of 63 failed: {failed[:3]}"
         r = await bomb
         assert r.timed_out, r  # contained by its own limit, and ended at its deadline
+
+
+@as_root
+async def test_what_a_sandbox_wrote_goes_into_layers_as_the_sandbox_users(rt: Runtime) -> None:
+    """Its upper directory holds what it wrote as its host uid (the upper is not idmapped); packed
+    into a snapshot's layer, and copied into a fork's scratch layer, those files are uid 1000's, so
+    every sandbox stacking the layer owns them."""
+    saved = rt.config
+    rt.config = rt.config.model_copy(update={"fork_inject_max_bytes": 0})  # forks copy a scratch layer
+    parent = await rt.create()
+    children = []
+    try:
+        r = await rt.exec(parent.sandbox_id, ExecRequest(command="mkdir d && echo a > d/f && stat -c %u d/f"))
+        assert r.stdout == "1000\n", r
+        sb = rt.sandboxes[parent.sandbox_id]
+        shift = sb.owner_shift
+        assert shift is not None and shift[1] == 1000 and shift[0] == ns_owner(sb.pid)
+        upper = Path(sb.upper_path)
+        assert (upper / "home/sandbox/d/f").stat().st_uid == shift[0]
+        buf = io.BytesIO()
+        pack(upper, buf, remap=shift)
+        with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as tar:
+            owners = {m.name: (m.uid, m.gid) for m in tar.getmembers()}
+        assert owners["home/sandbox/d/f"] == owners["home/sandbox/d"] == (1000, 1000), owners
+        children = await rt.fork(parent.sandbox_id, 2)
+        scratch = rt.layer_root / rt.sandboxes[children[0].sandbox_id].view.layers[0]
+        assert scratch.name.startswith("scratch-") and (scratch / "home/sandbox/d/f").stat().st_uid == 1000
+        for c in children:
+            r = await rt.exec(c.sandbox_id, ExecRequest(command="echo b >> d/f && cat d/f && stat -c %u d/f"))
+            assert r.stdout == "a\nb\n1000\n", r
+    finally:
+        rt.config = saved
+        for info in [parent, *children]:
+            await rt.destroy(info.sandbox_id)
 
 
 @as_root
