@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import logging
 import os
 from collections.abc import Callable
 
 __all__ = ["AsyncFsync"]
+
+log = logging.getLogger("rollbox.aiosync")
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -87,7 +90,10 @@ class AsyncFsync:
             for i in range(n):
                 ev = self._events[i]
                 _, callback = self._pending.pop(ev.data)
-                callback(-ev.res if ev.res < 0 else 0)
+                try:
+                    callback(-ev.res if ev.res < 0 else 0)
+                except Exception:  # the other completions reaped with it still get theirs
+                    log.exception("a sync's completion callback failed")
             if n < _MAX_EVENTS:
                 return
 
