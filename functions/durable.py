@@ -64,6 +64,7 @@ from rollbox.snapshots.state import (
     REFRESH_AFTER_S,
     FileHashes,
     Files,
+    LocalObjects,
     Objects,
     SandboxRecord,
     StepUsage,
@@ -130,6 +131,7 @@ class DurableRuntime:
                  io_threads: int = 8, registry: CollectorRegistry | None = None):
         self.rt = rt
         self.objects = objects
+        self._local = isinstance(objects, LocalObjects)  # records are local files (see _read)
         self.hibernate_after_s = hibernate_after_s
         self.sweep_interval_s = sweep_interval_s
         self.tombstone_ttl_s = tombstone_ttl_s
@@ -202,7 +204,7 @@ class DurableRuntime:
         sid = ev.next_sandbox_id() if ev is not None else "sb-" + secrets.token_hex(10)
         async with self._holding(sid):
             if ev is not None:
-                first = await self._io(self._get, sid, 0)
+                first = await self._read(sid, 0)
                 if first is not None:  # a redelivered create: the sandbox it made, as it replied then
                     self._note_replay()
                     return await self._replayed(first, ev, SandboxInfo) or SandboxInfo.model_validate(first.reply)
@@ -212,7 +214,7 @@ class DurableRuntime:
             try:
                 await self._commit(live, info, ev, scan=False)
             except SandboxBusy:  # the same event, at the same time, on another replica: its sandbox
-                first = await self._io(self._get, sid, 0)
+                first = await self._read(sid, 0)
                 if first is None or first.reply is None:
                     raise
                 self._note_replay()
@@ -316,6 +318,15 @@ class DurableRuntime:
         """A store call, off the event loop, with a deadline (``StoreDeadline``: a hung store is a 503)."""
         return await self._calls.run(fn, *args, doing=_DOING.get(getattr(fn, "__name__", ""), "reading sandbox state"))
 
+    async def _read(self, sandbox_id: str, generation: int) -> SandboxRecord | None:
+        """A sandbox's record of one generation. The local store's is a small local file, read and
+        parsed on the event loop: less work than a thread's round trip, whose hand-offs of the GIL
+        cost the loop more than the read (measured); S3's off the loop, with a deadline."""
+        if self._local:
+            return self._get(sandbox_id, generation)
+        result: SandboxRecord | None = await self._io(self._get, sandbox_id, generation)
+        return result
+
     async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:  # local files, off the event loop
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
@@ -346,16 +357,16 @@ class DurableRuntime:
         generation and one that finds nothing; else the sandbox's records are listed first."""
         head: SandboxRecord | None = self._seen.get(sandbox_id)
         if head is None and (due := self._due.get(sandbox_id)) is not None:
-            head = await self._io(self._get, sandbox_id, due[0])  # the generation seen here last
+            head = await self._read(sandbox_id, due[0])  # the generation seen here last
         if head is None:
             keys = await self._io(self.objects.keys, f"sandboxes/{sandbox_id}/")
             gens = sorted(g for k in keys if (g := generation_of(k)) is not None)
             if not gens:
                 raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
-            head = await self._io(self._get, sandbox_id, gens[-1])
+            head = await self._read(sandbox_id, gens[-1])
             if head is None:  # removed between the listing and the read (the sweeper)
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed", sandbox_id=sandbox_id)
-        while (newer := await self._io(self._get, sandbox_id, head.generation + 1)) is not None:
+        while (newer := await self._read(sandbox_id, head.generation + 1)) is not None:
             head = newer  # committed elsewhere since
         self._remember(head)
         return head
@@ -386,7 +397,7 @@ class DurableRuntime:
         if sandbox_id not in self.rt.sandboxes or not self.rt.sandboxes[sandbox_id].alive():
             self._drop(sandbox_id, "died")
             return None
-        newer = await self._io(self._get, sandbox_id, live.record.generation + 1)
+        newer = await self._read(sandbox_id, live.record.generation + 1)
         if newer is not None:  # another replica moved it on: never run a step on this copy
             self.metrics.stale.inc()
             self._remember(newer)
@@ -404,7 +415,7 @@ class DurableRuntime:
             raise Conflict(f"an event with source {ev.source!r} and id {ev.id!r} was already handled "
                            "with different content; give a new event a new id")
         gen = int(seen[0])
-        rec = head if gen == head.generation else await self._io(self._get, head.sandbox_id, gen)
+        rec = head if gen == head.generation else await self._read(head.sandbox_id, gen)
         if rec is None or rec.reply is None:
             raise IntegrityError(f"sandbox {head.sandbox_id}: the record holding the reply of event "
                                  f"{ev.id!r} (generation {gen}) is missing", sandbox_id=head.sandbox_id)
@@ -588,7 +599,7 @@ class DurableRuntime:
         gens = {e["g"] for e in head.files.entries if e["t"] == "f" and e.get("g") is not None}
         need_blobs = {e["sha"] for e in head.files.entries if e["t"] == "f" and e.get("g") is None}
         records = {head.generation: head}
-        fetched = await asyncio.gather(*(self._io(self._get, sid, g) for g in gens - {head.generation}))
+        fetched = await asyncio.gather(*(self._read(sid, g) for g in gens - {head.generation}))
         for g, rec in zip(sorted(gens - {head.generation}), fetched, strict=True):
             if rec is None:
                 raise IntegrityError(f"sandbox {sid}: record {g} holding file contents is missing", sandbox_id=sid)
@@ -679,7 +690,7 @@ class DurableRuntime:
             known = self._due.get(sid)
             if known is not None and known[0] == max(gens) and now < known[1]:
                 continue  # nothing changed since it was read or written here, and it is not due
-            head = await self._io(self._get, sid, max(gens))
+            head = await self._read(sid, max(gens))
             if head is None:
                 continue
             self._note_due(head)  # (not _remember: a sweep must not push resumed sandboxes out of _seen)
