@@ -92,7 +92,8 @@ def make(owners: list[int], shift: bool = False) -> list[int]:
 
 def probe_idmap(paths: list[str], owner: int) -> str:
     """"" if an overlay of idmapped mounts works here: lower layers on the filesystems of ``paths``
-    (the layer store, the skeletons) and an upper layer on a tmpfs, as sandboxes stack them; else why not."""
+    (the layer store, the skeletons), idmapped, and a plain upper layer on a tmpfs, as sandboxes stack
+    them (runtime/isolation/mounts.py); else why not."""
     ns_fd = make([owner], shift=True)[0]
     r, w = os.pipe()
     pid = os.fork()
@@ -106,10 +107,9 @@ def probe_idmap(paths: list[str], owner: int) -> str:
             libc.mount("tmpfs", scratch, "tmpfs", 0, "size=64k")
             for d in ("upper", "work", "root"):
                 os.mkdir(f"{scratch}/{d}")
-            top = libc.idmapped_clone(scratch, ns_fd)
             lower = ":".join(f"/proc/self/fd/{fd}" for fd in lowers)
             libc.mount("overlay", f"{scratch}/root", "overlay", 0,
-                     f"lowerdir={lower},upperdir=/proc/self/fd/{top}/upper,workdir=/proc/self/fd/{top}/work")
+                       f"lowerdir={lower},upperdir={scratch}/upper,workdir={scratch}/work")
             os._exit(0)
         except BaseException as exc:
             os.write(w, f"{exc}".encode()[:1000])
