@@ -360,12 +360,9 @@ class Recorder:
             asyncio.get_running_loop().call_soon(self._write_and_sync)
 
     def _write_and_sync(self) -> None:
-        assert self._aio is not None
+        assert self._aio is not None and not self._syncing  # (scheduled only while none is under way)
         self._sync_soon = False
         items, self._unwritten = self._unwritten, []
-        if not items or self._syncing:
-            self._unwritten[:0] = items
-            return
         batch = [f for _, _, f in items]
         by_fd: dict[int, list[bytes]] = {}
         for fd, data, _ in items:

@@ -133,13 +133,10 @@ def give_back(tree: str, shift: tuple[int, int]) -> None:
     """Owners ``shift[0]`` (uid or gid) in ``tree`` become ``shift[1]``: a copy of a sandbox's upper
     directory stacked as a layer under other sandboxes (see ``Sandbox.owner_shift``)."""
     src, dst = shift
-    for _, _, st, host_path in walk_upper(tree):
-        if st.st_uid == src or st.st_gid == src:
+    for _, _, st, host_path in [("", "d", os.lstat(tree), tree), *walk_upper(tree)]:
+        if src in (st.st_uid, st.st_gid):
             os.chown(host_path, dst if st.st_uid == src else st.st_uid, dst if st.st_gid == src else st.st_gid,
                      follow_symlinks=False)
-    st = os.lstat(tree)
-    if st.st_uid == src or st.st_gid == src:
-        os.chown(tree, dst if st.st_uid == src else st.st_uid, dst if st.st_gid == src else st.st_gid)
 
 
 def upper_diff(upper: str, file_fields: Callable[[str, os.stat_result, str], dict[str, Any] | None],

@@ -93,9 +93,9 @@ def user(facts: Mapping[str, Any] | None, rootless: bool) -> str:
                "not used)")
     elif str(facts.get("host_uid")) != uid and f" {uid} {facts.get('host_uid')} 1 " in f" {' '.join(uid_map.split())} ":
         # its map puts 1000 on a host uid of its own, the namespace's owner (runtime/slots.py; seen from
-        # inside, the owner is 1000 itself); its layers are idmapped onto it
+        # inside, the owner is 1000 itself); its lower layers are idmapped onto it
         how = (f"a user namespace of its own owned by host uid {facts.get('host_uid')}, which its processes run "
-               "as (uid 1000 inside; its layers are idmapped mounts, so files keep uid 1000), one per sandbox: "
+               "as (uid 1000 inside; its lower layers are idmapped mounts, so files keep uid 1000), one per sandbox: "
                "its processes, inotify instances and watches, message queues, pending signals, pipe buffers "
                "and keyrings count against budgets of its own")
     elif uid_map.split()[:3] != ["0", "0", "4294967295"]:

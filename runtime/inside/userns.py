@@ -28,9 +28,9 @@ import socket
 import sys
 
 from rollbox.runtime.isolation import libc
+from rollbox.runtime.isolation.users import SANDBOX_UID
 
 IDENTITY = "0 0 4294967295"  # every id as on the host, like the initial namespace's own map
-SANDBOX_UID = 1000
 LAST = 4294967295  # (uid -1 is never mapped)
 
 
