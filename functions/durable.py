@@ -18,6 +18,10 @@ the reply sent. So:
     hibernate                     a live copy idle for ``hibernate_after_s``, or the least recently
                                   used idle one when the live cap is reached, is ended (nothing is
                                   written: its state is that of its last acknowledged step)
+    pass through                  an exec that resumes a sandbox idle longer than a live copy lasts
+                                  here runs as the resumed sandbox's init, which hibernates it when
+                                  the step ends (the reply says ``hibernated``): at that pace a live
+                                  copy would be hibernated before its next step anyway
     drain                         ``hibernate_all`` on SIGTERM: scale-down loses nothing
     expiry                        lifetime and idle limits hold across hibernation; a sweeper writes
                                   the tombstone of expired sandboxes and removes the records of
@@ -89,6 +93,8 @@ _DOING = {"_get": "reading a sandbox's state", "_get_blob": "reading a sandbox's
           "_put_blob": "writing a sandbox's files", "put_new": "committing a sandbox's step",
           "keys": "listing sandbox state", "delete": "deleting sandbox state"}
 M = TypeVar("M", bound=BaseModel)
+# how long an eviction under pressure tells how long idle live copies last here (``_passes``)
+PRESSURE_MEMORY_S = 10.0
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -121,6 +127,7 @@ class _Live:
     cpu_s: float = 0.0  # CPU seconds of this life already in ``record.usage``
     last_used: float = field(default_factory=time.monotonic)
     resume_ms: float | None = None  # set by a resume, reported by the step that caused it
+    passing: bool = False  # resumed for one exec that runs as its init: it hibernates when the step ends
 
 
 class DurableRuntime:
@@ -154,6 +161,7 @@ class DurableRuntime:
         self.blob_cache_max_bytes = 64 * 1024 * 1024
         self.metrics = _Metrics(registry)
         self.journal: StepLog | None = None  # trajectories and the usage ledger, when recording is on
+        self._evicted: tuple[float, float] | None = None  # the last eviction under pressure (_make_room)
         rt.on_reaped = self._reaped
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -223,12 +231,16 @@ class DurableRuntime:
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         async def action(live: _Live) -> ExecResult:
-            result = await self.rt.exec(sandbox_id, request)
+            result = await self.rt.exec(sandbox_id, request, last=live.passing)
+            if live.passing:  # its init ended with the step; the sandbox lives on in the store
+                return result.model_copy(update={"resumed": True, "resume_ms": live.resume_ms,
+                                                 "sandbox_alive": True, "hibernated": True})
             if live.resume_ms is not None:
                 result = result.model_copy(update={"resumed": True, "resume_ms": live.resume_ms})
             return result
 
-        return await self.step(sandbox_id, action, ExecResult)
+        # (files to read back are read by the agent after the program: that step cannot pass through)
+        return await self.step(sandbox_id, action, ExecResult, may_pass=not request.read_files)
 
     async def destroy(self, sandbox_id: str) -> Usage:
         ev = current_event.get()
@@ -272,13 +284,15 @@ class DurableRuntime:
         self.live[info.sandbox_id] = live
         return live
 
-    async def step(self, sandbox_id: str, action: Callable[[_Live], Awaitable[M]], model: type[M]) -> M:
+    async def step(self, sandbox_id: str, action: Callable[[_Live], Awaitable[M]], model: type[M],
+                   may_pass: bool = False) -> M:
         """Run one step on a sandbox's newest state and commit it before returning its reply: the
         sandbox is resumed first if it is not live here (or its copy here is stale); a redelivered
-        event gets its recorded reply without running."""
+        event gets its recorded reply without running. ``may_pass``: the step may pass through
+        (``_passes``)."""
         ev = current_event.get()
         async with self._holding(sandbox_id):
-            live, replay = await self._prepare(sandbox_id, ev, model)
+            live, replay = await self._prepare(sandbox_id, ev, model, may_pass)
             if replay is not None:
                 return replay
             assert live is not None
@@ -288,6 +302,9 @@ class DurableRuntime:
                 live.last_used = time.monotonic()
             await self._commit(live, reply, ev)
             live.resume_ms = None
+            if live.passing:
+                self._drop(sandbox_id, "hibernated")
+                self.metrics.hibernations.labels("step").inc()
             return reply
 
     async def ensure_live(self, sandbox_id: str) -> None:
@@ -295,7 +312,8 @@ class DurableRuntime:
         async with self._holding(sandbox_id):
             await self._prepare(sandbox_id, None, BaseModel)
 
-    async def _prepare(self, sandbox_id: str, ev: EventRef | None, model: type[M]) -> tuple[_Live | None, M | None]:
+    async def _prepare(self, sandbox_id: str, ev: EventRef | None, model: type[M],
+                       may_pass: bool = False) -> tuple[_Live | None, M | None]:
         """(the live copy to run a step on, None), or (None, the recorded reply of ``ev``)."""
         live = await self._fresh_live(sandbox_id)
         head = live.record if live is not None else await self._head(sandbox_id)
@@ -309,8 +327,24 @@ class DurableRuntime:
             if why is not None:
                 await self._expire(head, why)
                 raise SandboxGone(f"sandbox {sandbox_id} expired ({why} limit)", sandbox_id=sandbox_id, reason=why)
-            live = await self._resume(head)
+            passing = may_pass and self._passes(head)
+            live = await self._resume(head, spare=not passing)
+            live.passing = passing
         return live, None
+
+    def _passes(self, head: SandboxRecord) -> bool:
+        """Whether a step that resumes this sandbox passes through: runs as the resumed sandbox's init
+        (one process, no worker forked) and hibernates it when it ends. So it does when the sandbox sat
+        idle longer than an idle live copy lasts here — ``--hibernate-after-s``, or under pressure the
+        idle time at which the least recently used ones are being hibernated: at the trainer's pace,
+        it would be hibernated again before its next step, with all the work of a live copy for
+        nothing. (A step after a short pause keeps its sandbox live, as before.)"""
+        lasts = self.hibernate_after_s or math.inf
+        if self._evicted is not None:
+            at, idle_s = self._evicted
+            if time.monotonic() - at < max(PRESSURE_MEMORY_S, 4 * idle_s):
+                lasts = min(lasts, idle_s)
+        return time.time() - head.last_used >= lasts
 
     # ----------------------------------------------------------------------------- internals
 
@@ -526,7 +560,11 @@ class DurableRuntime:
             dead = self.rt.sandboxes.get(sandbox_id)
             if dead is None or dead.upper_fd < 0:
                 raise
-            result = await self._disk(scan, dead.upper_path)
+            fd = os.dup(dead.upper_fd)  # the runtime's reaper may end the dead sandbox (and close its fd) meanwhile
+            try:
+                result = await self._disk(scan, f"/proc/self/fd/{fd}/upper")
+            finally:
+                os.close(fd)
             return result
 
     def _put_blob(self, sha: str, path: str) -> None:
@@ -563,14 +601,14 @@ class DurableRuntime:
             self._cache_blob(sha, data)
         return data
 
-    async def _resume(self, head: SandboxRecord) -> _Live:
+    async def _resume(self, head: SandboxRecord, spare: bool = True) -> _Live:
         """A live copy of ``head``: a sandbox of its snapshot and limits with its files injected."""
         t0 = time.perf_counter()
         sid = head.sandbox_id
         contents = await self._contents(head)
         await self._make_room()
         await self.rt.create(head.snapshot, head.limits, head.metadata, sandbox_id=sid, forked_from=head.forked_from,
-                             step_next=True)
+                             step_next=spare)
         self._not_metered(sid)
         try:
             if head.files.entries or head.files.whiteouts or head.files.opaque:
@@ -624,7 +662,11 @@ class DurableRuntime:
             if not idle:
                 raise Overloaded(f"{len(self.rt.sandboxes)} sandboxes are running steps (cap {cap})",
                                  retry_after_s=1.0)
-            self._hibernate(min(idle)[1], "pressure")
+            last_used, sid = min(idle)
+            now = time.monotonic()
+            ewma = now - last_used if self._evicted is None else 0.8 * self._evicted[1] + 0.2 * (now - last_used)
+            self._evicted = (now, ewma)  # (when, how long the evicted had been idle): see _passes
+            self._hibernate(sid, "pressure")
 
     def _hibernate(self, sandbox_id: str, reason: str) -> None:
         """End an idle live copy. Nothing is written: its durable state is that of its last

@@ -139,6 +139,9 @@ class ExecResult(BaseModel):
     resumed: bool | None = Field(default=None, description="durable sandboxes: this step first resumed the "
                                  "sandbox from its durable state (its files; processes of earlier steps are gone)")
     resume_ms: float | None = Field(default=None, description="durable sandboxes: how long resuming took")
+    hibernated: bool | None = Field(default=None, description="durable sandboxes: the sandbox hibernated as this "
+                                    "step ended (it had been idle longer than a live copy lasts on the replica, "
+                                    "so this step ran as its init); processes the step left behind ended with it")
 
 
 class SandboxInfo(BaseModel):

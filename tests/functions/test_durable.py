@@ -215,6 +215,22 @@ async def test_store_outage_during_a_step_is_503_and_nothing_half_written(
     assert (r.status, r.data["stdout"]) == (200, "before\n"), r.data  # the unacknowledged step left nothing
 
 
+async def running(tag: str) -> bool:
+    """Whether a process with ``tag`` in its command line runs (on the host), waiting up to 5 s for it to go."""
+    for _ in range(50):
+        if not subprocess.run(["pgrep", "-f", tag], capture_output=True).stdout:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
+async def hibernated_idle(http: httpx.AsyncClient, srv: ServerProc, n: int) -> None:
+    deadline = time.monotonic() + 15
+    while metric((await http.get(srv.url + "metrics")).text, "rollbox_hibernations_total", reason="idle") < n:
+        assert time.monotonic() < deadline, "the idle sandbox did not hibernate"
+        await asyncio.sleep(0.2)
+
+
 async def test_idle_sandbox_hibernates_and_the_next_step_resumes_it(
         local_replicas: Replicas, http: httpx.AsyncClient) -> None:
     srv = local_replicas.start("--hibernate-after-s", "1")
@@ -224,21 +240,47 @@ async def test_idle_sandbox_hibernates_and_the_next_step_resumes_it(
     assert r.status == 200
     found = subprocess.run(["pgrep", "-f", f"rollbox-{tag}"], capture_output=True, text=True).stdout.split()
     assert found, "the background process should run while the sandbox is live"
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        text = (await http.get(srv.url + "metrics")).text
-        if metric(text, "rollbox_hibernations_total", reason="idle") >= 1:
-            break
-        await asyncio.sleep(0.2)
+    await hibernated_idle(http, srv, 1)
+    text = (await http.get(srv.url + "metrics")).text
     assert metric(text, "rollbox_hibernations_total", reason="idle") == 1
     assert metric(text, "rollbox_live_sandboxes") == 0  # its processes ended, its memory released
-    for _ in range(50):
-        if not subprocess.run(["pgrep", "-f", f"rollbox-{tag}"], capture_output=True).stdout:
-            break
-        await asyncio.sleep(0.1)
-    assert not subprocess.run(["pgrep", "-f", f"rollbox-{tag}"], capture_output=True).stdout
+    assert not await running(f"rollbox-{tag}")
     r = await step(http, srv, sid, command="cat k.txt")
     assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, "kept\n", True), r.data
+
+
+async def test_a_step_after_a_long_pause_passes_through_and_a_quick_one_stays_live(
+        local_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    srv = local_replicas.start("--hibernate-after-s", "1")
+    sid = await create(http, srv)
+    assert (await step(http, srv, sid, code=APPEND.format("a"))).status == 200
+    await hibernated_idle(http, srv, 1)
+    # idle longer than a live copy lasts (1 s): the step runs as the resumed sandbox's init, and the
+    # sandbox hibernates with it; what it wrote is committed, what it left running is gone
+    tag = f"rollbox-{uuid.uuid4().hex}"
+    r = await step(http, srv, sid, command=f"echo b >> log.txt; cat log.txt; python3 -c 'import time; time.sleep(300)' {tag} &")
+    assert (r.status, r.data["stdout"], r.data["resumed"], r.data["hibernated"], r.data["sandbox_alive"]) \
+        == (200, "a\nb\n", True, True, True), r.data
+    assert not await running(tag)
+    text = (await http.get(srv.url + "metrics")).text
+    assert metric(text, "rollbox_hibernations_total", reason="step") == 1
+    assert metric(text, "rollbox_live_sandboxes") == 0
+    # the next step comes at once: resumed (files as committed), and this time it stays live
+    r = await step(http, srv, sid, command=f"cat log.txt; python3 -c 'import time; time.sleep(300)' {tag}-2 &")
+    assert (r.status, r.data["stdout"], r.data["resumed"], r.data["hibernated"]) == (200, "a\nb\n", True, None), r.data
+    assert subprocess.run(["pgrep", "-f", f"{tag}-2"], capture_output=True).stdout, "a live sandbox keeps its processes"
+    r = await step(http, srv, sid, command="echo c >> log.txt; cat log.txt")
+    assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, "a\nb\nc\n", None), r.data
+    # a step that passes through and times out: its init is killed, its files are kept, the sandbox goes on
+    await hibernated_idle(http, srv, 2)
+    r = await step(http, srv, sid, command="echo t > t.txt; sleep 30", timeout_s=1)
+    assert (r.status, r.data["timed_out"], r.data["hibernated"], r.data["sandbox_alive"]) == (200, True, True, True), r.data
+    r = await step(http, srv, sid, command="cat log.txt t.txt")
+    assert (r.status, r.data["stdout"]) == (200, "a\nb\nc\nt\n"), r.data
+    # files to read back after the program: the agent reads them, so that step stays live
+    await hibernated_idle(http, srv, 3)
+    r = await step(http, srv, sid, command="echo r > r.txt", read_files=["r.txt"])
+    assert (r.status, r.data["files"], r.data["resumed"], r.data["hibernated"]) == (200, {"r.txt": "r\n"}, True, None)
 
 
 async def test_at_the_live_cap_creates_hibernate_idle_sandboxes(
