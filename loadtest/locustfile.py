@@ -8,7 +8,9 @@ Wrong content (event type, exit code, stdout) is a failure (`resp.failure`).
 
 429 and 503 (and 409 `sandbox_busy`) are honoured as a trainer's client does: wait Retry-After
 (1 s if absent, capped), send the SAME event again (same ce-source and ce-id, which the service's
-idempotency makes safe), within bounded attempts and time. Each refused attempt is a success row
+idempotency makes safe), within bounded attempts and time. So is a request that got no reply at all
+(a keep-alive connection the server closed as it was reused, a reset): the event may or may not
+have run, and resending it is how a client finds out (it runs once either way). Each refused attempt is a success row
 named `retry <type>` (e.g. `retry create`), apart from the outcome rows `create`, `exec`, `destroy`;
 giving up is a failure of the outcome row. With `--hosts` (replicas behind a load balancer) every
 request goes to the next host in turn, so consecutive steps of one episode hit different replicas.
@@ -99,7 +101,7 @@ def _flags(parser: Any) -> None:
     flag("--steps", "ROLLBOX_LOCUST_STEPS", int, 3, "exec steps per episode")
     flag("--episodes", "ROLLBOX_LOCUST_EPISODES", int, None, "episodes per user, then it stops (default: until the end)")
     flag("--hosts", "ROLLBOX_LOCUST_HOSTS", str, "", "comma-separated replicas, used in turn (default: --host)")
-    flag("--retry-attempts", "ROLLBOX_LOCUST_RETRY_ATTEMPTS", int, 5, "attempts per event on 429/503/409 busy")
+    flag("--retry-attempts", "ROLLBOX_LOCUST_RETRY_ATTEMPTS", int, 5, "attempts per event on 429/503/409 busy/no reply")
     flag("--retry-budget-s", "ROLLBOX_LOCUST_RETRY_BUDGET_S", float, 60.0, "time per event for its retries")
     flag("--retry-after-max-s", "ROLLBOX_LOCUST_RETRY_AFTER_MAX_S", float, 10.0, "cap on one Retry-After wait")
     flag("--max-fail-ratio", "ROLLBOX_LOCUST_MAX_FAIL_RATIO", float, 0.01, "exit 1 above this failure ratio")
@@ -230,7 +232,8 @@ def _error(body: bytes) -> tuple[str, str]:
 
 
 def _retryable(status: int, code: str) -> bool:
-    return status in (429, 503) or (status == 409 and code == "sandbox_busy")
+    # status 0: no reply (the connection closed or reset); resending the same event is safe
+    return status in (0, 429, 503) or (status == 409 and code == "sandbox_busy")
 
 
 class EpisodeUser(FastHttpUser):
@@ -273,7 +276,10 @@ class EpisodeUser(FastHttpUser):
                 TALLY.per_host[slot] += 1
                 status, reply_headers, raw = resp.status_code or 0, resp.headers or {}, resp.content or b""
                 ce_type = reply_headers.get("ce-type")
-                code, message = _error(raw) if ce_type == ERROR_TYPE or status != 200 else ("", "")
+                if status == 0:
+                    code, message = "no_reply", repr(getattr(resp, "error", None))
+                else:
+                    code, message = _error(raw) if ce_type == ERROR_TYPE or status != 200 else ("", "")
                 if not _retryable(status, code):
                     return self._judge(resp, status, ce_type, raw, code, message, reply, check)
                 wait_s = _retry_after_s(reply_headers, self.cfg.retry_after_max_s)
