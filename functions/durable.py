@@ -103,7 +103,8 @@ class _Metrics:
         r = registry or CollectorRegistry()
         self.resumes = Counter("rollbox_resumes", "Sandboxes resumed from their durable state", registry=r)
         self.hibernations = Counter("rollbox_hibernations",
-                                    "Idle live sandboxes ended (their state stays in the store)", ["reason"],
+                                    "Live sandboxes ended with their state in the store: idle, pressure (at the "
+                                    "live cap), step (passed through), drain", ["reason"],
                                     registry=r)
         self.resume_seconds = Histogram("rollbox_resume_seconds", "Time to resume a sandbox from the store",
                                         buckets=_LATENCY, registry=r)
@@ -607,8 +608,8 @@ class DurableRuntime:
         sid = head.sandbox_id
         contents = await self._contents(head)
         await self._make_room()
-        await self.rt.create(head.snapshot, head.limits, head.metadata, sandbox_id=sid, forked_from=head.forked_from,
-                             step_next=spare)
+        await self.rt.take(head.snapshot, head.limits, head.metadata, sandbox_id=sid, forked_from=head.forked_from,
+                           step_next=spare)
         self._not_metered(sid)
         try:
             if head.files.entries or head.files.whiteouts or head.files.opaque:

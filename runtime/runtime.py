@@ -640,10 +640,12 @@ class Runtime:
 
     async def _release_later(self, group: Group) -> None:
         try:
-            for _ in range(100):  # the last processes of a killed sandbox may take a moment to leave
+            wait_s = 0.01
+            for _ in range(12):  # the last processes of a killed sandbox may take a moment to leave (~2 s in all)
                 if group.is_empty():
                     break
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(wait_s)
+                wait_s = min(wait_s * 1.5, 0.4)  # a cgroup read each time: slower under load, not more often
             if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64:
                 if group.needs_reclaim():
                     await asyncio.to_thread(group.reclaim)
@@ -691,11 +693,18 @@ class Runtime:
         default limits (a ``Limits`` with only those fields given, or a mapping), or None for those defaults.
         ``sandbox_id``: the id to give it (the durable layer resumes sandboxes under their own id).
         ``step_next``: a step follows at once (a resume), so its worker is forked now."""
+        return self._info(await self.take(snapshot, limits, metadata, sandbox_id, forked_from, step_next))
+
+    async def take(self, snapshot: str = "python", limits: LimitsArg = None, metadata: dict[str, str] | None = None,
+                   sandbox_id: str | None = None, forked_from: str | None = None,
+                   step_next: bool = False) -> Sandbox:
+        """``create`` without its reply (whose isolation report reads the sandbox's cgroup membership):
+        the durable layer's resume, which replies with the step's result instead."""
         sb = await self._acquire(snapshot, limits, metadata, sandbox_id=sandbox_id)
         sb.forked_from = forked_from
         if step_next:
             await sb.want_spare()
-        return self._info(sb)
+        return sb
 
     async def inject(self, sandbox_id: str, diff: dict[str, Any]) -> None:
         """Apply a filesystem diff (``pack_upper``'s form: entries, whiteouts, opaque, and an fd of
