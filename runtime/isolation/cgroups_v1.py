@@ -18,6 +18,7 @@ from rollbox.runtime.isolation.cgroups import (
     SANDBOX_SHARES_V1,
     CgroupStats,
     CpuPolicy,
+    KeptFiles,
     available_cores,
     capped_cores,
     close_fds,
@@ -29,7 +30,6 @@ from rollbox.runtime.isolation.cgroups import (
     sandboxes_cores,
 )
 from rollbox.runtime.isolation.cgroups import read as _read
-from rollbox.runtime.isolation.cgroups import read_kv as _read_kv
 from rollbox.runtime.isolation.cgroups import write as _write
 
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
@@ -45,7 +45,13 @@ class V1Group:
         self.reusable = True
         self.limits: tuple[int, int, float] | None = None  # as last written
         self.swap_limited = False  # memory.memsw (memory+swap) written too: needs swap accounting
+        self.boosted = False  # cpu.shares as last written: boosted for a cleanup, or the equal share
         self._procs: list[int] = []
+        self._kept = KeptFiles()
+        mem = dirs["memory"]
+        self._stat_paths = (str(mem / "memory.oom_control"), str(mem / "memory.max_usage_in_bytes"),
+                            str(dirs["cpuacct"] / "cpuacct.usage") if "cpuacct" in dirs else "",
+                            str(dirs["pids"] / "pids.events"))
 
     def procs_fds(self) -> list[int]:
         if not self._procs:
@@ -96,8 +102,11 @@ class V1Group:
         return read_pids(self.dirs["pids"] / "cgroup.procs")
 
     def boost(self, on: bool) -> None:
+        if on == self.boosted:
+            return
         try:
             _write(self.dirs["cpu"] / "cpu.shares", str(SANDBOX_SHARES_V1 * (CLEANUP_BOOST if on else 1)))
+            self.boosted = on
         except OSError:
             pass
 
@@ -112,17 +121,17 @@ class V1Group:
             _write(d / "cgroup.procs", str(pid))
 
     def stats(self) -> CgroupStats:
-        mem = self.dirs["memory"]
-        oom = _read_kv(mem / "memory.oom_control").get("oom_kill", 0)
+        oom_control, max_usage, usage, pids_events = self._stat_paths
+        oom = self._kept.read_kv(oom_control).get("oom_kill", 0)
         try:
-            peak = int(_read(mem / "memory.max_usage_in_bytes"))
+            peak = int(self._kept.read(max_usage))
         except (OSError, ValueError):
             peak = 0
         try:
-            cpu_ns = int(_read(self.dirs["cpuacct"] / "cpuacct.usage"))
-        except (OSError, ValueError, KeyError):
+            cpu_ns = int(self._kept.read(usage))
+        except (OSError, ValueError):
             cpu_ns = 0
-        pids_max_hits = _read_kv(self.dirs["pids"] / "pids.events").get("max", 0)
+        pids_max_hits = self._kept.read_kv(pids_events).get("max", 0)
         return CgroupStats(cpu_s=cpu_ns / 1e9, peak_memory_bytes=peak, oom_kills=oom, pids_max_hits=pids_max_hits)
 
     def reset_peak(self) -> None:
@@ -134,6 +143,7 @@ class V1Group:
     def close(self) -> None:
         """Remove the group's directories; OSError (naming each that stayed) if any could not be."""
         close_fds(self._procs)
+        self._kept.close()
         remove_dirs(self.unique)
 
 

@@ -17,6 +17,7 @@ from rollbox.runtime.isolation.cgroups import (
     SANDBOX_WEIGHT_V2,
     CgroupStats,
     CpuPolicy,
+    KeptFiles,
     available_cores,
     capped_cores,
     close_fds,
@@ -28,7 +29,6 @@ from rollbox.runtime.isolation.cgroups import (
     sandboxes_cores,
 )
 from rollbox.runtime.isolation.cgroups import read as _read
-from rollbox.runtime.isolation.cgroups import read_kv as _read_kv
 from rollbox.runtime.isolation.cgroups import write as _write
 
 NEEDED = ("memory", "pids", "cpu")
@@ -43,6 +43,9 @@ class V2Group:
         self.limits: tuple[int, int, float] | None = None  # as last written
         self._procs: list[int] = []
         self._peak_fd: list[int] = []  # memory.peak, opened once
+        self.boosted = False  # cpu.weight as last written: boosted for a cleanup, or the equal weight
+        self._kept = KeptFiles()
+        self._stat_paths = (str(path / "cpu.stat"), str(path / "memory.events"), str(path / "pids.events"))
 
     def procs_fds(self) -> list[int]:
         if not self._procs:
@@ -87,9 +90,10 @@ class V2Group:
         return read_pids(self.path / "cgroup.procs")
 
     def boost(self, on: bool) -> None:
-        if "cpu" in self.enabled:
+        if "cpu" in self.enabled and on != self.boosted:
             try:
                 _write(self.path / "cpu.weight", str(SANDBOX_WEIGHT_V2 * (CLEANUP_BOOST if on else 1)))
+                self.boosted = on
             except OSError:
                 pass
 
@@ -114,11 +118,12 @@ class V2Group:
             peak = int(os.pread(self._peak(), 64, 0)) if "memory" in self.enabled else 0
         except (OSError, ValueError):
             peak = 0
+        cpu_stat, memory_events, pids_events = self._stat_paths
         return CgroupStats(
-            cpu_s=_read_kv(self.path / "cpu.stat").get("usage_usec", 0) / 1e6,
+            cpu_s=self._kept.read_kv(cpu_stat).get("usage_usec", 0) / 1e6,
             peak_memory_bytes=peak,
-            oom_kills=_read_kv(self.path / "memory.events").get("oom_kill", 0),
-            pids_max_hits=_read_kv(self.path / "pids.events").get("max", 0),
+            oom_kills=self._kept.read_kv(memory_events).get("oom_kill", 0),
+            pids_max_hits=self._kept.read_kv(pids_events).get("max", 0),
         )
 
     def reset_peak(self) -> None:
@@ -137,6 +142,7 @@ class V2Group:
         """Kill what is left in the group and remove it; OSError (naming it) if it stays."""
         close_fds(self._procs)
         close_fds(self._peak_fd)
+        self._kept.close()
         self.kill()
         remove_dir(self.path)
 
