@@ -1,5 +1,5 @@
-"""fdatasync without a thread: Linux AIO's ``IOCB_CMD_FDSYNC`` (Linux 4.18+), its completion signalled on
-an eventfd that the event loop watches.
+"""fdatasync and fsync without a thread: Linux AIO's ``IOCB_CMD_FDSYNC`` / ``IOCB_CMD_FSYNC`` (Linux
+4.18+), the completion signalled on an eventfd that the event loop watches.
 
 The kernel runs the sync in a kworker; the event loop only submits it (one syscall) and reaps it when
 the eventfd turns readable. A writer thread doing the same costs the server a thread wake-up and two
@@ -24,6 +24,7 @@ _libc.syscall.restype = ctypes.c_long
 
 # asm-generic numbers (aarch64, riscv64) and x86_64's own
 _SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2), "riscv64": (0, 1, 4, 2)}
+_IOCB_CMD_FSYNC = 2
 _IOCB_CMD_FDSYNC = 3
 _IOCB_FLAG_RESFD = 1
 _MAX_EVENTS = 64
@@ -47,8 +48,9 @@ class _Timespec(ctypes.Structure):
 
 
 class AsyncFsync:
-    """``sync(fd, callback)``: fdatasync ``fd`` in the kernel's own time; ``callback(errno)`` (0: done)
-    runs on the event loop. Raises OSError at construction where Linux AIO is unavailable."""
+    """``sync(fd, callback)``: fdatasync ``fd`` (``full``: fsync) in the kernel's own time;
+    ``callback(errno)`` (0: done) runs on the event loop. ``synced(fd)``: the same, awaitable. Raises
+    OSError at construction where Linux AIO is unavailable."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         numbers = _SYSCALLS.get(os.uname().machine)
@@ -68,15 +70,31 @@ class AsyncFsync:
         self._zero = _Timespec(0, 0)
         loop.add_reader(self._efd, self._reap)
 
-    def sync(self, fd: int, callback: Callable[[int], None]) -> None:
+    def sync(self, fd: int, callback: Callable[[int], None], *, full: bool = False) -> None:
         self._next += 1
-        iocb = _Iocb(aio_data=self._next, aio_lio_opcode=_IOCB_CMD_FDSYNC, aio_fildes=fd,
-                     aio_flags=_IOCB_FLAG_RESFD, aio_resfd=self._efd)
+        iocb = _Iocb(aio_data=self._next, aio_lio_opcode=_IOCB_CMD_FSYNC if full else _IOCB_CMD_FDSYNC,
+                     aio_fildes=fd, aio_flags=_IOCB_FLAG_RESFD, aio_resfd=self._efd)
         ptr = ctypes.pointer(iocb)
         if _libc.syscall(self._submit, self._ctx, 1, ctypes.byref(ptr)) != 1:
             err = ctypes.get_errno()
-            raise OSError(err, f"io_submit(FDSYNC): {os.strerror(err)}")
+            raise OSError(err, f"io_submit({'FSYNC' if full else 'FDSYNC'}): {os.strerror(err)}")
         self._pending[self._next] = (iocb, callback)
+
+    def synced(self, fd: int, *, full: bool = True) -> asyncio.Future[None]:
+        """``sync`` as a future (a full fsync unless told otherwise). The kernel holds its own reference
+        to the file from the submit on: the caller may close ``fd``, or stop waiting, meanwhile."""
+        fut: asyncio.Future[None] = self._loop.create_future()
+
+        def done(err: int) -> None:
+            if fut.done():  # the waiter gave up (cancelled)
+                return
+            if err:
+                fut.set_exception(OSError(err, f"fsync: {os.strerror(err)}"))
+            else:
+                fut.set_result(None)
+
+        self.sync(fd, done, full=full)
+        return fut
 
     def _reap(self) -> None:
         try:

@@ -15,6 +15,7 @@ import orjson
 import pytest
 from rollbox.functions.aiosync import AsyncFsync
 from rollbox.functions.recorder import Recorder
+from rollbox.runtime.errors import StoreError
 from rollbox.snapshots.state import LocalObjects
 
 
@@ -72,3 +73,39 @@ async def test_spooled_rows_are_on_disk_when_their_future_is_done_and_syncs_are_
         assert seg.path.read_bytes().endswith(b'"late","status":200}}\n')
     finally:
         assert await rec.close() == 201
+
+
+async def test_a_local_commit_synced_on_the_loop_is_create_only_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The durable layer's local commits (``LocalObjects.put_new_synced`` through AIO fsync): the same
+    create-only write as ``put_new``; a writer that stops waiting leaves no temporary file."""
+    aio = AsyncFsync(asyncio.get_running_loop())
+    store = LocalObjects(tmp_path / "store")
+    key = "sandboxes/sb-1/0000000001.json"
+    try:
+        assert await store.put_new_synced(key, b"first", aio.synced) is True
+        assert await store.put_new_synced(key, b"second", aio.synced) is False  # the name is taken
+        assert store.put_new(key, b"third") is False  # and the thread's write agrees
+        assert store.get(key) == b"first"
+        assert store.put_new("sandboxes/sb-1/0000000002.json", b"next") is True
+        assert await store.put_new_synced("sandboxes/sb-1/0000000003.json", b"", aio.synced) is True
+
+        async def never(fd: int) -> None:  # a disk that does not answer: the caller's deadline ends it
+            await asyncio.sleep(3600)
+
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await store.put_new_synced("sandboxes/sb-1/0000000004.json", b"late", never)
+        assert store.get("sandboxes/sb-1/0000000004.json") is None
+        assert sorted(p.name for p in (tmp_path / "store/sandboxes/sb-1").iterdir()) == \
+            ["0000000001.json", "0000000002.json", "0000000003.json"]  # no temporary file left
+        r, w = os.pipe()
+        try:  # a sync the kernel refuses (of a pipe) fails the write, named
+            with pytest.raises(StoreError, match="io_submit"):
+                await store.put_new_synced("sandboxes/sb-1/0000000005.json", b"x", lambda fd: aio.synced(w))
+        finally:
+            os.close(r)
+            os.close(w)
+        assert sorted(p.name for p in (tmp_path / "store/sandboxes/sb-1").iterdir())[-1] == "0000000003.json"
+        assert not aio.busy
+    finally:
+        aio.close()
