@@ -3,9 +3,11 @@
   - step latency with durability off vs step, writing 1 KiB, 64 KiB, 1 MiB and 10 MiB per step;
   - a cross-replica step: resume + `print(1)` on the other replica, with a 1 MiB diff;
   - hibernate + resume: the step after an idle hibernation, on the same replica;
-  - churn: many open episodes over a small live cap (the embedded default, local store and recording):
-    every step resumes its sandbox and hibernates another, as in the many-users Locust run; the
-    machine's CPU per such step is what bounds how many episodes one box serves.
+  - churn: many open episodes over a small live cap (the embedded default, local store and recording),
+    each idle longer than a live copy lasts (``--hibernate-after-s 0.5``) when its next step comes: every
+    step resumes its sandbox and passes through (runs as its init, which hibernates it as it ends), as
+    in the many-users Locust run; the machine's CPU per such step is what bounds how many episodes one
+    box serves.
 
 Every server is a real `rollbox serve` (the durable ones share one bucket); every reply is checked.
 
@@ -77,22 +79,23 @@ CHURN_CODE = ("import hashlib\nwith open('trajectory.txt', 'a') as f:\n    f.wri
 
 async def churn_row(http: httpx.AsyncClient, srv: ServerProc, args: argparse.Namespace,
                     rows: list[tuple[str, int, float, float, float]]) -> float:
-    """Steps round-robin over more open sandboxes than the live cap, 8 at a time: each one resumes."""
+    """Steps round-robin over more open sandboxes than the live cap, 8 at a time: each one resumes (its
+    sandbox idle for longer than the server's --hibernate-after-s) and passes through."""
     sids = [await create(http, srv) for _ in range(args.churn_sandboxes)]
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(1.5)
     todo = iter(range(args.churn_steps))
     lat: list[float] = []
 
     async def worker() -> None:
         for i in todo:
             ms, data = await step(http, srv, sids[i % len(sids)], code=CHURN_CODE)
-            assert data["resumed"] is True, data
+            assert (data["resumed"], data["hibernated"]) == (True, True), data
             lat.append(ms)
 
     c0, t0 = busy_s(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(8)))
     wall, cpu = time.perf_counter() - t0, (busy_s() - c0) * 1000 / len(lat)
-    rows.append((f"churn: {args.churn_sandboxes} episodes, --max-live {args.churn_live}, c8 (each step resumes)",
+    rows.append((f"churn: {args.churn_sandboxes} episodes, --max-live {args.churn_live}, c8 (each step resumes, passes through)",
                  len(lat), statistics.median(lat), pct(lat, 0.99), cpu))
     return len(lat) / wall
 
@@ -101,7 +104,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=40, help="steps per row")
     ap.add_argument("--hibernate-rounds", type=int, default=8)
-    ap.add_argument("--churn-sandboxes", type=int, default=120, help="open episodes of the churn row")
+    ap.add_argument("--churn-sandboxes", type=int, default=300, help="open episodes of the churn row")
     ap.add_argument("--churn-live", type=int, default=16, help="--max-live of the churn row's server")
     ap.add_argument("--churn-steps", type=int, default=600)
     args = ap.parse_args()
@@ -127,7 +130,7 @@ async def main() -> None:
         a = start("a", "--hibernate-after-s", "0", "--record", "off")
         b = start("b", "--hibernate-after-s", "0", "--record", "off")
         hib = start("hib", "--hibernate-after-s", "1")
-        churn = start("churn", "--max-live", str(args.churn_live), store=False)
+        churn = start("churn", "--max-live", str(args.churn_live), "--hibernate-after-s", "0.5", store=False)
         rows: list[tuple[str, int, float, float, float]] = []
         async with httpx.AsyncClient(timeout=120) as http:
             for size in (1 * KiB, 64 * KiB, 1024 * KiB, 10 * 1024 * KiB):
@@ -181,7 +184,8 @@ async def main() -> None:
             plain = by[f"durability step local write {size:>5} KiB/step"]
             recorded = by[f"durability step local + recording write {size:>5} KiB/step"]
             print(f"recording adds {recorded - plain:6.2f} ms p50 to a durable step (local store) writing {size} KiB")
-        print(f"churn: {churn_rate:.1f} steps/s, every one a resume (and a hibernation to make room)")
+        print(f"churn: {churn_rate:.1f} steps/s, every one a resume that passed through (ran as the resumed "
+              "sandbox's init, which hibernated it as it ended)")
         print("(SeaweedFS `weed mini` on 127.0.0.1; every server a real `rollbox serve`; one client, sequential steps;"
               " CPU ms/step: busy CPU of the whole machine per step, SeaweedFS and this client included)")
     finally:
