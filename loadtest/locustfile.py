@@ -10,7 +10,8 @@ Wrong content (event type, exit code, stdout) is a failure (`resp.failure`).
 (1 s if absent, capped), send the SAME event again (same ce-source and ce-id, which the service's
 idempotency makes safe), within bounded attempts and time. So is a request that got no reply at all
 (a keep-alive connection the server closed as it was reused, a reset): the event may or may not
-have run, and resending it is how a client finds out (it runs once either way). Each refused attempt is a success row
+have run, and resending it is how a client finds out (it runs once either way). A refused connection
+(nothing listens) is a failure at once. Each refused attempt is a success row
 named `retry <type>` (e.g. `retry create`), apart from the outcome rows `create`, `exec`, `destroy`;
 giving up is a failure of the outcome row. With `--hosts` (replicas behind a load balancer) every
 request goes to the next host in turn, so consecutive steps of one episode hit different replicas.
@@ -233,7 +234,7 @@ def _error(body: bytes) -> tuple[str, str]:
 
 def _retryable(status: int, code: str) -> bool:
     # status 0: no reply (the connection closed or reset); resending the same event is safe
-    return status in (0, 429, 503) or (status == 409 and code == "sandbox_busy")
+    return status in (429, 503) or (status == 0 and code == "no_reply") or (status == 409 and code == "sandbox_busy")
 
 
 class EpisodeUser(FastHttpUser):
@@ -277,7 +278,8 @@ class EpisodeUser(FastHttpUser):
                 status, reply_headers, raw = resp.status_code or 0, resp.headers or {}, resp.content or b""
                 ce_type = reply_headers.get("ce-type")
                 if status == 0:
-                    code, message = "no_reply", repr(getattr(resp, "error", None))
+                    refused = isinstance(getattr(resp, "error", None), ConnectionRefusedError)
+                    code, message = "refused" if refused else "no_reply", repr(getattr(resp, "error", None))
                 else:
                     code, message = _error(raw) if ce_type == ERROR_TYPE or status != 200 else ("", "")
                 if not _retryable(status, code):
