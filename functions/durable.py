@@ -60,9 +60,10 @@ from rollbox.runtime.errors import (
     SandboxDied,
     SandboxGone,
     SandboxNotFound,
+    ShuttingDown,
     StoreError,
 )
-from rollbox.runtime.runtime import LimitsArg, Runtime
+from rollbox.runtime.runtime import LimitsArg, Runtime, effective_limits
 from rollbox.runtime.spec import ExecRequest, ExecResult, SandboxInfo, Usage
 from rollbox.snapshots.calls import StoreCalls, StoreDeadline
 from rollbox.snapshots.state import (
@@ -165,6 +166,7 @@ class DurableRuntime:
         self.journal: StepLog | None = None  # trajectories and the usage ledger, when recording is on
         self._evicted: tuple[float, float] | None = None  # the last eviction under pressure (_make_room)
         self._aio: AsyncFsync | None = None  # the local store's commits sync through it (_put_record)
+        self._passing_share = 0.0  # of recent resumes for an exec, those that passed through (moving average)
         rt.on_reaped = self._reaped
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -227,6 +229,11 @@ class DurableRuntime:
                 if first is not None:  # a redelivered create: the sandbox it made, as it replied then
                     self._note_replay()
                     return await self._replayed(first, ev, SandboxInfo) or SandboxInfo.model_validate(first.reply)
+            if self._defers_create():
+                info = await self._deferred(snapshot, limits, metadata, sid)
+                await self._commit(_Live(record=self._first_record(info, None)), info, ev, scan=False)
+                self.metrics.hibernations.labels("create").inc()
+                return info
             await self._make_room()
             info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
             live = self._new_live(info, None)
@@ -287,13 +294,40 @@ class DurableRuntime:
 
     def _new_live(self, info: SandboxInfo, forked_from: str | None) -> _Live:
         """The live copy of a sandbox just made here, before its first generation is committed."""
-        now = time.time()
         self._not_metered(info.sandbox_id)
-        live = _Live(record=SandboxRecord(sandbox_id=info.sandbox_id, generation=-1, snapshot=info.snapshot_id,
-                                          limits=info.limits, metadata=info.metadata, forked_from=forked_from,
-                                          created_at=now, last_used=now))
+        live = _Live(record=self._first_record(info, forked_from))
         self.live[info.sandbox_id] = live
         return live
+
+    @staticmethod
+    def _first_record(info: SandboxInfo, forked_from: str | None) -> SandboxRecord:
+        now = time.time()
+        return SandboxRecord(sandbox_id=info.sandbox_id, generation=-1, snapshot=info.snapshot_id, limits=info.limits,
+                             metadata=info.metadata, forked_from=forked_from, created_at=now, last_used=now)
+
+    def _defers_create(self) -> bool:
+        """Whether a create commits its sandbox hibernated, without making it live: at the live cap
+        (a live copy would push out another), while most steps that resumed a sandbox here recently
+        passed through (trainers step more slowly than idle live copies last here, so this one would
+        be pushed out before its first step too). Its first step resumes it, as any other."""
+        if self._passing_share < 0.5 or self._evicted is None:
+            return False
+        at, idle_s = self._evicted
+        under_pressure = time.monotonic() - at < max(PRESSURE_MEMORY_S, 4 * idle_s)
+        return under_pressure and len(self.rt.sandboxes) + self.rt._creating >= self.rt.config.max_live
+
+    async def _deferred(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
+                        sid: str) -> SandboxInfo:
+        """The reply of a create committed hibernated: its snapshot resolved and its limits checked as
+        a live create's are; the isolation report is the runtime's (what its sandboxes get)."""
+        t0 = time.perf_counter()
+        if not self.rt.started or self.rt.closing:
+            raise ShuttingDown("runtime is not started" if not self.rt.started else "runtime is shutting down")
+        view = await self.rt.resolve(snapshot)
+        return SandboxInfo(sandbox_id=sid, snapshot_id=view.id, env_version=dict(view.version),
+                           limits=effective_limits(view, limits), metadata=dict(metadata or {}), pooled=False,
+                           create_ms=round((time.perf_counter() - t0) * 1000, 3),
+                           isolation=self.rt.isolation_report(), hibernated=True)
 
     async def step(self, sandbox_id: str, action: Callable[[_Live], Awaitable[M]], model: type[M],
                    may_pass: bool = False) -> M:
@@ -339,6 +373,7 @@ class DurableRuntime:
                 await self._expire(head, why)
                 raise SandboxGone(f"sandbox {sandbox_id} expired ({why} limit)", sandbox_id=sandbox_id, reason=why)
             passing = may_pass and self._passes(head)
+            self._passing_share = 0.9 * self._passing_share + 0.1 * passing  # see _defers_create
             live = await self._resume(head, spare=not passing)
             live.passing = passing
         return live, None
