@@ -106,8 +106,8 @@ class _Metrics:
         self.resumes = Counter("rollbox_resumes", "Sandboxes resumed from their durable state", registry=r)
         self.hibernations = Counter("rollbox_hibernations",
                                     "Live sandboxes ended with their state in the store: idle, pressure (at the "
-                                    "live cap), step (passed through), drain", ["reason"],
-                                    registry=r)
+                                    "live cap), step (passed through), create (committed hibernated), drain",
+                                    ["reason"], registry=r)
         self.resume_seconds = Histogram("rollbox_resume_seconds", "Time to resume a sandbox from the store",
                                         buckets=_LATENCY, registry=r)
         self.store_write_seconds = Histogram("rollbox_state_write_seconds",
