@@ -95,6 +95,7 @@ _DOING = {"_get": "reading a sandbox's state", "_get_blob": "reading a sandbox's
           "_put_blob": "writing a sandbox's files", "put_new": "committing a sandbox's step",
           "keys": "listing sandbox state", "delete": "deleting sandbox state"}
 M = TypeVar("M", bound=BaseModel)
+AIO_COMMITS = 32  # local commits syncing at once (the AIO context has room for 64 syncs in flight)
 # how long an eviction under pressure tells how long idle live copies last here (``_passes``)
 PRESSURE_MEMORY_S = 10.0
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -166,6 +167,8 @@ class DurableRuntime:
         self.journal: StepLog | None = None  # trajectories and the usage ledger, when recording is on
         self._evicted: tuple[float, float] | None = None  # the last eviction under pressure (_make_room)
         self._aio: AsyncFsync | None = None  # the local store's commits sync through it (_put_record)
+        # each commit has one sync in flight at a time; the AIO context holds MAX_EVENTS: the rest wait here
+        self._aio_slots = asyncio.Semaphore(AIO_COMMITS)
         self._passing_share = 0.0  # of recent resumes for an exec, those that passed through (moving average)
         rt.on_reaped = self._reaped
 
@@ -229,16 +232,18 @@ class DurableRuntime:
                 if first is not None:  # a redelivered create: the sandbox it made, as it replied then
                     self._note_replay()
                     return await self._replayed(first, ev, SandboxInfo) or SandboxInfo.model_validate(first.reply)
-            if self._defers_create():
+            deferred = self._defers_create()
+            if deferred:
                 info = await self._deferred(snapshot, limits, metadata, sid)
-                await self._commit(_Live(record=self._first_record(info, None)), info, ev, scan=False)
-                self.metrics.hibernations.labels("create").inc()
-                return info
-            await self._make_room()
-            info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
-            live = self._new_live(info, None)
+                live = _Live(record=self._first_record(info, None))  # not live here: committed hibernated
+            else:
+                await self._make_room()
+                info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
+                live = self._new_live(info, None)
             try:
                 await self._commit(live, info, ev, scan=False)
+                if deferred:
+                    self.metrics.hibernations.labels("create").inc()
             except SandboxBusy:  # the same event, at the same time, on another replica: its sandbox
                 first = await self._read(sid, 0)
                 if first is None or first.reply is None:
@@ -341,13 +346,15 @@ class DurableRuntime:
             if replay is not None:
                 return replay
             assert live is not None
+            passing = live.passing
             try:
                 reply = await action(live)
             finally:
                 live.last_used = time.monotonic()
+                live.passing = False  # for this step only (one refused before it ran leaves a live copy)
             await self._commit(live, reply, ev)
             live.resume_ms = None
-            if live.passing:
+            if passing:
                 self._drop(sandbox_id, "hibernated")
                 self.metrics.hibernations.labels("step").inc()
             return reply
@@ -601,7 +608,7 @@ class DurableRuntime:
             return ok
         assert isinstance(self.objects, LocalObjects)
         try:
-            async with asyncio.timeout(self._calls.deadline_s):
+            async with asyncio.timeout(self._calls.deadline_s), self._aio_slots:
                 return await self.objects.put_new_synced(key, data, self._aio.synced)
         except TimeoutError:
             raise StoreDeadline(f"the store did not answer within {self._calls.deadline_s:g} s while "

@@ -656,6 +656,7 @@ class Sandbox:
         for fd in (self.upper_fd, self.pidfd):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        self.upper_fd = -1  # (read by whoever still holds this Sandbox: its upper directory is gone)
         wall = time.monotonic() - self.created_at
         self.usage = Usage(
             sandbox_id=self.id,

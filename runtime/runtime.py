@@ -843,7 +843,7 @@ class Runtime:
                     reason = "idle"
                 elif sb.dead == "died" and not sb.busy:
                     reason = "died"
-                if reason:
+                if reason and self.sandboxes.get(sid) is sb:  # (not a copy resumed under its id meanwhile)
                     with contextlib.suppress(Exception):
                         usage = await self.destroy(sid, reason=reason)
                         if self.on_reaped is not None and reason in ("lifetime", "idle"):

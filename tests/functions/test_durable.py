@@ -281,6 +281,14 @@ async def test_a_step_after_a_long_pause_passes_through_and_a_quick_one_stays_li
     await hibernated_idle(http, srv, 3)
     r = await step(http, srv, sid, command="echo r > r.txt", read_files=["r.txt"])
     assert (r.status, r.data["files"], r.data["resumed"], r.data["hibernated"]) == (200, {"r.txt": "r\n"}, True, None)
+    # a step refused once its sandbox was resumed (a timeout past the sandbox's lifetime) leaves a live
+    # copy that is not passing through: the next step runs on it as on any live copy (and says resumed:
+    # the step before it that ran was before the hibernation)
+    await hibernated_idle(http, srv, 4)
+    r = await step(http, srv, sid, command="true", timeout_s=3600)
+    assert (r.status, r.data["code"], "lifetime_s" in r.data["message"]) == (400, "invalid_data", True), r.data
+    r = await step(http, srv, sid, command="cat r.txt", read_files=["r.txt"])
+    assert (r.status, r.data["files"], r.data["resumed"], r.data["hibernated"]) == (200, {"r.txt": "r\n"}, True, None)
 
 
 async def test_at_the_cap_while_steps_pass_through_a_create_is_committed_hibernated(
