@@ -60,10 +60,9 @@ from rollbox.runtime.errors import (
     SandboxDied,
     SandboxGone,
     SandboxNotFound,
-    ShuttingDown,
     StoreError,
 )
-from rollbox.runtime.runtime import LimitsArg, Runtime, effective_limits
+from rollbox.runtime.runtime import LimitsArg, Runtime
 from rollbox.runtime.spec import ExecRequest, ExecResult, SandboxInfo, Usage
 from rollbox.snapshots.calls import StoreCalls, StoreDeadline
 from rollbox.snapshots.state import (
@@ -107,7 +106,7 @@ class _Metrics:
         self.resumes = Counter("rollbox_resumes", "Sandboxes resumed from their durable state", registry=r)
         self.hibernations = Counter("rollbox_hibernations",
                                     "Live sandboxes ended with their state in the store: idle, pressure (at the "
-                                    "live cap), step (passed through), create (committed hibernated), drain",
+                                    "live cap), step (passed through), drain",
                                     ["reason"], registry=r)
         self.resume_seconds = Histogram("rollbox_resume_seconds", "Time to resume a sandbox from the store",
                                         buckets=_LATENCY, registry=r)
@@ -169,7 +168,6 @@ class DurableRuntime:
         self._aio: AsyncFsync | None = None  # the local store's commits sync through it (_put_record)
         # each commit has one sync in flight at a time; the AIO context holds MAX_EVENTS: the rest wait here
         self._aio_slots = asyncio.Semaphore(AIO_COMMITS)
-        self._passing_share = 0.0  # of recent resumes for an exec, those that passed through (moving average)
         rt.on_reaped = self._reaped
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -232,18 +230,11 @@ class DurableRuntime:
                 if first is not None:  # a redelivered create: the sandbox it made, as it replied then
                     self._note_replay()
                     return await self._replayed(first, ev, SandboxInfo) or SandboxInfo.model_validate(first.reply)
-            deferred = self._defers_create()
-            if deferred:
-                info = await self._deferred(snapshot, limits, metadata, sid)
-                live = _Live(record=self._first_record(info, None))  # not live here: committed hibernated
-            else:
-                await self._make_room()
-                info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
-                live = self._new_live(info, None)
+            await self._make_room()
+            info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
+            live = self._new_live(info, None)
             try:
                 await self._commit(live, info, ev, scan=False)
-                if deferred:
-                    self.metrics.hibernations.labels("create").inc()
             except SandboxBusy:  # the same event, at the same time, on another replica: its sandbox
                 first = await self._read(sid, 0)
                 if first is None or first.reply is None:
@@ -310,30 +301,6 @@ class DurableRuntime:
         return SandboxRecord(sandbox_id=info.sandbox_id, generation=-1, snapshot=info.snapshot_id, limits=info.limits,
                              metadata=info.metadata, forked_from=forked_from, created_at=now, last_used=now)
 
-    def _defers_create(self) -> bool:
-        """Whether a create commits its sandbox hibernated, without making it live: at the live cap
-        (a live copy would push out another), while most steps that resumed a sandbox here recently
-        passed through (trainers step more slowly than idle live copies last here, so this one would
-        be pushed out before its first step too). Its first step resumes it, as any other."""
-        if self._passing_share < 0.5 or self._evicted is None:
-            return False
-        at, idle_s = self._evicted
-        under_pressure = time.monotonic() - at < max(PRESSURE_MEMORY_S, 4 * idle_s)
-        return under_pressure and len(self.rt.sandboxes) + self.rt._creating >= self.rt.config.max_live
-
-    async def _deferred(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
-                        sid: str) -> SandboxInfo:
-        """The reply of a create committed hibernated: its snapshot resolved and its limits checked as
-        a live create's are; the isolation report is the runtime's (what its sandboxes get)."""
-        t0 = time.perf_counter()
-        if not self.rt.started or self.rt.closing:
-            raise ShuttingDown("runtime is not started" if not self.rt.started else "runtime is shutting down")
-        view = await self.rt.resolve(snapshot)
-        return SandboxInfo(sandbox_id=sid, snapshot_id=view.id, env_version=dict(view.version),
-                           limits=effective_limits(view, limits), metadata=dict(metadata or {}), pooled=False,
-                           create_ms=round((time.perf_counter() - t0) * 1000, 3),
-                           isolation=self.rt.isolation_report(), hibernated=True)
-
     async def step(self, sandbox_id: str, action: Callable[[_Live], Awaitable[M]], model: type[M],
                    may_pass: bool = False) -> M:
         """Run one step on a sandbox's newest state and commit it before returning its reply: the
@@ -380,7 +347,6 @@ class DurableRuntime:
                 await self._expire(head, why)
                 raise SandboxGone(f"sandbox {sandbox_id} expired ({why} limit)", sandbox_id=sandbox_id, reason=why)
             passing = may_pass and self._passes(head)
-            self._passing_share = 0.9 * self._passing_share + 0.1 * passing  # see _defers_create
             live = await self._resume(head, spare=not passing)
             live.passing = passing
         return live, None

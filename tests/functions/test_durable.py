@@ -291,40 +291,6 @@ async def test_a_step_after_a_long_pause_passes_through_and_a_quick_one_stays_li
     assert (r.status, r.data["files"], r.data["resumed"], r.data["hibernated"]) == (200, {"r.txt": "r\n"}, True, None)
 
 
-async def test_at_the_cap_while_steps_pass_through_a_create_is_committed_hibernated(
-        local_replicas: Replicas, http: httpx.AsyncClient) -> None:
-    srv = local_replicas.start("--max-live", "2", "--hibernate-after-s", "0")
-    sids = [await create(http, srv) for _ in range(3)]  # the third pushes the first out (pressure)
-    r = await send(http, srv.url, event(CREATE, {}))
-    assert (r.status, r.data.get("hibernated")) == (200, None), r.data  # no step passed through yet: live
-    sids.append(r.data["sandbox_id"])
-    for n in range(8):  # steps on sandboxes pushed out, each idle for longer than copies lasted: they pass through
-        sid = sids[n % 2]
-        await asyncio.sleep(0.3)
-        r = await step(http, srv, sid, command=f"echo {n} >> n.txt")
-        assert (r.status, r.data["resumed"], r.data["hibernated"]) == (200, True, True), r.data
-    # steps here come more slowly than idle copies last: at the cap, a create makes no live copy
-    before = metric((await http.get(srv.url + "metrics")).text, "rollbox_live_sandboxes")
-    for _ in range(2 - int(before)):
-        r = await send(http, srv.url, event(CREATE, {}))
-        assert (r.status, r.data.get("hibernated")) == (200, None), (before, r.data)
-    r = await send(http, srv.url, event(CREATE, {"metadata": {"task": "t1"}}))
-    assert (r.status, r.data["hibernated"], r.data["pooled"]) == (200, True, False), r.data
-    assert r.data["isolation"]["namespaces"] and r.data["metadata"] == {"task": "t1"}
-    text = (await http.get(srv.url + "metrics")).text
-    assert metric(text, "rollbox_hibernations_total", reason="create") == 1
-    assert metric(text, "rollbox_live_sandboxes") == 2
-    lazy = r.data["sandbox_id"]
-    r = await step(http, srv, lazy, command="echo first > f.txt; cat f.txt")  # its first step resumes it
-    assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, "first\n", True), r.data
-    r = await step(http, srv, lazy, command="cat f.txt")
-    assert (r.status, r.data["stdout"]) == (200, "first\n"), r.data
-    r = await send(http, srv.url, event(DESTROY, {"sandbox_id": lazy}))  # and it ends like any other
-    assert (r.status, r.data["execs"]) == (200, 2), r.data
-    r = await step(http, srv, sids[0], command="cat n.txt")
-    assert (r.status, r.data["stdout"]) == (200, "0\n2\n4\n6\n"), r.data
-
-
 async def test_at_the_live_cap_creates_hibernate_idle_sandboxes(
         local_replicas: Replicas, http: httpx.AsyncClient) -> None:
     srv = local_replicas.start("--max-live", "2")
