@@ -190,10 +190,10 @@ class DurableRuntime:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._pool.shutdown(wait=True)
-        self._calls.shutdown()
+        self._calls.shutdown()  # a call stuck on a hung store ends with its socket timeout
         if self._aio is not None and not self._aio.busy:
             self._aio.close()
-            self._aio = None  # a call stuck on a hung store ends with its socket timeout
+            self._aio = None
 
     async def hibernate_all(self, reason: str = "drain") -> int:
         """End every idle live sandbox (on SIGTERM, after in-flight events: every acknowledged step is in
@@ -290,16 +290,13 @@ class DurableRuntime:
 
     def _new_live(self, info: SandboxInfo, forked_from: str | None) -> _Live:
         """The live copy of a sandbox just made here, before its first generation is committed."""
+        now = time.time()
         self._not_metered(info.sandbox_id)
-        live = _Live(record=self._first_record(info, forked_from))
+        live = _Live(record=SandboxRecord(sandbox_id=info.sandbox_id, generation=-1, snapshot=info.snapshot_id,
+                                          limits=info.limits, metadata=info.metadata, forked_from=forked_from,
+                                          created_at=now, last_used=now))
         self.live[info.sandbox_id] = live
         return live
-
-    @staticmethod
-    def _first_record(info: SandboxInfo, forked_from: str | None) -> SandboxRecord:
-        now = time.time()
-        return SandboxRecord(sandbox_id=info.sandbox_id, generation=-1, snapshot=info.snapshot_id, limits=info.limits,
-                             metadata=info.metadata, forked_from=forked_from, created_at=now, last_used=now)
 
     async def step(self, sandbox_id: str, action: Callable[[_Live], Awaitable[M]], model: type[M],
                    may_pass: bool = False) -> M:
