@@ -155,13 +155,20 @@ class CreateData(_Data):
         return given or None
 
 
+def _as_exec_request(data: ExecRequest) -> ExecRequest:
+    """The ``ExecRequest`` part of an event's data (a subclass): its fields were validated as the
+    event's data was, by the same model, so they are copied, not dumped and validated again."""
+    names = ExecRequest.model_fields.keys()
+    return ExecRequest.model_construct(data.model_fields_set & names, **{k: getattr(data, k) for k in names})
+
+
 class ExecData(ExecRequest):
     """``dev.rollbox.sandbox.exec``: one step in the live sandbox ``sandbox_id``."""
 
     sandbox_id: SandboxId
 
     def exec_request(self) -> ExecRequest:
-        return ExecRequest.model_validate(self.model_dump(exclude={"sandbox_id"}))
+        return _as_exec_request(self)
 
 
 class RunData(ExecRequest):
@@ -174,7 +181,7 @@ class RunData(ExecRequest):
     _metadata = field_validator("metadata")(_check_metadata)
 
     def exec_request(self) -> ExecRequest:
-        return ExecRequest.model_validate(self.model_dump(exclude={"snapshot", "limits", "metadata"}))
+        return _as_exec_request(self)
 
 
 class Outcome(_Data):

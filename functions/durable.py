@@ -67,12 +67,14 @@ from rollbox.runtime.spec import ExecRequest, ExecResult, SandboxInfo, Usage
 from rollbox.snapshots.calls import StoreCalls, StoreDeadline
 from rollbox.snapshots.state import (
     REFRESH_AFTER_S,
+    SMALL_SCAN,
     FileHashes,
     Files,
     LocalObjects,
     Objects,
     SandboxRecord,
     StepUsage,
+    UpperTooLarge,
     blob_key,
     check_content,
     diff_of,
@@ -579,25 +581,30 @@ class DurableRuntime:
 
     async def _scan(self, sandbox_id: str, live: _Live, gen: int) -> tuple[Files, dict[str, bytes], dict[str, str]]:
         """The sandbox's files, read while it is held still; (files, inline contents, blobs to upload)."""
-        def scan(upper: str) -> tuple[Files, dict[str, bytes], dict[str, str]]:
-            files, paths = scan_upper(upper, live.hashes)
+        def scan(upper: str, small: bool = False) -> tuple[Files, dict[str, bytes], dict[str, str]]:
+            files, paths = scan_upper(upper, live.hashes, small)
             inline, blobs = place_contents(files, live.record if live.record.generation >= 0 else None, gen, paths)
             return files, inline, blobs
 
+        async def scanned(upper: str) -> tuple[Files, dict[str, bytes], dict[str, str]]:
+            try:  # most steps change a few small files: scanned here, no thread's round trip
+                return scan(upper, small=True)
+            except UpperTooLarge:
+                result: tuple[Files, dict[str, bytes], dict[str, str]] = await self._disk(scan, upper)
+                return result
+
         try:
             async with self.rt.frozen(sandbox_id) as sb:
-                result: tuple[Files, dict[str, bytes], dict[str, str]] = await self._disk(scan, sb.upper_path)
-                return result
+                return await scanned(sb.upper_path)
         except SandboxDied:  # nothing runs in it any more: its files can be read as they are
             dead = self.rt.sandboxes.get(sandbox_id)
             if dead is None or dead.upper_fd < 0:
                 raise
             fd = os.dup(dead.upper_fd)  # the runtime's reaper may end the dead sandbox (and close its fd) meanwhile
             try:
-                result = await self._disk(scan, f"/proc/self/fd/{fd}/upper")
+                return await scanned(f"/proc/self/fd/{fd}/upper")
             finally:
                 os.close(fd)
-            return result
 
     def _put_blob(self, sha: str, path: str) -> None:
         with open(path, "rb") as f:
@@ -656,7 +663,10 @@ class DurableRuntime:
         live = _Live(record=head)
         sb = self.rt.sandboxes.get(sid)
         if sb is not None and sb.upper_fd >= 0:  # the injected files are known: the first commit reads none
-            await self._disk(prefill_hashes, sb.upper_path, head.files, live.hashes)
+            if len(head.files.entries) + len(head.files.whiteouts) <= SMALL_SCAN[0]:  # a stat each: no thread
+                prefill_hashes(sb.upper_path, head.files, live.hashes)
+            else:
+                await self._disk(prefill_hashes, sb.upper_path, head.files, live.hashes)
         live.resume_ms = round((time.perf_counter() - t0) * 1000, 3)
         self.live[sid] = live
         self.metrics.resumes.inc()

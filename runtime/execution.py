@@ -16,9 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollbox.runtime.channel import Channel
+from rollbox.runtime.channel import Channel, encode
 from rollbox.runtime.errors import IsolationError, SandboxDied
-from rollbox.runtime.inside import proto
 from rollbox.runtime.isolation.cgroups import CgroupStats, Group
 from rollbox.runtime.isolation.users import SANDBOX_UID
 from rollbox.runtime.restore import WarmSource
@@ -101,16 +100,31 @@ async def _feed(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
-def walk_upper(upper: str) -> Iterator[tuple[str, str, os.stat_result, str]]:
+class UpperTooLarge(Exception):
+    """An upper directory with more entries than a walk's ``limit`` (``walk_upper``)."""
+
+
+def walk_upper(upper: str, limit: int | None = None) -> Iterator[tuple[str, str, os.stat_result, str]]:
     """The entries of an overlay upper directory in walk order (children sorted by name, a directory
     before its contents): (path inside the sandbox, kind, stat, host path). Kinds: "w" whiteout
     (a deleted path), "d" directory, "o" opaque directory (hides what is below it), "l" symlink,
-    "f" regular file; anything else (fifos, sockets) is skipped."""
+    "f" regular file; anything else (fifos, sockets) is skipped. ``limit``: UpperTooLarge once more
+    entries than that were listed (a caller walking on the event loop gives the rest to a thread)."""
     stack = [""]
+    left = limit
     while stack:
         rel = stack.pop()
         with os.scandir(os.path.join(upper, rel) if rel else upper) as it:
-            found = sorted(it, key=lambda e: e.name)
+            if left is None:
+                found = sorted(it, key=lambda e: e.name)
+            else:
+                found = []
+                for e in it:
+                    found.append(e)
+                    left -= 1
+                    if left < 0:
+                        raise UpperTooLarge(f"{upper} holds more than {limit} entries")
+                found.sort(key=lambda e: e.name)
         for e in found:
             path = f"/{rel}/{e.name}" if rel else f"/{e.name}"
             st = e.stat(follow_symlinks=False)
@@ -140,7 +154,7 @@ def give_back(tree: str, shift: tuple[int, int]) -> None:
 
 
 def upper_diff(upper: str, file_fields: Callable[[str, os.stat_result, str], dict[str, Any] | None],
-               ) -> dict[str, Any] | None:
+               limit: int | None = None) -> dict[str, Any] | None:
     """An overlay upper directory as a diff a sandbox's agent can apply: its entries (directories,
     files, symlinks, hard links to an earlier path, in walk order, with modes and mtimes), the
     whiteouts (deleted paths) and the opaque directories. Where a regular file's content goes is the
@@ -150,7 +164,7 @@ def upper_diff(upper: str, file_fields: Callable[[str, os.stat_result, str], dic
     whiteouts: list[str] = []
     opaque: list[str] = []
     seen: dict[tuple[int, int], str] = {}
-    for path, kind, st, host_path in walk_upper(upper):
+    for path, kind, st, host_path in walk_upper(upper, limit):
         if kind == "w":
             whiteouts.append(path)
         elif kind in ("d", "o"):
@@ -566,7 +580,7 @@ class Sandbox:
             self._stats_fresh = False
             frame = diff.get("frame")
             if frame is None:  # encoded once per fork, sent to every child
-                frame = diff["frame"] = proto.encode({"op": "inject", "entries": diff["entries"],
+                frame = diff["frame"] = encode({"op": "inject", "entries": diff["entries"],
                                                       "whiteouts": diff["whiteouts"], "opaque": diff["opaque"]})
             await self.chan.send(frame, [diff["fd"]])
             try:

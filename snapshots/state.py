@@ -33,19 +33,22 @@ from collections.abc import Awaitable, Callable, Generator
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 from rollbox.runtime.errors import IntegrityError, StoreError
-from rollbox.runtime.execution import upper_diff, walk_upper
+from rollbox.runtime.execution import UpperTooLarge, upper_diff, walk_upper
 from rollbox.runtime.spec import Limits
 
 __all__ = [
     "INLINE_MAX_BYTES",
+    "SMALL_SCAN",
     "FileHashes",
     "Files",
     "LocalObjects",
     "Objects",
     "SandboxRecord",
     "StepUsage",
+    "UpperTooLarge",
     "blob_key",
     "check_content",
     "diff_of",
@@ -94,9 +97,13 @@ class LocalObjects:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
+        return Path(self._file(key))
+
+    def _file(self, key: str) -> str:
+        """The key's file, as a string (the commit and read of every step: no Path objects)."""
         if not key or key.startswith("/") or ".." in key.split("/"):
             raise StoreError(f"invalid state key {key!r}")
-        return self.root / key
+        return f"{self.url}/{key}"
 
     def put_new(self, key: str, data: bytes) -> bool:
         steps = self._put_new(key, data)
@@ -112,7 +119,7 @@ class LocalObjects:
         except StopIteration as done:
             return bool(done.value)
         except OSError as exc:
-            raise StoreError(f"cannot write {self._path(key)}: {exc}") from exc
+            raise StoreError(f"cannot write {self._file(key)}: {exc}") from exc
 
     async def put_new_synced(self, key: str, data: bytes, synced: Callable[[int], Awaitable[None]]) -> bool:
         """``put_new`` with its two disk syncs awaited through ``synced`` instead of made in this
@@ -131,14 +138,20 @@ class LocalObjects:
         except StopIteration as done:
             return bool(done.value)
         except OSError as exc:
-            raise StoreError(f"cannot write {self._path(key)}: {exc}") from exc
+            raise StoreError(f"cannot write {self._file(key)}: {exc}") from exc
 
     def _put_new(self, key: str, data: bytes) -> Generator[int, None, bool]:
         """The create-only write, yielding each fd that must reach the disk before it goes on: the
         temporary file's (before it is linked to its name), then the directory's (the link)."""
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+        path = self._file(key)
+        parent, name = path.rsplit("/", 1)
+        try:
+            os.mkdir(parent)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.{name}.{os.getpid()}.{time.monotonic_ns()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
@@ -155,7 +168,7 @@ class LocalObjects:
             return False
         finally:
             os.unlink(tmp)
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             yield dfd
         finally:
@@ -166,12 +179,14 @@ class LocalObjects:
         self.put_new(key, data)  # a local directory has no expiry rules
 
     def get(self, key: str) -> bytes | None:
+        path = self._file(key)
         try:
-            return self._path(key).read_bytes()
+            with open(path, "rb") as f:
+                return f.read()
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise StoreError(f"cannot read {self._path(key)}: {exc}") from exc
+            raise StoreError(f"cannot read {path}: {exc}") from exc
 
     def keys(self, prefix: str) -> list[str]:
         base = self._path(prefix.rstrip("/") or ".") if prefix.strip("/") else self.root
@@ -271,13 +286,13 @@ class SandboxRecord(BaseModel):
             offset += len(data)
         head = self.model_dump(mode="json")
         head["inline_index"] = index
-        return json.dumps(head, separators=(",", ":")).encode() + b"\n" + b"".join(self.inline.values())
+        return _json_bytes(head) + b"\n" + b"".join(self.inline.values())
 
     @classmethod
     def from_bytes(cls, data: bytes, key: str) -> SandboxRecord:
         try:
             cut = data.index(b"\n")
-            head = json.loads(data[:cut])
+            head = _json_value(data[:cut])
             raw = memoryview(data)[cut + 1:]
             index = head.pop("inline_index", [])
             record = cls.model_validate(head)
@@ -299,21 +314,35 @@ FileHashes = dict[tuple[str, int, int, int, int], str]
 """(path, inode, size, mtime ns, ctime ns) -> sha256: files unchanged since the last scan are not read."""
 
 
-def scan_upper(upper: str, hashes: FileHashes) -> tuple[Files, dict[str, str]]:
+SMALL_SCAN = (256, 256 * 1024)
+"""(entries, bytes to read) that ``scan_upper(..., small=True)`` takes on: a scan that small costs the
+event loop less than its round trip through a thread (whose hand-offs of the GIL the loop pays)."""
+
+
+def scan_upper(upper: str, hashes: FileHashes, small: bool = False) -> tuple[Files, dict[str, str]]:
     """The files of a sandbox's upper directory (``upper_diff``, each content by sha256), and the host
     path of each content (sha256 -> path). ``hashes`` is updated in place (files unchanged since the
-    last scan are not read again)."""
+    last scan are not read again). ``small``: UpperTooLarge, with ``hashes`` untouched, if it holds
+    more than ``SMALL_SCAN`` allows (entries, or bytes of contents to read)."""
     paths: dict[str, str] = {}
     fresh: FileHashes = {}
+    to_read = SMALL_SCAN[1] if small else -1
 
     def hashed(path: str, st: os.stat_result, host_path: str) -> dict[str, Any]:
+        nonlocal to_read
         ident = (path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        sha = hashes.get(ident) or _sha256_file(host_path)
+        sha = hashes.get(ident)
+        if sha is None:
+            if to_read >= 0:
+                to_read -= st.st_size
+                if to_read < 0:
+                    raise UpperTooLarge(f"{upper} holds more than {SMALL_SCAN[1]} bytes of new contents")
+            sha = _sha256_file(host_path)
         fresh[ident] = sha
         paths.setdefault(sha, host_path)
         return {"sha": sha, "n": st.st_size}
 
-    diff = upper_diff(upper, hashed)
+    diff = upper_diff(upper, hashed, SMALL_SCAN[0] if small else None)
     assert diff is not None  # ``hashed`` never gives up
     hashes.clear()
     hashes.update(fresh)
@@ -322,7 +351,8 @@ def scan_upper(upper: str, hashes: FileHashes) -> tuple[Files, dict[str, str]]:
 
 def prefill_hashes(upper: str, files: Files, hashes: FileHashes) -> None:
     """After ``files`` were injected into ``upper``: know their hashes without reading them (a file
-    whose size matches the record is the one injected; nothing else ran in the sandbox yet)."""
+    whose size matches the record is the one injected; nothing else ran in the sandbox yet). It reads
+    no contents: one stat per entry."""
     want = {e["p"]: e for e in files.entries if e["t"] == "f"}
     for path, kind, st, _host in walk_upper(upper):
         e = want.get(path)
@@ -389,6 +419,22 @@ def diff_of(files: Files, contents: dict[str, bytes]) -> dict[str, Any]:
         os.close(fd)
         raise
     return {"fd": fd, "entries": entries, "whiteouts": list(files.whiteouts), "opaque": list(files.opaque)}
+
+
+def _json_bytes(obj: Any) -> bytes:
+    """Compact JSON by orjson (a record is written on every step); what it refuses (a lone surrogate
+    in a string a client sent) by json."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _json_value(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:  # (json's escaped lone surrogates; json judges what else it is)
+        return json.loads(data)
 
 
 def check_content(sha: str, data: bytes, where: str) -> bytes:

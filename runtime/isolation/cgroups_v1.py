@@ -52,6 +52,10 @@ class V1Group:
         self._stat_paths = (str(mem / "memory.oom_control"), str(mem / "memory.max_usage_in_bytes"),
                             str(dirs["cpuacct"] / "cpuacct.usage") if "cpuacct" in dirs else "",
                             str(dirs["pids"] / "pids.events"))
+        # files written or read on every step, as strings (a Path join per call showed in profiles)
+        self._peak_file = str(mem / "memory.max_usage_in_bytes")
+        self._procs_file = str(dirs["pids"] / "cgroup.procs")
+        self._shares_file = str(dirs["cpu"] / "cpu.shares")
 
     def procs_fds(self) -> list[int]:
         if not self._procs:
@@ -105,14 +109,14 @@ class V1Group:
         if on == self.boosted:
             return
         try:
-            _write(self.dirs["cpu"] / "cpu.shares", str(SANDBOX_SHARES_V1 * (CLEANUP_BOOST if on else 1)))
+            _write(self._shares_file, str(SANDBOX_SHARES_V1 * (CLEANUP_BOOST if on else 1)))
             self.boosted = on
         except OSError:
             pass
 
     def is_empty(self) -> bool:
         try:
-            return not _read(self.dirs["pids"] / "cgroup.procs").strip()
+            return not _read(self._procs_file).strip()
         except OSError:
             return False
 
@@ -136,7 +140,7 @@ class V1Group:
 
     def reset_peak(self) -> None:
         try:
-            _write(self.dirs["memory"] / "memory.max_usage_in_bytes", "0")
+            _write(self._peak_file, "0")
         except OSError:
             pass
 

@@ -46,6 +46,8 @@ class V2Group:
         self.boosted = False  # cpu.weight as last written: boosted for a cleanup, or the equal weight
         self._kept = KeptFiles()
         self._stat_paths = (str(path / "cpu.stat"), str(path / "memory.events"), str(path / "pids.events"))
+        self._events_file = str(path / "cgroup.events")  # (read on every release: a string, no Path join)
+        self._weight_file = str(path / "cpu.weight")
 
     def procs_fds(self) -> list[int]:
         if not self._procs:
@@ -92,14 +94,14 @@ class V2Group:
     def boost(self, on: bool) -> None:
         if "cpu" in self.enabled and on != self.boosted:
             try:
-                _write(self.path / "cpu.weight", str(SANDBOX_WEIGHT_V2 * (CLEANUP_BOOST if on else 1)))
+                _write(self._weight_file, str(SANDBOX_WEIGHT_V2 * (CLEANUP_BOOST if on else 1)))
                 self.boosted = on
             except OSError:
                 pass
 
     def is_empty(self) -> bool:
         try:
-            return "populated 0" in _read(self.path / "cgroup.events")
+            return "populated 0" in _read(self._events_file)
         except OSError:
             return False
 

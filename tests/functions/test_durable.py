@@ -7,6 +7,7 @@ the local-store cases run one server on its default local store and restart it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import subprocess
@@ -289,6 +290,31 @@ async def test_a_step_after_a_long_pause_passes_through_and_a_quick_one_stays_li
     assert (r.status, r.data["code"], "lifetime_s" in r.data["message"]) == (400, "invalid_data", True), r.data
     r = await step(http, srv, sid, command="cat r.txt", read_files=["r.txt"])
     assert (r.status, r.data["files"], r.data["resumed"], r.data["hibernated"]) == (200, {"r.txt": "r\n"}, True, None)
+
+
+async def test_steps_that_change_many_files_or_large_ones_are_committed_as_small_ones_are(
+        local_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    # a commit scans a small upper directory on the event loop and a larger one in a thread
+    # (snapshots/state.py SMALL_SCAN: 256 entries, 256 KiB to read): both must commit the same files
+    srv = local_replicas.start("--hibernate-after-s", "1")
+    sid = await create(http, srv)
+    many = "import os, hashlib\nos.makedirs('d', exist_ok=True)\n" \
+           "for i in range(300): open(f'd/{i}.txt', 'w').write(str(i))\n" \
+           "open('big.bin', 'wb').write(hashlib.sha256(b'x').digest() * 10000)\n"
+    check = "import os, hashlib\nprint(len(os.listdir('d')), sum(int(open(f'd/{n}').read()) for n in os.listdir('d')), " \
+            "hashlib.sha256(open('big.bin', 'rb').read()).hexdigest()[:12], open('s.txt').read())"
+    want = f"300 {sum(range(300))} {hashlib.sha256(hashlib.sha256(b'x').digest() * 10000).hexdigest()[:12]}"
+    r = await step(http, srv, sid, code=many + "open('s.txt', 'w').write('one')")
+    assert r.status == 200 and r.data["exit_code"] == 0, r.data
+    r = await step(http, srv, sid, code="open('s.txt', 'w').write('two')")  # a small change on a large upper
+    assert r.status == 200 and r.data["exit_code"] == 0, r.data
+    await hibernated_idle(http, srv, 1)
+    r = await step(http, srv, sid, code=check)  # resumed with all 302 files (passes through)
+    assert (r.status, r.data["stdout"].strip(), r.data["hibernated"]) == (200, f"{want} two", True), r.data
+    r = await step(http, srv, sid, code="import os\nos.remove('big.bin')\nopen('s.txt', 'w').write('three')")
+    assert r.status == 200, r.data
+    r = await step(http, srv, sid, code="import os\nprint(os.path.exists('big.bin'), len(os.listdir('d')), open('s.txt').read())")
+    assert (r.status, r.data["stdout"].strip()) == (200, "False 300 three"), r.data
 
 
 async def test_at_the_live_cap_creates_hibernate_idle_sandboxes(
