@@ -60,9 +60,10 @@ from rollbox.runtime.errors import (
     SandboxDied,
     SandboxGone,
     SandboxNotFound,
+    ShuttingDown,
     StoreError,
 )
-from rollbox.runtime.runtime import LimitsArg, Runtime
+from rollbox.runtime.runtime import LimitsArg, Runtime, effective_limits
 from rollbox.runtime.spec import ExecRequest, ExecResult, SandboxInfo, Usage
 from rollbox.snapshots.calls import StoreCalls, StoreDeadline
 from rollbox.snapshots.state import (
@@ -99,6 +100,9 @@ M = TypeVar("M", bound=BaseModel)
 AIO_COMMITS = 32  # local commits syncing at once (the AIO context has room for 64 syncs in flight)
 # how long an eviction under pressure tells how long idle live copies last here (``_passes``)
 PRESSURE_MEMORY_S = 10.0
+# at the live cap with every live sandbox running a step, a request that needs one waits this long for
+# a step to end before it gets 429: steps end within moments, a retry after Retry-After takes a second
+ROOM_WAIT_S = 5.0
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -167,6 +171,8 @@ class DurableRuntime:
         self.metrics = _Metrics(registry)
         self.journal: StepLog | None = None  # trajectories and the usage ledger, when recording is on
         self._evicted: tuple[float, float] | None = None  # the last eviction under pressure (_make_room)
+        self._passing_share = 0.0  # of recent steps, those that passed through (a moving average): _defers_create
+        self._room: asyncio.Future[None] | None = None  # done when a step ends: _make_room waits on it
         self._aio: AsyncFsync | None = None  # the local store's commits sync through it (_put_record)
         # each commit has one sync in flight at a time; the AIO context holds MAX_EVENTS: the rest wait here
         self._aio_slots = asyncio.Semaphore(AIO_COMMITS)
@@ -232,6 +238,11 @@ class DurableRuntime:
                 if first is not None:  # a redelivered create: the sandbox it made, as it replied then
                     self._note_replay()
                     return await self._replayed(first, ev, SandboxInfo) or SandboxInfo.model_validate(first.reply)
+            if self._defers_create():
+                info = await self._deferred(snapshot, limits, metadata, sid)
+                await self._commit(_Live(record=self._first_record(info, None)), info, ev, scan=False)
+                self.metrics.hibernations.labels("create").inc()
+                return info
             await self._make_room()
             info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
             live = self._new_live(info, None)
@@ -292,13 +303,41 @@ class DurableRuntime:
 
     def _new_live(self, info: SandboxInfo, forked_from: str | None) -> _Live:
         """The live copy of a sandbox just made here, before its first generation is committed."""
-        now = time.time()
         self._not_metered(info.sandbox_id)
-        live = _Live(record=SandboxRecord(sandbox_id=info.sandbox_id, generation=-1, snapshot=info.snapshot_id,
-                                          limits=info.limits, metadata=info.metadata, forked_from=forked_from,
-                                          created_at=now, last_used=now))
+        live = _Live(record=self._first_record(info, forked_from))
         self.live[info.sandbox_id] = live
         return live
+
+    @staticmethod
+    def _first_record(info: SandboxInfo, forked_from: str | None) -> SandboxRecord:
+        now = time.time()
+        return SandboxRecord(sandbox_id=info.sandbox_id, generation=-1, snapshot=info.snapshot_id, limits=info.limits,
+                             metadata=info.metadata, forked_from=forked_from, created_at=now, last_used=now)
+
+    def _defers_create(self) -> bool:
+        """Whether a create commits its sandbox hibernated, making no live copy: when most recent steps
+        here passed through. Their sandboxes had sat idle for longer than a live copy lasts here (the
+        trainers think for longer than that), so a live copy made now would be hibernated, or pushed
+        out to make room, before its first step, with all the work of making it for nothing (and
+        pushing out the copy another sandbox's next step may still find). Its first step resumes it
+        as any other. Otherwise (steps find their live copies) a create makes one, as before."""
+        return self._passing_share >= 0.5
+
+    def _note_passing(self, passing: bool) -> None:
+        self._passing_share = 0.8 * self._passing_share + 0.2 * passing
+
+    async def _deferred(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
+                        sid: str) -> SandboxInfo:
+        """The reply of a create committed hibernated: its snapshot resolved and its limits checked as
+        a live create's are; the isolation report is the runtime's (what its sandboxes get)."""
+        t0 = time.perf_counter()
+        if not self.rt.started or self.rt.closing:
+            raise ShuttingDown("runtime is not started" if not self.rt.started else "runtime is shutting down")
+        view = await self.rt.resolve(snapshot)
+        return SandboxInfo(sandbox_id=sid, snapshot_id=view.id, env_version=dict(view.version),
+                           limits=effective_limits(view, limits), metadata=dict(metadata or {}), pooled=False,
+                           create_ms=round((time.perf_counter() - t0) * 1000, 3),
+                           isolation=self.rt.isolation_report(), hibernated=True)
 
     async def step(self, sandbox_id: str, action: Callable[[_Live], Awaitable[M]], model: type[M],
                    may_pass: bool = False) -> M:
@@ -346,8 +385,12 @@ class DurableRuntime:
                 await self._expire(head, why)
                 raise SandboxGone(f"sandbox {sandbox_id} expired ({why} limit)", sandbox_id=sandbox_id, reason=why)
             passing = may_pass and self._passes(head)
+            if may_pass:
+                self._note_passing(passing)
             live = await self._resume(head, spare=not passing)
             live.passing = passing
+        elif may_pass:  # its live copy lasted until this step
+            self._note_passing(False)
         return live, None
 
     def _passes(self, head: SandboxRecord) -> bool:
@@ -394,6 +437,7 @@ class DurableRuntime:
                 yield
             finally:
                 self._busy.discard(sandbox_id)
+                self._room_may_be_free()
         if not lock.locked() and not lock._waiters and sandbox_id not in self.live:
             self._locks.pop(sandbox_id, None)
 
@@ -697,18 +741,34 @@ class DurableRuntime:
         return contents
 
     async def _make_room(self) -> None:
-        """At the live cap, hibernate the least recently used idle sandboxes instead of refusing."""
+        """At the live cap, hibernate the least recently used idle sandboxes instead of refusing. If
+        every live sandbox is running a step, wait for one to end (up to ``ROOM_WAIT_S``, then 429)."""
         cap = self.rt.config.max_live
+        deadline: float | None = None
         while len(self.rt.sandboxes) + self.rt._creating >= cap:
             idle = [(live.last_used, sid) for sid, live in self.live.items() if sid not in self._busy]
             if not idle:
-                raise Overloaded(f"{len(self.rt.sandboxes)} sandboxes are running steps (cap {cap})",
-                                 retry_after_s=1.0)
+                loop = asyncio.get_running_loop()
+                deadline = deadline if deadline is not None else loop.time() + ROOM_WAIT_S
+                if self._room is None or self._room.done():
+                    self._room = loop.create_future()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await asyncio.shield(self._room)
+                except TimeoutError:
+                    raise Overloaded(f"{len(self.rt.sandboxes)} sandboxes are running steps (cap {cap})",
+                                     retry_after_s=1.0) from None
+                continue
             last_used, sid = min(idle)
             now = time.monotonic()
             ewma = now - last_used if self._evicted is None else 0.8 * self._evicted[1] + 0.2 * (now - last_used)
             self._evicted = (now, ewma)  # (when, how long the evicted had been idle): see _passes
             self._hibernate(sid, "pressure")
+
+    def _room_may_be_free(self) -> None:
+        """A step ended (its sandbox is idle, or gone): whoever waits for room looks again."""
+        if self._room is not None and not self._room.done():
+            self._room.set_result(None)
 
     def _hibernate(self, sandbox_id: str, reason: str) -> None:
         """End an idle live copy. Nothing is written: its durable state is that of its last

@@ -155,6 +155,7 @@ class Runtime:
         # What the first sandbox of each warm source read back from its own /proc after containment
         # (runtime/inside/probe.py); held while the source is.
         self._probed: weakref.WeakKeyDictionary[WarmSource, dict[str, Any]] = weakref.WeakKeyDictionary()
+        self._runtime_report: tuple[tuple[Any, ...], dict[str, str]] | None = None  # (its inputs, the report)
         # Clean-up that failed, by what (each logged once): exported as rollbox_cleanup_failures_total.
         self.cleanup_failures: collections.Counter[str] = collections.Counter({"cgroup": 0})
         self._reaper: asyncio.Task[None] | None = None
@@ -460,7 +461,12 @@ class Runtime:
         for this runtime (its start-up probes and the latest sandbox read-back)."""
         if sandbox_id is not None:
             return self._report(self.get(sandbox_id))
-        return self._render(next(reversed(list(self._probed.values())), None))
+        facts = next(reversed(list(self._probed.values())), None)
+        inputs = (facts, self.cgroup_backend, self.cgroup_reason, self.seccomp_bpf)
+        cached = self._runtime_report  # (a create committed hibernated replies with it: rendered once)
+        if cached is None or any(a is not b for a, b in zip(cached[0], inputs, strict=True)):
+            cached = self._runtime_report = (inputs, self._render(facts))
+        return dict(cached[1])
 
     def _report(self, sb: Sandbox) -> dict[str, str]:
         facts = self._probed.get(sb.source) if sb.source is not None else None

@@ -161,6 +161,9 @@ class SandboxInfo(BaseModel):
         default_factory=dict,
         description="layer (mode, namespaces, user, filesystem, cgroups, cpu, rlimits, seccomp, limits) -> what is in "
                     "force for this sandbox, as probed and read back, or what fell back and why")
+    hibernated: bool | None = Field(default=None, description="durable sandboxes: created hibernated, no live copy "
+                                    "made (while steps here come more slowly than idle live copies last); its first "
+                                    "step resumes it")
 
 
 class Usage(BaseModel):

@@ -317,6 +317,38 @@ async def test_steps_that_change_many_files_or_large_ones_are_committed_as_small
     assert (r.status, r.data["stdout"].strip()) == (200, "False 300 three"), r.data
 
 
+async def test_while_steps_pass_through_a_create_is_committed_hibernated(
+        local_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    srv = local_replicas.start("--hibernate-after-s", "1")
+    sids = [await create(http, srv) for _ in range(2)]
+    for sid in sids:  # steps that find their live copies: creates keep making live ones
+        assert (await step(http, srv, sid, command="echo 0 >> n.txt")).status == 200
+    r = await send(http, srv.url, event(CREATE, {}))
+    assert (r.status, r.data.get("hibernated"), r.data["pooled"]) == (200, None, True), r.data
+    await hibernated_idle(http, srv, 3)
+    for n in range(1, 4):  # each sandbox sat idle for longer than a live copy lasts: its step passes through
+        for sid in sids:
+            r = await step(http, srv, sid, command=f"echo {n} >> n.txt")
+            assert (r.status, r.data["resumed"], r.data["hibernated"]) == (200, True, True), r.data
+        await asyncio.sleep(1.1)
+    # steps come more slowly than live copies last here: a create makes no live copy
+    r = await send(http, srv.url, event(CREATE, {"metadata": {"task": "t1"}}))
+    assert (r.status, r.data["hibernated"], r.data["pooled"]) == (200, True, False), r.data
+    assert r.data["isolation"]["namespaces"] and r.data["metadata"] == {"task": "t1"}
+    text = (await http.get(srv.url + "metrics")).text
+    assert metric(text, "rollbox_hibernations_total", reason="create") == 1
+    assert metric(text, "rollbox_live_sandboxes") == 0
+    lazy = r.data["sandbox_id"]
+    r = await step(http, srv, lazy, command="echo first > f.txt; cat f.txt")  # its first step resumes it
+    assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, "first\n", True), r.data
+    r = await step(http, srv, lazy, command="cat f.txt")  # right after: its live copy lasted
+    assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, "first\n", None), r.data
+    r = await send(http, srv.url, event(DESTROY, {"sandbox_id": lazy}))  # and it ends like any other
+    assert (r.status, r.data["execs"]) == (200, 2), r.data
+    r = await step(http, srv, sids[0], command="cat n.txt")
+    assert (r.status, r.data["stdout"]) == (200, "0\n1\n2\n3\n"), r.data
+
+
 async def test_at_the_live_cap_creates_hibernate_idle_sandboxes(
         local_replicas: Replicas, http: httpx.AsyncClient) -> None:
     srv = local_replicas.start("--max-live", "2")
@@ -331,6 +363,23 @@ async def test_at_the_live_cap_creates_hibernate_idle_sandboxes(
     for n, sid in enumerate(sids):  # every episode is still there
         r = await step(http, srv, sid, command="cat n.txt")
         assert (r.status, r.data["stdout"]) == (200, f"{n}\n"), r.data
+
+
+async def test_at_the_live_cap_with_every_sandbox_running_a_resume_waits_for_a_step_to_end(
+        local_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    srv = local_replicas.start("--max-live", "1")
+    a = await create(http, srv)
+    b = await create(http, srv)  # pushes a out
+    running_step = asyncio.create_task(step(http, srv, a, command="sleep 1.5; echo a"))  # resumes a, pushes b out
+    await asyncio.sleep(0.7)  # the only live sandbox is running a step: no idle one to hibernate
+    t0 = time.monotonic()
+    r = await step(http, srv, b, command="echo b")
+    waited = time.monotonic() - t0
+    assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, "b\n", True), r.data  # not 429
+    assert waited > 0.4, waited  # it waited for a's step to end
+    assert (await running_step).data["stdout"] == "a\n"
+    text = (await http.get(srv.url + "metrics")).text  # (both steps passed through: their sandboxes ended with them)
+    assert [metric(text, "rollbox_hibernations_total", reason=why) for why in ("pressure", "step")] == [2, 2]
 
 
 async def test_restart_on_the_local_store_keeps_episodes_and_replays_acknowledged_events(
