@@ -3,6 +3,7 @@
   - step latency with durability off vs step, writing 1 KiB, 64 KiB, 1 MiB and 10 MiB per step;
   - a cross-replica step: resume + `print(1)` on the other replica, with a 1 MiB diff;
   - hibernate + resume: the step after an idle hibernation, on the same replica;
+  - one-shot `run` throughput (8 at a time) with durability off vs step: runs keep no durable state;
   - churn: many open episodes over a small live cap (the embedded default, local store and recording),
     each idle longer than a live copy lasts (``--hibernate-after-s 0.5``) when its next step comes: every
     step resumes its sandbox and passes through (runs as its init, which hibernates it as it ends), as
@@ -100,6 +101,36 @@ async def churn_row(http: httpx.AsyncClient, srv: ServerProc, args: argparse.Nam
     return len(lat) / wall
 
 
+async def run_rows(http: httpx.AsyncClient, servers: list[tuple[str, ServerProc]], n: int,
+                   rows: list[tuple[str, int, float, float, float]]) -> dict[str, float]:
+    """One-shot `run` events, 8 at a time, against each server, twice in alternating order: a run keeps
+    no durable state, so its throughput should not depend on durability. Returns runs/s by server."""
+    lat: dict[str, list[float]] = {name: [] for name, _ in servers}
+    cpu: dict[str, float] = dict.fromkeys(lat, 0.0)
+    wall: dict[str, float] = dict.fromkeys(lat, 0.0)
+    for order in (servers, servers[::-1]):
+        for name, srv in order:
+            todo = iter(range(n))
+
+            async def worker(srv: ServerProc = srv, name: str = name, todo: Any = todo) -> None:
+                for _ in todo:
+                    t0 = time.perf_counter()
+                    r = await send(http, srv.url, event("dev.rollbox.sandbox.run", {"code": "print(1)"}))
+                    if r.status != 200 or r.data.get("stdout") != "1\n":
+                        raise SystemExit(f"run failed: {r.status} {r.data}")
+                    lat[name].append((time.perf_counter() - t0) * 1000)
+
+            c0, t0 = busy_s(), time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(8)))
+            wall[name] += time.perf_counter() - t0
+            cpu[name] += busy_s() - c0
+    for name, _ in servers:
+        xs = lat[name]
+        rows.append((f"one-shot run, c8, durability {name}", len(xs), statistics.median(xs), pct(xs, 0.99),
+                     cpu[name] * 1000 / len(xs)))
+    return {name: len(lat[name]) / wall[name] for name, _ in servers}
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=40, help="steps per row")
@@ -107,6 +138,7 @@ async def main() -> None:
     ap.add_argument("--churn-sandboxes", type=int, default=300, help="open episodes of the churn row")
     ap.add_argument("--churn-live", type=int, default=16, help="--max-live of the churn row's server")
     ap.add_argument("--churn-steps", type=int, default=600)
+    ap.add_argument("--runs", type=int, default=300, help="one-shot runs per server and round (two rounds)")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="rollbox-bench-durable-"))
     s3 = SeaweedS3(base / "s3")
@@ -171,6 +203,8 @@ async def main() -> None:
             rows.append(("step after hibernation (resume + print(1)), 64 KiB diff", len(after),
                          statistics.median(after), pct(after, 0.99), float("nan")))
             churn_rate = await churn_row(http, churn, args, rows)
+            run_rates = await run_rows(http, [("off", off), ("step (S3)", a), ("step local", local)],
+                                       args.runs, rows)
         print(f"{'path':58} {'n':>4} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/step':>12}")
         for name, n, p50, p99, cpu in rows:
             print(f"{name:58} {n:4d} {p50:8.2f} {p99:8.2f} {cpu:12.1f}")
@@ -184,6 +218,9 @@ async def main() -> None:
             plain = by[f"durability step local write {size:>5} KiB/step"]
             recorded = by[f"durability step local + recording write {size:>5} KiB/step"]
             print(f"recording adds {recorded - plain:6.2f} ms p50 to a durable step (local store) writing {size} KiB")
+        print("one-shot runs/s, c8: " + ", ".join(f"durability {k} {v:.1f}" for k, v in run_rates.items())
+              + f" (step vs off: {100 * (run_rates['step (S3)'] / run_rates['off'] - 1):+.1f} % S3, "
+              f"{100 * (run_rates['step local'] / run_rates['off'] - 1):+.1f} % local store)")
         print(f"churn: {churn_rate:.1f} steps/s, every one a resume that passed through (ran as the resumed "
               "sandbox's init, which hibernated it as it ended)")
         print("(SeaweedFS `weed mini` on 127.0.0.1; every server a real `rollbox serve`; one client, sequential steps;"
