@@ -4,7 +4,8 @@
     .venv/bin/python loadtest/bench_service.py -c 16 -n 2000
     .venv/bin/python loadtest/bench_service.py --record off   # one server, recording off
 
-Recording (trajectories and usage) on and off are two servers, measured side by side at each level.
+Recording (trajectories and usage) on and off are two servers, measured side by side at each level,
+once both have finished starting (their start-up work is not what a run costs).
 
 Starts its own `rollbox serve` on 127.0.0.1 (a free port), sends binary-mode CloudEvents with httpx
 from this process, checks every reply (200, exit code 0, stdout "1\\n"), stops the server by pid.
@@ -83,6 +84,19 @@ def process_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def settle(pids: list[int], timeout_s: float = 20.0) -> None:
+    """Wait until the servers are done starting: a server's first seconds hold one-time work (the
+    recorder loads its Parquet writer in a thread a second after start, the pool restores its first
+    sandboxes), which is not what a run costs. Idle = each used under 2 % of a core over 0.5 s."""
+    time.sleep(1.5)  # (the recorder's warm-up starts a second after start)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        before = [process_cpu_s(pid) for pid in pids]
+        time.sleep(0.5)
+        if all(process_cpu_s(pid) - b < 0.01 for pid, b in zip(pids, before, strict=True)):
+            return
 
 
 class CpuMeter:
@@ -220,6 +234,7 @@ def main() -> int:
                 servers[mode] = start(Path(tmp) / f"serve-{mode}.log",
                                       ["--log-level", args.log_level, "--max-queued", "4096", "--record", mode,
                                        "--home", str(Path(tmp) / f"home-{mode}")])
+            settle([proc.pid for proc, _ in servers.values()])
             for rep in range(args.repeat):
                 for c in levels:  # the modes side by side at each level (alternating which goes first),
                     for mode in modes if rep % 2 == 0 else modes[::-1]:  # so drift hits both alike
