@@ -226,7 +226,10 @@ class DurableRuntime:
     async def run(self, request: ExecRequest, snapshot: str = "python", limits: LimitsArg = None,
                   metadata: dict[str, str] | None = None) -> ExecResult:
         await self._make_room()
-        return await self.rt.run(request, snapshot=snapshot, limits=limits, metadata=metadata)
+        try:
+            return await self.rt.run(request, snapshot=snapshot, limits=limits, metadata=metadata)
+        finally:
+            self._room_may_be_free()  # (a run's sandbox is gone: its slot is free)
 
     async def create(self, snapshot: str = "python", limits: LimitsArg = None,
                      metadata: dict[str, str] | None = None) -> SandboxInfo:
@@ -238,14 +241,14 @@ class DurableRuntime:
                 if first is not None:  # a redelivered create: the sandbox it made, as it replied then
                     self._note_replay()
                     return await self._replayed(first, ev, SandboxInfo) or SandboxInfo.model_validate(first.reply)
-            if self._defers_create():
+            deferred = self._defers_create()
+            if deferred:
                 info = await self._deferred(snapshot, limits, metadata, sid)
-                await self._commit(_Live(record=self._first_record(info, None)), info, ev, scan=False)
-                self.metrics.hibernations.labels("create").inc()
-                return info
-            await self._make_room()
-            info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
-            live = self._new_live(info, None)
+                live = _Live(record=self._first_record(info, None))
+            else:
+                await self._make_room()
+                info = await self.rt.create(snapshot, limits, metadata, sandbox_id=sid)
+                live = self._new_live(info, None)
             try:
                 await self._commit(live, info, ev, scan=False)
             except SandboxBusy:  # the same event, at the same time, on another replica: its sandbox
@@ -254,6 +257,8 @@ class DurableRuntime:
                     raise
                 self._note_replay()
                 return SandboxInfo.model_validate(first.reply)
+            if deferred:
+                self.metrics.hibernations.labels("create").inc()
             return info
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
@@ -707,9 +712,9 @@ class DurableRuntime:
         live = _Live(record=head)
         sb = self.rt.sandboxes.get(sid)
         if sb is not None and sb.upper_fd >= 0:  # the injected files are known: the first commit reads none
-            if len(head.files.entries) + len(head.files.whiteouts) <= SMALL_SCAN[0]:  # a stat each: no thread
-                prefill_hashes(sb.upper_path, head.files, live.hashes)
-            else:
+            try:  # a stat per entry: a small upper here, no thread's round trip
+                prefill_hashes(sb.upper_path, head.files, live.hashes, SMALL_SCAN[0])
+            except UpperTooLarge:
                 await self._disk(prefill_hashes, sb.upper_path, head.files, live.hashes)
         live.resume_ms = round((time.perf_counter() - t0) * 1000, 3)
         self.live[sid] = live
@@ -746,24 +751,32 @@ class DurableRuntime:
         cap = self.rt.config.max_live
         deadline: float | None = None
         while len(self.rt.sandboxes) + self.rt._creating >= cap:
-            idle = [(live.last_used, sid) for sid, live in self.live.items() if sid not in self._busy]
+            idle = [(live.last_used, sid) for sid, live in self.live.items() if not self._wanted(sid)]
             if not idle:
                 loop = asyncio.get_running_loop()
                 deadline = deadline if deadline is not None else loop.time() + ROOM_WAIT_S
+                if loop.time() >= deadline:
+                    raise Overloaded(f"{len(self.rt.sandboxes)} sandboxes are running steps (cap {cap})",
+                                     retry_after_s=1.0)
                 if self._room is None or self._room.done():
                     self._room = loop.create_future()
-                try:
-                    async with asyncio.timeout_at(deadline):
+                # woken when a step ends; and a look every 0.25 s (a sandbox may also end on its own)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(min(deadline, loop.time() + 0.25)):
                         await asyncio.shield(self._room)
-                except TimeoutError:
-                    raise Overloaded(f"{len(self.rt.sandboxes)} sandboxes are running steps (cap {cap})",
-                                     retry_after_s=1.0) from None
                 continue
             last_used, sid = min(idle)
             now = time.monotonic()
             ewma = now - last_used if self._evicted is None else 0.8 * self._evicted[1] + 0.2 * (now - last_used)
             self._evicted = (now, ewma)  # (when, how long the evicted had been idle): see _passes
             self._hibernate(sid, "pressure")
+
+    def _wanted(self, sandbox_id: str) -> bool:
+        """Running a step, or a step waits for it: not to be hibernated to make room."""
+        if sandbox_id in self._busy:
+            return True
+        lock = self._locks.get(sandbox_id)
+        return lock is not None and (lock.locked() or bool(getattr(lock, "_waiters", None)))
 
     def _room_may_be_free(self) -> None:
         """A step ended (its sandbox is idle, or gone): whoever waits for room looks again."""

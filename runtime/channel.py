@@ -66,7 +66,7 @@ class Channel:
         while True:
             try:
                 msg = self.reader.next()
-            except (proto.ProtocolError, ValueError):  # an oversized or malformed frame: peer is lost
+            except (proto.ProtocolError, ValueError, RecursionError):  # oversized, malformed, too deep: peer is lost
                 self.closed = True
                 return None
             if msg is not None:

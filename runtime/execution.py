@@ -486,6 +486,8 @@ class Sandbox:
             self.alone = not timed_out and reply.get("alone") is True
             files = reply.get("files") or {}
             cpu, peak = float(reply.get("cpu_s", 0.0)), int(reply.get("maxrss_bytes", 0))
+            if not math.isfinite(cpu) or cpu < 0:  # (the agent's word, without a cgroup: untrusted)
+                cpu = 0.0
             if reply.get("error"):
                 stderr += f"rollbox: could not start the process: {reply['error']}\n".encode()
         oom = pids_hit = False

@@ -462,7 +462,8 @@ class Runtime:
         if sandbox_id is not None:
             return self._report(self.get(sandbox_id))
         facts = next(reversed(list(self._probed.values())), None)
-        inputs = (facts, self.cgroup_backend, self.cgroup_reason, self.seccomp_bpf)
+        inputs = (facts, self.cgroup_backend, getattr(self.cgroup_backend, "cpu", None), self.cgroup_reason,
+                  self.seccomp_bpf, self.host_namespaces)
         cached = self._runtime_report  # (a create committed hibernated replies with it: rendered once)
         if cached is None or any(a is not b for a, b in zip(cached[0], inputs, strict=True)):
             cached = self._runtime_report = (inputs, self._render(facts))

@@ -349,15 +349,17 @@ def scan_upper(upper: str, hashes: FileHashes, small: bool = False) -> tuple[Fil
     return Files(**diff), paths
 
 
-def prefill_hashes(upper: str, files: Files, hashes: FileHashes) -> None:
+def prefill_hashes(upper: str, files: Files, hashes: FileHashes, limit: int | None = None) -> None:
     """After ``files`` were injected into ``upper``: know their hashes without reading them (a file
     whose size matches the record is the one injected; nothing else ran in the sandbox yet). It reads
-    no contents: one stat per entry."""
+    no contents: one stat per entry. ``limit``: UpperTooLarge, ``hashes`` untouched, past that many."""
     want = {e["p"]: e for e in files.entries if e["t"] == "f"}
-    for path, kind, st, _host in walk_upper(upper):
+    found = {}
+    for path, kind, st, _host in walk_upper(upper, limit):
         e = want.get(path)
         if kind == "f" and e is not None and e["n"] == st.st_size:
-            hashes[(path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)] = e["sha"]
+            found[(path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)] = e["sha"]
+    hashes.update(found)
 
 
 def place_contents(files: Files, previous: SandboxRecord | None, generation: int,
