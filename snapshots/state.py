@@ -26,15 +26,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Generator
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field
+from rollbox.runtime import jsonio
 from rollbox.runtime.errors import IntegrityError, StoreError
 from rollbox.runtime.execution import UpperTooLarge, upper_diff, walk_upper
 from rollbox.runtime.spec import Limits
@@ -286,13 +285,13 @@ class SandboxRecord(BaseModel):
             offset += len(data)
         head = self.model_dump(mode="json")
         head["inline_index"] = index
-        return _json_bytes(head) + b"\n" + b"".join(self.inline.values())
+        return jsonio.dumps(head) + b"\n" + b"".join(self.inline.values())
 
     @classmethod
     def from_bytes(cls, data: bytes, key: str) -> SandboxRecord:
         try:
             cut = data.index(b"\n")
-            head = _json_value(data[:cut])
+            head = jsonio.loads(data[:cut])
             raw = memoryview(data)[cut + 1:]
             index = head.pop("inline_index", [])
             record = cls.model_validate(head)
@@ -421,22 +420,6 @@ def diff_of(files: Files, contents: dict[str, bytes]) -> dict[str, Any]:
         os.close(fd)
         raise
     return {"fd": fd, "entries": entries, "whiteouts": list(files.whiteouts), "opaque": list(files.opaque)}
-
-
-def _json_bytes(obj: Any) -> bytes:
-    """Compact JSON by orjson (a record is written on every step); what it refuses (a lone surrogate
-    in a string a client sent) by json."""
-    try:
-        return orjson.dumps(obj)
-    except TypeError:
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _json_value(data: bytes) -> Any:
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:  # (json's escaped lone surrogates; json judges what else it is)
-        return json.loads(data)
 
 
 def check_content(sha: str, data: bytes, where: str) -> bytes:

@@ -26,8 +26,13 @@ class ProtocolError(Exception):
     pass
 
 
-def encode(obj: dict[str, Any]) -> bytes:
-    body = json.dumps(obj, separators=(",", ":")).encode()
+def _dumps(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def encode(obj: dict[str, Any], dumps: Callable[[dict[str, Any]], bytes] = _dumps) -> bytes:
+    """A frame: its length, then ``obj`` as JSON (``dumps``: the supervisor's side passes a faster one)."""
+    body = dumps(obj)
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
     return HEADER.pack(len(body)) + body

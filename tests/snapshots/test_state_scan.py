@@ -8,8 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
-from rollbox.runtime.channel import decode, encode
+from rollbox.runtime.channel import encode
 from rollbox.runtime.inside import proto
+from rollbox.runtime.jsonio import loads as decode
 from rollbox.runtime.spec import Limits
 from rollbox.snapshots.state import SMALL_SCAN, FileHashes, SandboxRecord, UpperTooLarge, scan_upper
 
