@@ -205,6 +205,11 @@ OPTIONS: tuple[Option, ...] = (
            "its processes where the layers take idmapped mounts), so the kernel's per-user budgets (processes, "
            "inotify, message queues, signals; then pipe buffers too) are per sandbox; none: every sandbox "
            "shares uid 1000's"),
+    Option("rootless_budget_share", "--rootless-budget-share", "ROLLBOX_ROOTLESS_BUDGET_SHARE", integer(1),
+           RuntimeConfig.model_fields["rootless_budget_share"].default,
+           "rootless: each sandbox may take at most 1/N of the caller's inotify instances and watches, "
+           "fanotify groups and marks, namespaces, message queue bytes and pending signals (all sandboxes "
+           "run as the caller, so these budgets are shared); 1: no caps"),
     Option("prewarm", "--prewarm", "ROLLBOX_PREWARM", names, ("python",),
            "snapshots whose warm process and one ready sandbox start with the server, before any event "
            "asks for them (comma-separated; empty: none); one missing from the store is logged and skipped"),
@@ -272,6 +277,7 @@ class ServeConfig:
     price_gib_s: float = Prices.gib_s
     cpu_reserved_cores: float = RuntimeConfig.model_fields["cpu_reserved_cores"].default
     uid_range: str = RuntimeConfig.model_fields["uid_range"].default
+    rootless_budget_share: int = RuntimeConfig.model_fields["rootless_budget_share"].default
     prewarm: tuple[str, ...] = ()
     store: StoreConfig = field(default_factory=StoreConfig)
 
@@ -356,6 +362,7 @@ async def serve(cfg: ServeConfig) -> int:
     durable_on = cfg.durability == "step"
     rt = Runtime(RuntimeConfig(max_live=cfg.service.max_live, state_dir=home, layer_root=layer_root,
                                cpu_reserved_cores=cfg.cpu_reserved_cores, uid_range=cfg.uid_range,
+                               rootless_budget_share=cfg.rootless_budget_share,
                                # durable fork children take their parent's files inside them (a diff
                                # in a stacked scratch layer would not be in their durable state)
                                fork_inject_max_bytes=(1 << 30) if durable_on else 8 * 1024 * 1024),

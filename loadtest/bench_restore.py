@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy
 from rollbox.runtime import slots
@@ -86,7 +87,8 @@ async def main(n: int, cold_n: int) -> None:
         cold: list[float] = []
         for _ in range(cold_n):
             t0 = time.perf_counter()
-            z = Zygote(view, state_dir=state, skel=skel, seccomp_bpf=rt.seccomp_bpf, rootless=rt.config.rootless)
+            z = Zygote(view, state_dir=state, skel=skel, seccomp_bpf=rt.seccomp_bpf, rootless=rt.config.rootless,
+                       user_budgets=rt.user_budgets)
             await z.start()
             sb = await rt.restore(view, view.limits, zygote=z)
             cold.append((time.perf_counter() - t0) * 1000)
@@ -112,7 +114,7 @@ async def main(n: int, cold_n: int) -> None:
             pooled.append((time.perf_counter() - t0) * 1000)
             hits += info.pooled
             await rt.destroy(info.sandbox_id)
-        own = await slots_ab(view, resolver, state, n) if os.geteuid() == 0 else None
+        own = await tenants_ab(view, resolver, state, n)
     finally:
         await rt.close()
         shutil.rmtree(state, ignore_errors=True)
@@ -126,8 +128,10 @@ async def main(n: int, cold_n: int) -> None:
     c50, u50, p50 = (statistics.median(x) for _, x in rows)
     print(f"cold / unpooled p50: {c50 / u50:.0f}x   cold / pooled p50: {c50 / p50:.0f}x")
     if own is not None:
-        print("\na user namespace per sandbox (--uid-range) vs none, alternating rounds in one run:")
-        print(f"{'uid range':<22}{'restores':>9}{'p50 ms':>9}{'p99 ms':>9}{'runs':>7}{'runs/s c16':>12}")
+        print("\na user namespace per sandbox (--uid-range) vs none, alternating rounds in one run:" if os.geteuid() == 0
+              else "\nrootless: each sandbox capped at 1/8 of the caller's budgets (--rootless-budget-share) vs "
+                   "no caps, alternating rounds in one run:")
+        print(f"{'variant':<22}{'restores':>9}{'p50 ms':>9}{'p99 ms':>9}{'runs':>7}{'runs/s c16':>12}")
         for name, (lat, rates) in own.items():
             print(f"{name:<22}{len(lat):>9}{statistics.median(lat):>9.2f}{pct(lat, 99):>9.2f}"
                   f"{len(rates) * RUNS:>7}{statistics.median(rates):>12.1f}   (rounds: "
@@ -141,25 +145,30 @@ async def main(n: int, cold_n: int) -> None:
 RUNS = 200  # one-shot runs of print(1) per throughput round, 16 at a time
 
 
-async def slots_ab(view: SnapshotView, resolver: BuiltinResolver, base: Path, n: int,
-                   rounds: int = 8) -> dict[str, tuple[list[float], list[float]]]:
-    """Unpooled restore latency and one-shot runs/s at c16, with and without a user namespace per
-    sandbox, in alternating rounds (ABBA, so drift hits both alike). No warm pool: an idle runtime's
+async def tenants_ab(view: SnapshotView, resolver: BuiltinResolver, base: Path, n: int,
+                     rounds: int = 8) -> dict[str, tuple[list[float], list[float]]]:
+    """Unpooled restore latency and one-shot runs/s at c16 with and without per-sandbox budgets, in
+    alternating rounds (ABBA, so drift hits both alike): as root a user namespace per sandbox vs none,
+    rootless a share of the caller's budgets per sandbox vs no caps. No warm pool: an idle runtime's
     pool refilling during the other's round would be measured as the other's cost."""
+    variants: dict[str, dict[str, Any]] = (
+        {"own uid (--uid-range)": {"uid_range": slots.DEFAULT_RANGE}, "none": {"uid_range": "none"}}
+        if os.geteuid() == 0 else
+        {"share 1/8": {"rootless_budget_share": 8}, "no caps": {"rootless_budget_share": 1}})
     out: dict[str, tuple[list[float], list[float]]] = {}
     runtimes = {}
-    for uid_range in (slots.DEFAULT_RANGE, "none"):
+    for name, overrides in variants.items():
         state = Path(tempfile.mkdtemp(prefix="ab-", dir=base))
-        rt = Runtime(RuntimeConfig(state_dir=state, layer_root=Path(view.layer_root), uid_range=uid_range, pool_max=0,
+        rt = Runtime(RuntimeConfig(state_dir=state, layer_root=Path(view.layer_root), pool_max=0, **overrides,
                                    cgroup_parent=f"rollbox-bench-{os.getpid()}-{len(runtimes)}"), resolver=resolver)
         await rt.start()
         await rt.run(ExecRequest(code="pass"), snapshot=view.id)
-        runtimes[uid_range] = rt
-        out[uid_range] = ([], [])
+        runtimes[name] = rt
+        out[name] = ([], [])
     try:
         for i in range(rounds):
-            for uid_range, rt in (list(runtimes.items()) if i % 2 == 0 else reversed(runtimes.items())):  # ABBA
-                lat, rates = out[uid_range]
+            for name, rt in (list(runtimes.items()) if i % 2 == 0 else reversed(runtimes.items())):  # ABBA
+                lat, rates = out[name]
                 z = await rt.zygote(view)
                 for _ in range(n // rounds):
                     t0 = time.perf_counter()

@@ -7,6 +7,7 @@ it and from what the runtime set up for it, each fallback with the probe's error
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -73,6 +74,29 @@ def _seccomp() -> None:
     raise RuntimeError("filter loaded but unshare was not refused")
 
 
+def _subordinate_uids(path: str = "/etc/subuid") -> str:
+    """Rootless: whether /etc/subuid grants the caller a range, and why rollbox does not use one."""
+    import pwd
+
+    uid = os.geteuid()
+    names = {str(uid)}
+    with contextlib.suppress(KeyError):
+        names.add(pwd.getpwuid(uid).pw_name)
+    granted, text = 0, ""
+    with contextlib.suppress(OSError), open(path) as f:
+        text = f.read()
+    for line in text.splitlines():
+        parts = line.strip().split(":")
+        if len(parts) == 3 and parts[0] in names and parts[2].isdigit():
+            granted += int(parts[2])
+    why = ("the kernel charges every nested namespace's counts to the caller too, and files would need "
+           "idmapped layers, which a rootless namespace may not mount; each sandbox's own namespace caps its "
+           "share of the caller's budgets instead (--rootless-budget-share)")
+    if granted:
+        return f"subordinate uids: {path} grants {granted}; not used: {why}"
+    return f"subordinate uids: none granted in {path}; every sandbox runs as uid {uid}, {why.split('; ')[1]}"
+
+
 async def diagnose() -> tuple[bool, list[str]]:
     from rollbox.runtime.runtime import Runtime, RuntimeConfig
     from rollbox.runtime.spec import ExecRequest
@@ -97,6 +121,8 @@ async def diagnose() -> tuple[bool, list[str]]:
         else:
             ok = ok and not required
             lines.append(f"  {'FAIL' if required else 'warn'} {name}: {err}")
+    if os.geteuid() != 0:
+        lines.append(f"  info {_subordinate_uids()}")
     reserved = RuntimeConfig.model_fields["cpu_reserved_cores"].default
     backend, why = cgroups.select(cgroups.default_parent(), reserved_cores=reserved)
     if backend is None:

@@ -89,8 +89,7 @@ def user(facts: Mapping[str, Any] | None, rootless: bool) -> str:
     uid_map = facts.get("uid_map", "?")
     if rootless:
         how = (f"user namespace (uid_map '{uid_map}' onto the zygote's namespace, which maps onto the caller): "
-               "every sandbox runs as the caller and shares its per-user budgets (subordinate uid ranges are "
-               "not used)")
+               f"every sandbox runs as the caller, whose per-user budgets all sandboxes share; {_shares(facts)}")
     elif str(facts.get("host_uid")) != uid and f" {uid} {facts.get('host_uid')} 1 " in f" {' '.join(uid_map.split())} ":
         # its map puts 1000 on a host uid of its own, the namespace's owner (runtime/slots.py; seen from
         # inside, the owner is 1000 itself); its lower layers are idmapped onto it
@@ -108,6 +107,19 @@ def user(facts: Mapping[str, Any] | None, rootless: bool) -> str:
     else:
         how = "no user namespace: setresuid on the host"
     return f"uid {uid} gid {gid} inside = {host}; {how}; {_caps(status)}, {nnp}"
+
+
+def _shares(facts: Mapping[str, Any]) -> str:
+    """Rootless: the caps a sandbox's own user namespace puts on its share (runtime/isolation/users.py)."""
+    budgets: Mapping[str, int] = facts.get("budgets") or {}
+    rl: Mapping[str, list[int]] = facts.get("rlimits") or {}
+    n, w = budgets.get("max_inotify_instances"), budgets.get("max_inotify_watches")
+    if not n or n >= 2**31 - 1:
+        return "its own namespace caps none of them (a sandbox may take them all)"
+    mq, sig = (rl.get(k, [None])[0] for k in ("msgqueue", "sigpending"))
+    return (f"its own namespace caps its share: {n} inotify instances, {w} watches, message queues "
+            f"{mq} bytes, {sig} pending signals (pipe buffers and keyrings are per host uid: shared; "
+            "subordinate uid ranges are not used)")
 
 
 def filesystem(facts: Mapping[str, Any] | None, limits: Limits | None) -> str:

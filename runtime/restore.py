@@ -89,8 +89,10 @@ class WarmSource(Protocol):
 class Zygote:
     """The supervisor's handle on one zygote process (a ``WarmSource``)."""
 
-    def __init__(self, view: SnapshotView, *, state_dir: Path, skel: Path, seccomp_bpf: bytes, rootless: bool):
+    def __init__(self, view: SnapshotView, *, state_dir: Path, skel: Path, seccomp_bpf: bytes, rootless: bool,
+                 user_budgets: dict[str, int] | None = None):
         self.view = view
+        self.user_budgets = user_budgets or {}
         self.state_dir = state_dir
         self.skel = skel
         self.seccomp_bpf = seccomp_bpf
@@ -132,6 +134,7 @@ class Zygote:
         warm_layers = list(view.layers[len(view.layers) - view.warm_layers :]) if view.warm_layers else []
         await self.chan.send({
             "rootless": self.rootless,
+            "user_budgets": self.user_budgets,
             "staging": str(self.staging),
             "skel": str(self.skel),
             "layer_root": view.layer_root,

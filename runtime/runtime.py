@@ -40,7 +40,7 @@ from rollbox.runtime.errors import (
 )
 from rollbox.runtime.execution import Sandbox, give_back, pack_upper
 from rollbox.runtime.inside import probe, proto
-from rollbox.runtime.isolation import cgroups, rlimits, seccomp
+from rollbox.runtime.isolation import cgroups, rlimits, seccomp, users
 from rollbox.runtime.isolation.cgroups import Backend, Group
 from rollbox.runtime.pool import Pool
 from rollbox.runtime.restore import WarmSource, Zygote
@@ -120,6 +120,11 @@ class RuntimeConfig(BaseModel):
         "live sandbox (and running its processes where layers take idmapped mounts), so per-user kernel "
         "budgets are per sandbox; 'none': every sandbox in the host's")
 
+    rootless_budget_share: Annotated[int, Field(ge=1)] = Field(
+        default=8, description="rootless: each sandbox may take at most 1/N of the caller's per-user kernel "
+        "budgets that its own user namespace can cap (inotify, fanotify, namespaces; message queues and "
+        "pending signals through rlimits); 1: no caps")
+
     @field_validator("uid_range")
     @classmethod
     def _uid_range(cls, v: str) -> str:
@@ -152,6 +157,7 @@ class Runtime:
         self.user_slots: slots.UserSlots | None = None  # as root: a user namespace per sandbox
         self.seccomp_bpf = b""
         self.host_namespaces: dict[str, int] = {}  # probed at start: what "unshared" is measured against
+        self.user_budgets: dict[str, int] = {}
         # What the first sandbox of each warm source read back from its own /proc after containment
         # (runtime/inside/probe.py); held while the source is.
         self._probed: weakref.WeakKeyDictionary[WarmSource, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -185,6 +191,8 @@ class Runtime:
         self.seccomp_bpf = await asyncio.to_thread(seccomp.build_filter)
         self.cgroup_backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup, cfg.cpu_reserved_cores)
         self.host_namespaces = probe.namespaces()
+        # rootless, every sandbox's user namespace hangs off the caller's: each is capped at a share
+        self.user_budgets = users.shared_budgets(cfg.rootless_budget_share) if cfg.rootless else {}
         self._leftovers = await asyncio.to_thread(self._sweep)
         self._swept = time.monotonic()
         self._reaper = asyncio.create_task(self._reap_loop())
@@ -492,7 +500,7 @@ class Runtime:
                 f"snapshot {view.id!r} carries a process image; restoring process images (CRIU >= 4.1) is not "
                 "wired into this runtime yet: build the snapshot with a warm recipe instead", snapshot_id=view.id)
         return Zygote(view, state_dir=self.config.state_dir, skel=skel, seccomp_bpf=self.seccomp_bpf,
-                      rootless=self.config.rootless)
+                      rootless=self.config.rootless, user_budgets=self.user_budgets)
 
     async def zygote(self, view: SnapshotView) -> WarmSource:
         """The running source of ``view``'s sandboxes, started (the cold path) if needed."""

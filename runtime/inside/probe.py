@@ -16,7 +16,9 @@ from typing import Any
 NAMESPACES = ("mnt", "pid", "ipc", "uts", "net", "user", "cgroup", "time")
 STATUS_FIELDS = ("Uid", "Gid", "CapEff", "CapPrm", "CapBnd", "NoNewPrivs", "Seccomp", "Seccomp_filters", "NSpid")
 RLIMITS = {"core": resource.RLIMIT_CORE, "nofile": resource.RLIMIT_NOFILE, "fsize": resource.RLIMIT_FSIZE,
-           "nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS}
+           "nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS,
+           "msgqueue": resource.RLIMIT_MSGQUEUE, "sigpending": resource.RLIMIT_SIGPENDING}
+BUDGETS = ("max_inotify_instances", "max_inotify_watches")  # this user namespace's own caps, of /proc/sys/user
 
 __all__ = ["NAMESPACES", "namespaces", "read_back", "userns_owner"]
 
@@ -87,6 +89,7 @@ def read_back() -> dict[str, Any]:
         "userns_owner": userns_owner,
         "mounts": _mounts,
         "rlimits": lambda: {k: list(resource.getrlimit(r)) for k, r in RLIMITS.items()},
+        "budgets": lambda: {k: int(_text(f"/proc/sys/user/{k}")) for k in BUDGETS},
         "net": _interfaces,
         "hostname": lambda: os.uname().nodename,
     }

@@ -35,7 +35,7 @@ def contain(cfg: dict[str, Any], req: dict[str, Any], cgroup_fds: list[int]) -> 
     )
     libc.sethostname("sandbox")
     # --- privileges drop here: from now on the process is the unprivileged sandbox user ---
-    users.drop_privileges(cfg["rootless"], userns_fd)
+    users.drop_privileges(cfg["rootless"], userns_fd, cfg.get("user_budgets"))
     # After the drop: rootless, RLIMIT_NPROC then counts this sandbox's own user namespace only.
     rlimits.apply(req["nofile"], req["fsize_bytes"], req.get("nproc"), req.get("as_bytes"), req.get("nice"))
     libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)  # cleared by the credential change

@@ -3,11 +3,65 @@
 from __future__ import annotations
 
 import os
+import resource
 
 from rollbox.runtime.isolation import libc
 
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
+
+# Per-user kernel budgets a user namespace can cap for itself (/proc/sys/user/<name>, one table per
+# namespace), each with the host-wide sysctl that bounds the initial namespace's level where it has one.
+# The kernel charges a nested namespace's counts at every level up to the initial namespace
+# (inc_ucount, kernel/ucount.c), so rootless, where every sandbox's namespace hangs off the caller, one
+# sandbox could take the caller's whole budget; a lower cap in its own namespace stops it at its share.
+# (The namespace counts of the same table need no cap: seccomp refuses sandboxes new namespaces.)
+NS_BUDGETS = {
+    "max_inotify_instances": "/proc/sys/fs/inotify/max_user_instances",
+    "max_inotify_watches": "/proc/sys/fs/inotify/max_user_watches",
+    "max_fanotify_groups": "/proc/sys/fs/fanotify/max_user_groups",
+    "max_fanotify_marks": "/proc/sys/fs/fanotify/max_user_marks",
+}
+# Budgets the kernel counts the same way but bounds by the caller's rlimits (a nested namespace keeps
+# its creator's as the bound of the level above it): a lower rlimit caps the sandbox's own level.
+RLIMIT_BUDGETS = {"RLIMIT_MSGQUEUE": resource.RLIMIT_MSGQUEUE, "RLIMIT_SIGPENDING": resource.RLIMIT_SIGPENDING}
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def shared_budgets(share: int) -> dict[str, int]:
+    """Supervisor side, rootless: the cap for one sandbox's namespace of each budget in ``NS_BUDGETS``,
+    ``1/share`` of the smallest bound readable from here (this namespace's own and the host-wide
+    sysctl). ``share`` 1: no caps."""
+    if share <= 1:
+        return {}
+    out = {}
+    for name, host in NS_BUDGETS.items():
+        bounds = [v for v in (_read_int(f"/proc/sys/user/{name}"), _read_int(host) if host else None) if v]
+        if bounds:
+            out[name] = max(1, min(bounds) // share)
+    for name, which in RLIMIT_BUDGETS.items():
+        soft = resource.getrlimit(which)[0]
+        if soft != resource.RLIM_INFINITY:
+            out[name] = max(1, soft // share)
+    return out
+
+
+def cap_budgets(budgets: dict[str, int]) -> None:
+    """In a user namespace just made, while this process still has every capability in it: write its own
+    table of per-user budgets (the sandbox, without capabilities, can read but not raise them)."""
+    for name, value in budgets.items():
+        if name in RLIMIT_BUDGETS:
+            resource.setrlimit(RLIMIT_BUDGETS[name], (value, value))
+            continue
+        with open(f"/proc/sys/user/{name}", "w") as f:
+            f.write(str(value))
 
 
 def map_self(inside_uid: int, inside_gid: int, outside_uid: int, outside_gid: int) -> None:
@@ -27,18 +81,20 @@ def enter_rootless_userns() -> None:
     map_self(0, 0, uid, gid)
 
 
-def drop_privileges(rootless: bool, userns_fd: int = -1) -> None:
+def drop_privileges(rootless: bool, userns_fd: int = -1, budgets: dict[str, int] | None = None) -> None:
     """Become the unprivileged sandbox user with no capabilities.
 
     As root: first into the sandbox's own user namespace if it has one (``userns_fd``: owned by a host
     uid of its own, its map identity or putting 1000 on that uid, see runtime/slots.py), then
     setgroups/setresgid/setresuid to 1000 (the kernel clears capabilities, the namespace's root being
     host root). Rootless: the process is root only of the zygote's user namespace, which maps to the
-    caller; a nested user namespace maps 1000 onto it, then capset clears every capability.
+    caller; a nested user namespace maps 1000 onto it and caps its share of the caller's per-user
+    budgets (``budgets``, see ``shared_budgets``), then capset clears every capability.
     """
     if rootless:
         libc.unshare(libc.CLONE_NEWUSER)
         map_self(SANDBOX_UID, SANDBOX_GID, 0, 0)
+        cap_budgets(budgets or {})
         libc.drop_all_capabilities()
     else:
         if userns_fd >= 0:

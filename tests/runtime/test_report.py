@@ -66,6 +66,11 @@ async def test_sandbox_report_matches_the_kernel(rt: Runtime) -> None:
         assert ("user namespace (uid_map" in rep["user"]) is ROOTLESS
         if ROOTLESS:
             assert _host_uid(sb.pid) == os.getuid()
+            # its share of the caller's budgets, as read back from inside (the caps its namespace holds)
+            b = rt.user_budgets
+            assert (f"its own namespace caps its share: {b['max_inotify_instances']} inotify instances, "
+                    f"{b['max_inotify_watches']} watches, message queues {b['RLIMIT_MSGQUEUE']} bytes, "
+                    f"{b['RLIMIT_SIGPENDING']} pending signals") in rep["user"], rep["user"]
         else:  # the owner of its namespace, as the host reads it (NS_GET_OWNER_UID)
             owner = ns_owner(sb.pid)
             assert owner >= 65536, owner

@@ -116,11 +116,28 @@ async def hold_in_one_then_try_another(rt: Runtime, hog_code: str, try_code: str
         await rt.destroy(other.sandbox_id)
 
 
-@as_root
 async def test_a_sandbox_holding_every_inotify_instance_leaves_the_others_theirs(rt: Runtime) -> None:
+    """As root the hog's budget is its own uid's; rootless, where every sandbox's namespace hangs off
+    the caller's, its own namespace caps it at a share of the caller's (runtime/isolation/users.py)."""
     (n, errno), r = await hold_in_one_then_try_another(rt, INOTIFY_HOG, INOTIFY_ONE)
     assert n > 0 and errno == 24, (n, errno)  # EMFILE: it took every instance its budget allows
+    if ROOTLESS:  # (a few of the caller's instances are the server's own: its share is at most that)
+        assert n == rt.user_budgets.get("max_inotify_instances"), (n, rt.user_budgets)
     assert r.stdout.split() == ["True", "0"], r  # and the other sandbox still gets one of its own
+
+
+@pytest.mark.skipif(not ROOTLESS, reason="as root every sandbox has budgets of its own uid")
+async def test_rootless_a_sandbox_reads_its_share_and_cannot_raise_it(rt: Runtime) -> None:
+    share = rt.user_budgets["max_inotify_instances"]
+    info = await rt.create()
+    try:
+        r = await rt.exec(info.sandbox_id, ExecRequest(command=(
+            "cat /proc/sys/user/max_inotify_instances; echo 100000 > /proc/sys/user/max_inotify_instances"
+            " 2>/dev/null && echo raised;"
+            " python3 -c 'import resource; print(resource.getrlimit(resource.RLIMIT_MSGQUEUE)[0])'")))
+        assert r.stdout.split() == [str(share), str(rt.user_budgets["RLIMIT_MSGQUEUE"])], r
+    finally:
+        await rt.destroy(info.sandbox_id)
 
 
 @as_root
