@@ -170,3 +170,7 @@ def test_clone_bootstrap_run_as_unprivileged_user(scratch: Scratch) -> None:
     cgroups = [line.strip() for line in doctor.splitlines() if line.strip().startswith(("ok   cgroups", "warn cgroups"))]
     assert len(cgroups) == 1 and cgroups[0].startswith("warn cgroups: not available"), doctor
     assert "memory and pids fall back to rlimits" in cgroups[0], doctor
+    # every sandbox runs as the caller: its own user namespace caps its share of the caller's budgets
+    share = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text()) // 8
+    assert f"its own namespace caps its share: {share} inotify instances" in doctor, doctor
+    assert any(line.strip().startswith("info subordinate uids:") for line in doctor.splitlines()), doctor
