@@ -118,8 +118,8 @@ def _shares(facts: Mapping[str, Any]) -> str:
         return "its own namespace caps none of them (a sandbox may take them all)"
     mq, sig = (rl.get(k, [None])[0] for k in ("msgqueue", "sigpending"))
     return (f"its own namespace caps its share: {n} inotify instances, {w} watches, message queues "
-            f"{mq} bytes, {sig} pending signals (pipe buffers and keyrings are per host uid: shared; "
-            "subordinate uid ranges are not used)")
+            f"{mq} bytes, {sig} pending signals (pipe buffers are per host uid, so shared; keyring syscalls are "
+            "denied; subordinate uid ranges are not used)")
 
 
 def filesystem(facts: Mapping[str, Any] | None, limits: Limits | None) -> str:

@@ -11,7 +11,7 @@ SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 
 # Per-user kernel budgets a user namespace can cap for itself (/proc/sys/user/<name>, one table per
-# namespace), each with the host-wide sysctl that bounds the initial namespace's level where it has one.
+# namespace), each with the host-wide sysctl that bounds the initial namespace's level.
 # The kernel charges a nested namespace's counts at every level up to the initial namespace
 # (inc_ucount, kernel/ucount.c), so rootless, where every sandbox's namespace hangs off the caller, one
 # sandbox could take the caller's whole budget; a lower cap in its own namespace stops it at its share.
@@ -43,7 +43,7 @@ def shared_budgets(share: int) -> dict[str, int]:
         return {}
     out = {}
     for name, host in NS_BUDGETS.items():
-        bounds = [v for v in (_read_int(f"/proc/sys/user/{name}"), _read_int(host) if host else None) if v]
+        bounds = [v for v in (_read_int(f"/proc/sys/user/{name}"), _read_int(host)) if v]
         if bounds:
             out[name] = max(1, min(bounds) // share)
     for name, which in RLIMIT_BUDGETS.items():
