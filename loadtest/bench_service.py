@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -204,6 +205,14 @@ def summary(concurrency: int, latencies: list[float], wall: float) -> dict[str, 
     }
 
 
+def mean_interval(xs: list[float], rounds: int = 10_000, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``xs`` (a fixed seed: the same rows, the same interval)."""
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(rounds))
+    cut = int(rounds * (1 - level) / 2)
+    return means[cut], means[rounds - 1 - cut]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-c", "--concurrency", type=int, action="append", help="repeatable; default 1, 16, 64")
@@ -279,6 +288,11 @@ def main() -> int:
                   f"{med(on, 'runs_per_s'):.1f} vs {med(off, 'runs_per_s'):.1f} runs/s; median of the "
                   f"{len(on)} back-to-back pairs' ratios: {paired:+.1f} %; server CPU "
                   f"{med(on, 'server_ms_per_run'):.2f} vs {med(off, 'server_ms_per_run'):.2f} ms/run)")
+            if len(on) >= 5:  # enough pairs to say how sure the estimate is
+                costs = [100 * (1 - a["runs_per_s"] / b["runs_per_s"]) for a, b in zip(on, off, strict=True)]
+                lo, hi = mean_interval(costs)
+                print(f"  mean of the {len(costs)} pairs' costs {statistics.fmean(costs):+.1f} % "
+                      f"(95 % interval of the mean {lo:+.1f} .. {hi:+.1f} %, bootstrap over the pairs)")
     if "on" in modes:
         print(f"(recording on: its server flushed {flushed} Parquet files of trajectories to its store)")
     print(
