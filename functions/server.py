@@ -208,8 +208,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("rootless_budget_share", "--rootless-budget-share", "ROLLBOX_ROOTLESS_BUDGET_SHARE", integer(1),
            RuntimeConfig.model_fields["rootless_budget_share"].default,
            "rootless: each sandbox may take at most 1/N of the caller's inotify instances and watches, "
-           "fanotify groups and marks, namespaces, message queue bytes and pending signals (all sandboxes "
-           "run as the caller, so these budgets are shared); 1: no caps"),
+           "fanotify groups and marks, message queue bytes and pending signals (all sandboxes run as the "
+           "caller, so these budgets are shared); 1: no caps"),
     Option("prewarm", "--prewarm", "ROLLBOX_PREWARM", names, ("python",),
            "snapshots whose warm process and one ready sandbox start with the server, before any event "
            "asks for them (comma-separated; empty: none); one missing from the store is logged and skipped"),

@@ -89,12 +89,12 @@ def _subordinate_uids(path: str = "/etc/subuid") -> str:
         parts = line.strip().split(":")
         if len(parts) == 3 and parts[0] in names and parts[2].isdigit():
             granted += int(parts[2])
-    why = ("the kernel charges every nested namespace's counts to the caller too, and files would need "
-           "idmapped layers, which a rootless namespace may not mount; each sandbox's own namespace caps its "
-           "share of the caller's budgets instead (--rootless-budget-share)")
+    caps = ("each sandbox's own namespace caps its share of the caller's budgets (--rootless-budget-share)")
     if granted:
-        return f"subordinate uids: {path} grants {granted}; not used: {why}"
-    return f"subordinate uids: none granted in {path}; every sandbox runs as uid {uid}, {why.split('; ')[1]}"
+        return (f"subordinate uids: {path} grants {granted}; not used: the kernel charges every nested "
+                "namespace's counts to the caller too, and files would need idmapped layers, which a rootless "
+                f"namespace may not mount; instead {caps}")
+    return f"subordinate uids: none granted in {path}; every sandbox runs as uid {uid}, and {caps}"
 
 
 async def diagnose() -> tuple[bool, list[str]]:

@@ -113,13 +113,18 @@ def _shares(facts: Mapping[str, Any]) -> str:
     """Rootless: the caps a sandbox's own user namespace puts on its share (runtime/isolation/users.py)."""
     budgets: Mapping[str, int] = facts.get("budgets") or {}
     rl: Mapping[str, list[int]] = facts.get("rlimits") or {}
-    n, w = budgets.get("max_inotify_instances"), budgets.get("max_inotify_watches")
-    if not n or n >= 2**31 - 1:
-        return "its own namespace caps none of them (a sandbox may take them all)"
-    mq, sig = (rl.get(k, [None])[0] for k in ("msgqueue", "sigpending"))
-    return (f"its own namespace caps its share: {n} inotify instances, {w} watches, message queues "
-            f"{mq} bytes, {sig} pending signals (pipe buffers are per host uid, so shared; keyring syscalls are "
-            "denied; subordinate uid ranges are not used)")
+    unset = 2**31 - 1  # a new namespace's own table: no cap of its own
+    parts = [f"{budgets[k]} {what}" for k, what in (
+        ("max_inotify_instances", "inotify instances"), ("max_inotify_watches", "inotify watches"),
+        ("max_fanotify_groups", "fanotify groups"), ("max_fanotify_marks", "fanotify marks"),
+    ) if k in budgets and budgets[k] < unset]
+    parts += [f"{what} {_rlimit(k, rl[k][0])}" for k, what in (
+        ("msgqueue", "message queue bytes"), ("sigpending", "pending signals")) if k in rl]
+    shared = ("pipe buffers are per host uid, so shared; keyring syscalls are denied; subordinate uid "
+              "ranges are not used")
+    if not parts or not any(k in budgets and budgets[k] < unset for k in budgets):
+        return f"its own namespace caps none of the caller's budgets ({shared})"
+    return f"its own namespace caps its share: {', '.join(parts)} ({shared})"
 
 
 def filesystem(facts: Mapping[str, Any] | None, limits: Limits | None) -> str:

@@ -122,8 +122,8 @@ class RuntimeConfig(BaseModel):
 
     rootless_budget_share: Annotated[int, Field(ge=1)] = Field(
         default=8, description="rootless: each sandbox may take at most 1/N of the caller's per-user kernel "
-        "budgets that its own user namespace can cap (inotify, fanotify, namespaces; message queues and "
-        "pending signals through rlimits); 1: no caps")
+        "budgets that its own user namespace can cap (inotify, fanotify; message queues and pending signals "
+        "through rlimits); 1: no caps")
 
     @field_validator("uid_range")
     @classmethod

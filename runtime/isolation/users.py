@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 
 from rollbox.runtime.isolation import libc
@@ -43,14 +44,20 @@ def shared_budgets(share: int) -> dict[str, int]:
         return {}
     out = {}
     for name, host in NS_BUDGETS.items():
-        bounds = [v for v in (_read_int(f"/proc/sys/user/{name}"), _read_int(host)) if v]
-        if bounds:
-            out[name] = max(1, min(bounds) // share)
-    for name, which in RLIMIT_BUDGETS.items():
-        soft = resource.getrlimit(which)[0]
-        if soft != resource.RLIM_INFINITY:
-            out[name] = max(1, soft // share)
+        own = _read_int(f"/proc/sys/user/{name}")  # (absent on kernels without it: nothing to write either)
+        if own:
+            out[name] = max(1, min(v for v in (own, _read_int(host)) if v) // share)
+    if _kernel_at_least(5, 14):  # before 5.14 these counts were per host uid: a lower rlimit would
+        for name, which in RLIMIT_BUDGETS.items():  # cap every sandbox together, not each one
+            soft = resource.getrlimit(which)[0]
+            if soft != resource.RLIM_INFINITY:
+                out[name] = max(1, soft // share)
     return out
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    found = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return found is not None and (int(found[1]), int(found[2])) >= (major, minor)
 
 
 def cap_budgets(budgets: dict[str, int]) -> None:
@@ -94,6 +101,8 @@ def drop_privileges(rootless: bool, userns_fd: int = -1, budgets: dict[str, int]
     if rootless:
         libc.unshare(libc.CLONE_NEWUSER)
         map_self(SANDBOX_UID, SANDBOX_GID, 0, 0)
+        # after the unshare, not before: a new namespace keeps its creator's rlimits as the bound of
+        # the level above it (the caller's, shared by all sandboxes), the lowered ones bound its own
         cap_budgets(budgets or {})
         libc.drop_all_capabilities()
     else:

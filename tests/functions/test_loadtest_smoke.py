@@ -67,6 +67,7 @@ def test_locustfile_plays_episodes(small_server: ServerProc, tmp_path: Path) -> 
     for name in ("create", "exec", "destroy"):
         assert int(rows[name]["Request Count"]) > 0 and int(rows[name]["Failure Count"]) == 0, rows[name]
     final = printed_counts(out)
+    assert {"create", "exec", "destroy"} <= set(final), out[-4000:]  # (Locust's table as this test reads it)
     assert final["exec"] >= final["create"] > 0, final
     assert final["destroy"] == final["create"], out[-4000:]  # every episode ended with its destroy
 

@@ -108,3 +108,18 @@ def test_doctor_lists_every_layer(tmp_path: Path) -> None:
     assert layers["cgroups"].startswith(("v1: cgroup v1 at rollbox", "v2: cgroup v2 at rollbox"))
     assert "its init is in it" in layers["cgroups"]
     assert layers["seccomp"].startswith("filter loaded (Seccomp=2")
+
+
+def test_doctor_counts_the_subordinate_uids_granted_by_name_or_uid(tmp_path: Path) -> None:
+    import pwd
+
+    from rollbox.runtime.doctor import _subordinate_uids
+
+    uid = os.geteuid()
+    name = pwd.getpwuid(uid).pw_name
+    f = tmp_path / "subuid"
+    f.write_text(f"someone:100000:65536\n{name}:165536:65536\n{uid}:231072:1000\nnot a range\n")
+    assert _subordinate_uids(str(f)).startswith(f"subordinate uids: {f} grants 66536; not used: the kernel")
+    f.write_text("someone:100000:65536\n")
+    assert _subordinate_uids(str(f)).startswith(f"subordinate uids: none granted in {f}; every sandbox runs as uid")
+    assert "none granted" in _subordinate_uids(str(tmp_path / "absent"))

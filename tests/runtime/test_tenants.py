@@ -121,7 +121,7 @@ async def test_a_sandbox_holding_every_inotify_instance_leaves_the_others_theirs
     the caller's, its own namespace caps it at a share of the caller's (runtime/isolation/users.py)."""
     (n, errno), r = await hold_in_one_then_try_another(rt, INOTIFY_HOG, INOTIFY_ONE)
     assert n > 0 and errno == 24, (n, errno)  # EMFILE: it took every instance its budget allows
-    if ROOTLESS:  # (a few of the caller's instances are the server's own: its share is at most that)
+    if ROOTLESS:  # its cap, far below the caller's budget (in this suite the caller runs nothing else)
         assert n == rt.user_budgets.get("max_inotify_instances"), (n, rt.user_budgets)
     assert r.stdout.split() == ["True", "0"], r  # and the other sandbox still gets one of its own
 
