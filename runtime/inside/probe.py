@@ -13,13 +13,13 @@ import resource
 from collections.abc import Callable
 from typing import Any
 
+from rollbox.runtime.isolation import users
+
 NAMESPACES = ("mnt", "pid", "ipc", "uts", "net", "user", "cgroup", "time")
 STATUS_FIELDS = ("Uid", "Gid", "CapEff", "CapPrm", "CapBnd", "NoNewPrivs", "Seccomp", "Seccomp_filters", "NSpid")
 RLIMITS = {"core": resource.RLIMIT_CORE, "nofile": resource.RLIMIT_NOFILE, "fsize": resource.RLIMIT_FSIZE,
            "nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS,
            "msgqueue": resource.RLIMIT_MSGQUEUE, "sigpending": resource.RLIMIT_SIGPENDING}
-# this user namespace's own caps, of /proc/sys/user (those this kernel has)
-BUDGETS = ("max_inotify_instances", "max_inotify_watches", "max_fanotify_groups", "max_fanotify_marks")
 
 __all__ = ["NAMESPACES", "namespaces", "read_back", "userns_owner"]
 
@@ -90,7 +90,8 @@ def read_back() -> dict[str, Any]:
         "userns_owner": userns_owner,
         "mounts": _mounts,
         "rlimits": lambda: {k: list(resource.getrlimit(r)) for k, r in RLIMITS.items()},
-        "budgets": lambda: {k: int(_text(f"/proc/sys/user/{k}")) for k in BUDGETS
+        # this user namespace's own caps of the budgets rootless sandboxes are capped on (those this kernel has)
+        "budgets": lambda: {k: int(_text(f"/proc/sys/user/{k}")) for k in users.NS_BUDGETS
                             if os.path.exists(f"/proc/sys/user/{k}")},
         "net": _interfaces,
         "hostname": lambda: os.uname().nodename,
