@@ -114,17 +114,17 @@ def _shares(facts: Mapping[str, Any]) -> str:
     budgets: Mapping[str, int] = facts.get("budgets") or {}
     rl: Mapping[str, list[int]] = facts.get("rlimits") or {}
     unset = 2**31 - 1  # a new namespace's own table: no cap of its own
-    parts = [f"{budgets[k]} {what}" for k, what in (
+    capped = [f"{budgets[k]} {what}" for k, what in (
         ("max_inotify_instances", "inotify instances"), ("max_inotify_watches", "inotify watches"),
         ("max_fanotify_groups", "fanotify groups"), ("max_fanotify_marks", "fanotify marks"),
-    ) if k in budgets and budgets[k] < unset]
-    parts += [f"{what} {_rlimit(k, rl[k][0])}" for k, what in (
-        ("msgqueue", "message queue bytes"), ("sigpending", "pending signals")) if k in rl]
+    ) if budgets.get(k, unset) < unset]
     shared = ("pipe buffers are per host uid, so shared; keyring syscalls are denied; subordinate uid "
               "ranges are not used")
-    if not parts or not any(k in budgets and budgets[k] < unset for k in budgets):
+    if not capped:
         return f"its own namespace caps none of the caller's budgets ({shared})"
-    return f"its own namespace caps its share: {', '.join(parts)} ({shared})"
+    capped += [f"{what} {_rlimit(k, rl[k][0])}" for k, what in (
+        ("msgqueue", "message queue bytes"), ("sigpending", "pending signals")) if k in rl]
+    return f"its own namespace caps its share: {', '.join(capped)} ({shared})"
 
 
 def filesystem(facts: Mapping[str, Any] | None, limits: Limits | None) -> str:
