@@ -29,6 +29,10 @@ KILL_GRACE_S = 3.0  # after a step's processes were killed, how long the agent h
 # ... of which a timed-out step waits this long (for its read-back files); past it the step returns
 # as killed and the agent's report is read before the sandbox's next frame (``settle``).
 REPORT_WAIT_S = 0.2
+# A one-shot run killed at its deadline replies after at most this long: its init's end is reported
+# only once every process of its pid namespace is gone, which a fork bomb's thousands make seconds.
+# The reply does not wait for that; the sandbox is ended in the background (Runtime.run).
+KILLED_REPLY_WAIT_S = 0.1
 # A step that starts within this long of the sandbox's previous one leaves a spare worker behind it
 # (forked by the agent ahead of the next step, ~1 ms off that step's path). Steps further apart, the
 # common case of an RL episode whose model thinks for seconds, leave none: an idle sandbox holds no
@@ -552,7 +556,7 @@ class Sandbox:
             timed_out = not ended.done() and not self.exited.is_set()
             if timed_out:
                 self.kill()
-                await asyncio.wait({ended}, timeout=KILL_GRACE_S)
+                await asyncio.wait({ended}, timeout=KILLED_REPLY_WAIT_S)
             self.dead = self.dead or "finished"
             if started is None and not timed_out:
                 died = SandboxDied(f"sandbox {self.id} ended before its program started", sandbox_id=self.id)

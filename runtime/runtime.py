@@ -835,8 +835,22 @@ class Runtime:
                 if exc.ran or attempt == 2:
                     raise
             finally:
-                await self.destroy(sb.id)
+                if sb.exited.is_set():
+                    await self.destroy(sb.id)
+                else:  # killed at its deadline and still tearing down (a fork bomb's pid namespace):
+                    self._destroy_later(sb.id)  # reply now, reap and bill in the background
         raise AssertionError("unreachable")
+
+    def _destroy_later(self, sandbox_id: str) -> None:
+        async def end() -> None:
+            try:
+                await self.destroy(sandbox_id)
+            except SandboxNotFound:
+                pass  # destroyed meanwhile (shutdown)
+
+        task = asyncio.get_running_loop().create_task(end())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ----------------------------------------------------------------- lifetimes
     async def _reap_loop(self) -> None:

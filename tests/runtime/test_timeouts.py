@@ -124,3 +124,32 @@ async def test_misbehaving_steps_end_at_their_deadlines_side_by_side(tmp_path: P
         finally:
             for i in infos:
                 await rt.destroy(i.sandbox_id)
+
+
+WILD_FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+BACKGROUND_SPINNERS = "yes > /dev/null & yes > /dev/null & yes > /dev/null & wait"
+
+
+@pytest.mark.parametrize("kind", ["fork bomb", "background spinners", "endless output", "sleeper"])
+async def test_a_timed_out_one_shot_run_replies_at_its_deadline(tmp_path: Path, kind: str) -> None:
+    """A one-shot run's program is its sandbox's init: killed at the deadline, the run replies then.
+    The pid namespace's teardown (seconds for a fork bomb's hundreds of processes) and the reaping
+    finish in the background, and then nothing of the sandbox is left."""
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("oneshot"), pool_max=0)) as rt:
+        lim = Limits(pids_max=1024, cpu_max_cores=1.0)
+        req = {"fork bomb": ExecRequest(code=WILD_FORK_BOMB, timeout_s=1.0),
+               "background spinners": ExecRequest(command=BACKGROUND_SPINNERS, timeout_s=1.0),
+               "endless output": ExecRequest(code=ENDLESS_OUTPUT, timeout_s=1.0),
+               "sleeper": ExecRequest(code=SLEEPER, timeout_s=1.0)}[kind]
+        for _ in range(2):
+            t0 = time.monotonic()
+            r = await rt.run(req, limits=lim)
+            wall = time.monotonic() - t0
+            assert r.timed_out and r.exit_code == 137, r
+            assert wall <= 1.0 + 0.5, f"{kind}: the run replied {wall - 1.0:.2f} s after its deadline"
+        for _ in range(200):
+            if not rt.sandboxes:
+                break
+            await asyncio.sleep(0.05)
+        assert not rt.sandboxes, list(rt.sandboxes)  # ended in the background, within seconds
+        assert all(u.reason == "destroyed" for u in rt.usages.values())  # and billed
