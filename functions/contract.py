@@ -39,6 +39,7 @@ __all__ = [
     "SANDBOX_DESTROYED",
     "SANDBOX_EXEC",
     "SANDBOX_FORK",
+    "SANDBOX_ID_PATTERN",
     "SANDBOX_FORKED",
     "SANDBOX_RESULT",
     "SANDBOX_RUN",
@@ -91,8 +92,10 @@ CORRELATION_ID: Final = "correlationid"  # RequestReply spec.correlationAttribut
 REPLY_ID: Final = "replyid"  # RequestReply spec.replyAttribute
 REPLY_CARRIES: Final = ((PARTITION_KEY, PARTITION_KEY), (CORRELATION_ID, REPLY_ID))
 
+# ASCII letters, digits and _.:- only (no control, DEL or non-ASCII characters: ids travel in headers)
+SANDBOX_ID_PATTERN: Final = r"[A-Za-z0-9][A-Za-z0-9_.:-]*"
 SandboxId = Annotated[
-    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+    str, StringConstraints(min_length=1, max_length=128, pattern=rf"^{SANDBOX_ID_PATTERN}$")
 ]
 SnapshotRef = Annotated[
     str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@/+-]*$")

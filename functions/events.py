@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +25,7 @@ __all__ = ["Mode", "ReplyError", "content_mode", "decode", "encode", "error_even
 JSON = "application/json"
 STRUCTURED = "application/cloudevents+json"
 BATCH = "application/cloudevents-batch+json"
+_HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,1024}")  # printable ASCII: a valid HTTP header value
 
 
 class Mode(enum.Enum):
@@ -157,7 +159,7 @@ def reply_event(event_type: str, data: BaseModel | Mapping[str, Any], subject: s
         "type": event_type,
         "datacontenttype": JSON,
     }
-    if subject:
+    if subject and _HEADER_SAFE.fullmatch(subject):  # it becomes the ce-subject header in binary mode
         attrs["subject"] = subject
     payload = data.model_dump(mode="json") if isinstance(data, BaseModel) else dict(data)
     return CloudEvent(attrs, payload)

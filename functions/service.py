@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import math
+import re
 import sys
 import time
 from collections import OrderedDict
@@ -34,6 +35,7 @@ from rollbox.functions.contract import (
     SANDBOX_CREATED,
     SANDBOX_DESTROY,
     SANDBOX_DESTROYED,
+    SANDBOX_ID_PATTERN,
     ErrorCode,
     ErrorData,
 )
@@ -52,6 +54,7 @@ from starlette.responses import JSONResponse, Response
 __all__ = ["ERROR_TABLE", "Service", "ServiceConfig", "handle"]
 
 MiB = 1024 * 1024
+_SANDBOX_ID = re.compile(SANDBOX_ID_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -340,7 +343,7 @@ class Service:
                 ErrorCode.INVALID_DATA,
                 message,
                 details={"errors": details},
-                sandbox_id=sid if isinstance(sid, str) and len(sid) <= 128 else None,
+                sandbox_id=sid if isinstance(sid, str) and len(sid) <= 128 and _SANDBOX_ID.fullmatch(sid) else None,  # never unvalidated
             ) from None
 
     async def _execute(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef,

@@ -248,6 +248,21 @@ CORPUS: list[tuple[str, dict[str, str], bytes, int, str, tuple[str, ...]]] = [
         "invalid_data",
         ("sandbox_id",),
     ),
+    # sandbox_id with control or non-Latin-1 characters: was a dropped connection / plain-text 500 (the
+    # error reply copied the id into the ce-subject header)
+    *[
+        (f"sandbox_id with {what}", binary_headers(**{"ce-type": "dev.rollbox.sandbox.exec"}),
+         b({"sandbox_id": f"sb-{ch}x", "code": "1"}), 400, "invalid_data", ("sandbox_id",))
+        for what, ch in (("NUL", "\u0000"), ("CR", "\r"), ("LF", "\n"), ("DEL", "\u007f"), ("snowman", "\u2603"))
+    ],
+    (
+        "structured sandbox_id with LF",
+        STRUCT,
+        structured({"sandbox_id": "sb-\n", "code": "1"}, type="dev.rollbox.sandbox.exec"),
+        400,
+        "invalid_data",
+        ("sandbox_id",),
+    ),
     (
         "path traversal in snapshot",
         binary_headers(),
