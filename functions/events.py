@@ -25,6 +25,7 @@ __all__ = ["Mode", "ReplyError", "content_mode", "decode", "encode", "error_even
 JSON = "application/json"
 STRUCTURED = "application/cloudevents+json"
 BATCH = "application/cloudevents-batch+json"
+_TOO_DEEP = "nested too deep (JSON arrays and objects may nest at most about 900 levels)"
 _HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,1024}")  # printable ASCII: a valid HTTP header value
 
 
@@ -116,9 +117,22 @@ def decode(headers: Mapping[str, str], body: bytes) -> CloudEvent:
                 raise ReplyError(400, ErrorCode.INVALID_EVENT,
                                  f"the ce-{attr} header is {what}: a binary-mode CloudEvent needs ce-specversion "
                                  "(1.0), ce-id, ce-source and ce-type (or send application/cloudevents+json)")
+    too_deep: list[bool] = []
+
+    def unmarshal(content: str | bytes | None) -> Any:
+        try:
+            return _strict_json(content)
+        except RecursionError:
+            too_deep.append(True)
+            raise ValueError(_TOO_DEEP) from None
+
     try:
-        event = from_http(dict(headers), body, data_unmarshaller=_strict_json)
+        event = from_http(dict(headers), body, data_unmarshaller=unmarshal)
+    except RecursionError:  # structured mode: the whole body is parsed as JSON
+        raise ReplyError(400, ErrorCode.INVALID_EVENT, f"the body is not valid JSON: {_TOO_DEEP}") from None
     except ce_exceptions.DataUnmarshallerError as exc:
+        if too_deep:
+            raise ReplyError(400, ErrorCode.INVALID_EVENT, f"event data is not valid JSON: {_TOO_DEEP}") from None
         raise ReplyError(
             400, ErrorCode.INVALID_EVENT, f"event data is not valid JSON: {_clip(str(exc))}"
         ) from None

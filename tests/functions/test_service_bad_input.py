@@ -263,6 +263,16 @@ CORPUS: list[tuple[str, dict[str, str], bytes, int, str, tuple[str, ...]]] = [
         "invalid_data",
         ("sandbox_id",),
     ),
+    # structured JSON nested past the parser's depth: was a 500 RecursionError (binary mode: 400)
+    *[
+        (f"{mode} json nested {depth} deep", hdrs, body_of(depth), 400, "invalid_event", ("JSON", "deep"))
+        for depth in (1000, 100_000)
+        for mode, hdrs, body_of in (
+            ("structured", STRUCT, lambda n: b'{"specversion": "1.0", "type": "dev.rollbox.sandbox.run", '
+             b'"source": "/t", "id": "deep", "data": ' + b"[" * n + b"]" * n + b"}"),
+            ("binary", binary_headers(), lambda n: b"[" * n + b"]" * n),
+        )
+    ],
     (
         "path traversal in snapshot",
         binary_headers(),
