@@ -728,8 +728,11 @@ class DurableRuntime:
         gens = {e["g"] for e in head.files.entries if e["t"] == "f" and e.get("g") is not None}
         need_blobs = {e["sha"] for e in head.files.entries if e["t"] == "f" and e.get("g") is None}
         records = {head.generation: head}
-        fetched = await asyncio.gather(*(self._read(sid, g) for g in gens - {head.generation}))
-        for g, rec in zip(sorted(gens - {head.generation}), fetched, strict=True):
+        # one order for the reads and for pairing their results: a set of ints iterates unsorted
+        # once they pass its table size (list({3, 9}) == [9, 3]), which paired records with wrong generations
+        older = sorted(gens - {head.generation})
+        fetched = await asyncio.gather(*(self._read(sid, g) for g in older))
+        for g, rec in zip(older, fetched, strict=True):
             if rec is None:
                 raise IntegrityError(f"sandbox {sid}: record {g} holding file contents is missing", sandbox_id=sid)
             records[g] = rec
