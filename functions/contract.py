@@ -117,6 +117,12 @@ def _check_pairs(what: str) -> Callable[[dict[str, str]], dict[str, str]]:
         if len(v) > MAX_METADATA_ITEMS:
             raise ValueError(f"at most {MAX_METADATA_ITEMS} {what} items, got {len(v)}")
         for k, val in v.items():
+            for text in (k, val):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:  # a JSON escape such as \ud800: not storable text
+                    raise ValueError(f"{what} key {k[:64]!r}: not valid UTF-8: lone surrogate at position "
+                                     f"{exc.start} of the {'key' if text is k else 'value'}") from None
             if not 0 < len(k) <= 64 or len(val) > 1024:
                 raise ValueError(f"{what} key {k[:64]!r}: keys are 1-64 chars, values at most 1024 chars")
         return v

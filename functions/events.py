@@ -154,6 +154,11 @@ def decode(headers: Mapping[str, str], body: bytes) -> CloudEvent:
     for attr in ("id", "source", "type"):
         if not isinstance(event[attr], str) or not event[attr]:
             raise ReplyError(400, ErrorCode.INVALID_EVENT, f"attribute {attr!r} must be a non-empty string")
+        try:
+            event[attr].encode("utf-8")
+        except UnicodeEncodeError as exc:  # a JSON escape such as \ud800: valid JSON, not storable text
+            raise ReplyError(400, ErrorCode.INVALID_EVENT,
+                             f"attribute {attr!r} is not valid UTF-8: lone surrogate at position {exc.start}") from None
     dct = event.get("datacontenttype")
     if dct is not None and not _is_json(str(dct).split(";", 1)[0].strip().lower()):
         raise ReplyError(

@@ -273,6 +273,41 @@ CORPUS: list[tuple[str, dict[str, str], bytes, int, str, tuple[str, ...]]] = [
             ("binary", binary_headers(), lambda n: b"[" * n + b"]" * n),
         )
     ],
+    # lone surrogates (valid JSON escapes, not UTF-8): refused before anything runs, naming the field
+    (
+        "lone surrogate in create metadata",
+        binary_headers(**{"ce-type": "dev.rollbox.sandbox.create"}),
+        b'{"metadata": {"episode": "e\\ud800"}}',
+        400,
+        "invalid_data",
+        ("metadata", "lone surrogate"),
+    ),
+    (
+        "lone surrogate in a metadata key",
+        binary_headers(),
+        b'{"code": "1", "metadata": {"\\udc00k": "v"}}',
+        400,
+        "invalid_data",
+        ("metadata", "lone surrogate"),
+    ),
+    (
+        "lone surrogate in structured source",
+        STRUCT,
+        b'{"specversion": "1.0", "type": "dev.rollbox.sandbox.run", "source": "/t\\ud800", "id": "x", '
+        b'"data": {"code": "1"}}',
+        400,
+        "invalid_event",
+        ("'source'", "not valid UTF-8: lone surrogate"),
+    ),
+    (
+        "lone surrogate in structured id",
+        STRUCT,
+        b'{"specversion": "1.0", "type": "dev.rollbox.sandbox.run", "source": "/t", "id": "x\\udfff", '
+        b'"data": {"code": "1"}}',
+        400,
+        "invalid_event",
+        ("'id'", "not valid UTF-8: lone surrogate"),
+    ),
     (
         "path traversal in snapshot",
         binary_headers(),
