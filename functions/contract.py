@@ -19,7 +19,7 @@ runtime cannot drift apart.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
@@ -107,7 +107,41 @@ MAX_METADATA_ITEMS: Final = 32
 MAX_FORK: Final = 64
 
 
-class _Data(BaseModel):
+def _numeric(annotation: Any) -> bool:
+    return annotation in (int, float) or any(_numeric(a) for a in get_args(annotation))
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for a in get_args(annotation) if (m := _nested_model(a)) is not None), None)
+
+
+def _refuse_bools(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
+    """JSON true/false is not a number (pydantic would take ``timeout_s: true`` as 1 s): refuse a
+    boolean given for any numeric field, nested models (``limits``) included, naming the field."""
+    if not isinstance(data, dict):
+        return data
+    for name, field in model.model_fields.items():
+        if name not in data:
+            continue
+        value = data[name]
+        if isinstance(value, bool) and _numeric(field.annotation):
+            raise ValueError(f"'{prefix}{name}' must be a number, not a boolean ({str(value).lower()})")
+        nested = _nested_model(field.annotation)
+        if nested is not None:
+            _refuse_bools(nested, value, f"{prefix}{name}.")
+    return data
+
+
+class _StrictNumbers(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bools(cls, data: Any) -> Any:
+        return _refuse_bools(cls, data)
+
+
+class _Data(_StrictNumbers):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -171,7 +205,7 @@ def _as_exec_request(data: ExecRequest) -> ExecRequest:
     return ExecRequest.model_construct(data.model_fields_set & names, **{k: getattr(data, k) for k in names})
 
 
-class ExecData(ExecRequest):
+class ExecData(ExecRequest, _StrictNumbers):
     """``dev.rollbox.sandbox.exec``: one step in the live sandbox ``sandbox_id``."""
 
     sandbox_id: SandboxId
@@ -180,7 +214,7 @@ class ExecData(ExecRequest):
         return _as_exec_request(self)
 
 
-class RunData(ExecRequest):
+class RunData(ExecRequest, _StrictNumbers):
     """``dev.rollbox.sandbox.run``: create + exec + destroy in one event. ``timeout_s`` bounds the exec."""
 
     snapshot: SnapshotRef = "python"

@@ -308,6 +308,18 @@ CORPUS: list[tuple[str, dict[str, str], bytes, int, str, tuple[str, ...]]] = [
         "invalid_event",
         ("'id'", "not valid UTF-8: lone surrogate"),
     ),
+    # JSON true/false is not a number (timeout_s: true was taken as 1 s)
+    *[
+        (f"boolean {field} in {etype.rsplit('.', 1)[1]}", binary_headers(**{"ce-type": etype}), b(data), 400,
+         "invalid_data", (field, "not a boolean"))
+        for etype, field, data in (
+            ("dev.rollbox.sandbox.create", "timeout_s", {"timeout_s": True}),
+            ("dev.rollbox.sandbox.run", "timeout_s", {"code": "1", "timeout_s": True}),
+            ("dev.rollbox.sandbox.run", "limits.pids_max", {"code": "1", "limits": {"pids_max": True}}),
+            ("dev.rollbox.sandbox.fork", "count", {"snapshot": "python", "count": True}),
+            ("dev.rollbox.episode.annotate", "reward", {"episode": "e", "reward": False}),
+        )
+    ],
     (
         "path traversal in snapshot",
         binary_headers(),
