@@ -18,12 +18,19 @@ Namespaces are made ahead of demand, in batches, by ``rollbox.runtime.inside.use
 single-threaded helper process), and reused: a slot goes back to the end of the free queue once
 its sandbox's init has exited (the kernel ends a pid namespace's init only after every other
 process in it is gone); one whose init did not exit is retired.
+
+Uids are unique across the processes of a host (two servers, a server and a CLI run): each uid a
+process takes is claimed by an exclusive ``flock`` of ``<lock_dir>/<uid>`` on an fd it keeps open
+until ``close()``; uids another live process holds are skipped, and the kernel drops a dead
+process's claims, so its uids go to whoever comes next.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -37,6 +44,8 @@ log = logging.getLogger("rollbox.runtime")
 
 DEFAULT_RANGE = "1073741824:65536"  # 2^30: far above the uids of accounts and of /etc/subuid ranges
 BATCH = 32
+# host-wide: one lock file per uid handed out, flocked by the process whose sandboxes use it
+LOCK_DIR = os.environ.get("ROLLBOX_UID_LOCK_DIR", "/run/rollbox/uids")
 
 
 def parse_range(text: str) -> tuple[int, int] | None:
@@ -62,9 +71,11 @@ class Slot:
 
 
 class UserSlots:
-    def __init__(self, start: int, count: int, *, batch: int = BATCH, probe: list[str] | None = None):
+    def __init__(self, start: int, count: int, *, batch: int = BATCH, probe: list[str] | None = None,
+                 lock_dir: str | None = None):
         """``probe``: [a scratch directory, then the directories the sandboxes' layers come from];
-        if an overlay of idmapped mounts of them works, sandboxes run as their slot's uid."""
+        if an overlay of idmapped mounts of them works, sandboxes run as their slot's uid.
+        ``lock_dir``: the host-wide directory of uid claims (default ``LOCK_DIR``)."""
         self.start, self.count = start, count
         self.batch = batch
         self._probe = probe
@@ -75,6 +86,8 @@ class UserSlots:
         self._all: dict[int, Slot] = {}
         self._making: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self._lock_dir = lock_dir or LOCK_DIR
+        self._claims: dict[int, int] = {}  # uid -> the fd of its flocked lock file (held until close)
 
     @property
     def made(self) -> int:
@@ -89,7 +102,8 @@ class UserSlots:
         while not self._free:
             if self._next >= self.start + self.count:
                 raise IsolationError(f"no free uid in the uid range {self.start}:{self.count} "
-                                     f"({self.in_use} sandboxes hold one each)")
+                                     f"({self.in_use} sandboxes here hold one each, other processes "
+                                     f"of this host the rest)")
             await self._make(only_if_none_free=True)
         slot = self._free.popleft()
         if len(self._free) < self.batch // 4 and self._next < self.start + self.count \
@@ -114,23 +128,58 @@ class UserSlots:
         async with self._lock:  # one batch at a time; a waiter finds the batch made meanwhile
             if (only_if_none_free and self._free) or self._next >= self.start + self.count:
                 return
-            owners = list(range(self._next, min(self._next + self.batch, self.start + self.count)))
+            owners = await asyncio.to_thread(self._claim, self.batch)
+            if not owners:
+                return
             request: dict[str, object] = {"owners": owners}
             if self.shifted is None and self._probe:
                 request["probe"] = self._probe
             else:
                 request["shift"] = bool(self.shifted)
-            fds, reply = await make_namespaces(request)
+            try:
+                fds, reply = await make_namespaces(request)
+            except BaseException:
+                self._unclaim(owners)
+                self._next = min(self._next, owners[0])  # as before: a failed batch's uids are tried again
+                raise
             if self.shifted is None:
                 self.shifted = bool(reply.get("shift"))
                 self.idmap_error = str(reply.get("idmap_error") or "")
                 if not self.shifted and self.idmap_error:
                     log.info("sandboxes run as host uid 1000 (namespaces owned per sandbox): no idmapped "
                              "layers here: %s", self.idmap_error)
-            self._next += len(owners)
             for uid, fd in zip(owners, fds, strict=True):
                 slot = self._all[uid] = Slot(uid, fd, bool(self.shifted))
                 self._free.append(slot)
+
+    def _claim(self, n: int) -> list[int]:
+        """Up to ``n`` uids from ``_next`` on that no other live process of the host holds, each
+        flocked on a file of the lock directory; ``_next`` moves past every uid looked at."""
+        os.makedirs(self._lock_dir, mode=0o700, exist_ok=True)
+        end = self.start + self.count
+        got: list[int] = []
+        while len(got) < n and self._next < end:
+            uid = self._next
+            self._next += 1
+            fd = os.open(os.path.join(self._lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another live process's sandboxes have it
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            self._claims[uid] = fd
+            got.append(uid)
+        return got
+
+    def _unclaim(self, uids: list[int]) -> None:
+        for uid in uids:
+            fd = self._claims.pop(uid, None)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     async def prepare(self) -> None:
         """Make the first batch (at start, beside the first zygotes)."""
@@ -147,6 +196,7 @@ class UserSlots:
                 pass
         self._all.clear()
         self._free.clear()
+        self._unclaim(list(self._claims))
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -197,12 +197,13 @@ async def test_what_a_sandbox_wrote_goes_into_layers_as_the_sandbox_users(rt: Ru
 
 
 @as_root
-async def test_slots_are_reused_when_released_and_never_after_close() -> None:
+async def test_slots_are_reused_when_released_and_never_after_close(tmp_path: Path) -> None:
     from rollbox.runtime.errors import IsolationError
     from rollbox.runtime.slots import UserSlots
 
     start = parse_range(RuntimeConfig().uid_range)[0]  # type: ignore[index]
-    slots = UserSlots(start, 4, batch=2)
+    # its own uid-claim directory: the module's runtime, in this process too, holds the range's first uids
+    slots = UserSlots(start, 4, batch=2, lock_dir=str(tmp_path))
     a, b = await slots.acquire(), await slots.acquire()
     assert (a.uid, b.uid) == (start, start + 1) and probe.userns_owner(f"/proc/self/fd/{a.fd}") == a.uid
     slots.release(a, gone=True)
