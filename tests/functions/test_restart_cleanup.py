@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from rollbox.runtime.isolation.cgroups import default_parent, mounts_of
 from svc_testkit import event, send, start_server
 
@@ -86,6 +87,34 @@ async def test_a_restart_right_after_kill_9_clears_what_the_dead_server_left(tmp
         async with httpx.AsyncClient(timeout=60) as http:
             r = await send(http, new.url, event(RUN, {"code": "print(1)"}))
             assert (r.status, r.data["stdout"]) == (200, "1\n")
+    finally:
+        srv.proc.wait()
+        assert new.stop() == 0
+
+
+@pytest.mark.parametrize("durability", ["step", "off"])
+async def test_kill_9_with_creates_and_long_runs_in_flight_leaves_nothing_after_10_s(tmp_path: Path, durability: str) -> None:
+    """The issue's sequence: 16 sandboxes just created and 8 one-shot runs of ``sleep 2`` in flight at
+    the kill; a new server on the same home at once, while the dead one is still a zombie."""
+    home = tmp_path / "home"
+    args = ("--home", str(home), "--durability", durability)
+    srv = start_server(tmp_path / "a", *args)
+    owner = _owner(srv.pid)
+    async with httpx.AsyncClient(timeout=60) as http:
+        creates = [asyncio.create_task(send(http, srv.url, event(CREATE, {"snapshot": "python"}))) for _ in range(16)]
+        runs = [asyncio.create_task(send(http, srv.url, event(RUN, {"code": "import time; time.sleep(2)"})))
+                for _ in range(8)]
+        await asyncio.sleep(0.8)
+        os.kill(srv.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        new = start_server(tmp_path / "b", *args)
+        started = time.monotonic() - t0
+        await asyncio.gather(*creates, *runs, return_exceptions=True)
+    try:
+        deadline = time.monotonic() + 10
+        while (left := _left(owner, home)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not left, f"left after 10 s (restart took {started:.2f} s): {left}"
     finally:
         srv.proc.wait()
         assert new.stop() == 0
