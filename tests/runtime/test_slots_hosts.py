@@ -21,6 +21,7 @@ START = parse_range(RuntimeConfig().uid_range)[0]  # type: ignore[index]
 # checks each namespace's owner is that uid), then holds them until its stdin closes.
 HOLDER = """
 import asyncio, sys
+from rollbox.runtime.inside import probe
 from rollbox.runtime.slots import UserSlots
 start, count, batch, n, lock_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 async def main():
