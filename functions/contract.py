@@ -141,6 +141,36 @@ class _StrictNumbers(BaseModel):
         return _refuse_bools(cls, data)
 
 
+NAME_MAX: Final = 255  # bytes in one path component (Linux NAME_MAX)
+
+
+def _check_file_names(data: Any) -> Any:
+    """A file name (one component of a ``files`` or ``read_files`` path) longer than the kernel takes
+    is refused here, naming the file, not when the sandbox tries to write it."""
+    if not isinstance(data, dict):
+        return data
+    for field in ("files", "read_files"):
+        paths = data.get(field)
+        if not isinstance(paths, dict | list):
+            continue
+        for path in paths:
+            if not isinstance(path, str):
+                continue
+            for part in path.split("/"):
+                size = len(part.encode("utf-8", "surrogatepass"))
+                if size > NAME_MAX:
+                    raise ValueError(f"{field}: file name {part[:40]!r}... of {path[:80]!r} is {size} bytes; "
+                                     f"a file name is at most {NAME_MAX} bytes")
+    return data
+
+
+class _ExecChecks(_StrictNumbers):
+    @model_validator(mode="before")
+    @classmethod
+    def _file_names(cls, data: Any) -> Any:
+        return _check_file_names(data)
+
+
 class _Data(_StrictNumbers):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -205,7 +235,7 @@ def _as_exec_request(data: ExecRequest) -> ExecRequest:
     return ExecRequest.model_construct(data.model_fields_set & names, **{k: getattr(data, k) for k in names})
 
 
-class ExecData(ExecRequest, _StrictNumbers):
+class ExecData(ExecRequest, _ExecChecks):
     """``dev.rollbox.sandbox.exec``: one step in the live sandbox ``sandbox_id``."""
 
     sandbox_id: SandboxId
@@ -214,7 +244,7 @@ class ExecData(ExecRequest, _StrictNumbers):
         return _as_exec_request(self)
 
 
-class RunData(ExecRequest, _StrictNumbers):
+class RunData(ExecRequest, _ExecChecks):
     """``dev.rollbox.sandbox.run``: create + exec + destroy in one event. ``timeout_s`` bounds the exec."""
 
     snapshot: SnapshotRef = "python"

@@ -25,6 +25,7 @@ __all__ = ["Mode", "ReplyError", "content_mode", "decode", "encode", "error_even
 JSON = "application/json"
 STRUCTURED = "application/cloudevents+json"
 BATCH = "application/cloudevents-batch+json"
+MAX_ATTR_CHARS = 1024  # id, source, type
 _TOO_DEEP = "nested too deep (JSON arrays and objects may nest at most about 900 levels)"
 _HEADER_SAFE = re.compile(r"[\x20-\x7e]{1,1024}")  # printable ASCII: a valid HTTP header value
 
@@ -154,11 +155,20 @@ def decode(headers: Mapping[str, str], body: bytes) -> CloudEvent:
     for attr in ("id", "source", "type"):
         if not isinstance(event[attr], str) or not event[attr]:
             raise ReplyError(400, ErrorCode.INVALID_EVENT, f"attribute {attr!r} must be a non-empty string")
+        if len(event[attr]) > MAX_ATTR_CHARS:
+            raise ReplyError(400, ErrorCode.INVALID_EVENT,
+                             f"attribute {attr!r} is {len(event[attr])} chars long: at most {MAX_ATTR_CHARS}")
         try:
             event[attr].encode("utf-8")
         except UnicodeEncodeError as exc:  # a JSON escape such as \ud800: valid JSON, not storable text
             raise ReplyError(400, ErrorCode.INVALID_EVENT,
                              f"attribute {attr!r} is not valid UTF-8: lone surrogate at position {exc.start}") from None
+    for name, value in event.get_attributes().items():  # CloudEvents attributes are scalars
+        if isinstance(value, dict | list) or value is None:
+            kind = "an object" if isinstance(value, dict) else "an array" if isinstance(value, list) else "null"
+            raise ReplyError(400, ErrorCode.INVALID_EVENT,
+                             f"attribute {_clip(name, 64)!r} is {kind}: CloudEvents attributes are strings, "
+                             "integers or booleans")
     dct = event.get("datacontenttype")
     if dct is not None and not _is_json(str(dct).split(";", 1)[0].strip().lower()):
         raise ReplyError(
