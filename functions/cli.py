@@ -26,6 +26,25 @@ COMMANDS: dict[str, str] = {
     "knative": "rollbox.functions.knative",
 }
 
+# command -> (the extra it needs, the top-level modules that extra installs); checked before the command runs
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "report": ("report", ("pandas", "matplotlib")),
+    "knative": ("knative", ("kubernetes",)),
+}
+
+
+def _missing_extra(command: str) -> str | None:
+    """The error for a command whose optional extra is not installed (None if it is, or it needs none)."""
+    if command not in EXTRAS:
+        return None
+    extra, modules = EXTRAS[command]
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            return f"rollbox {command} needs the {extra!r} extra: pip install 'rollbox[{extra}]'"
+    return None
+
 
 def _command(argv: Sequence[str]) -> str | None:
     """The subcommand named on the command line (its first word that is not an option), if known."""
@@ -44,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in modules:
         importlib.import_module(name).add_parser(sub)
     args = parser.parse_args(args_in)
+    missing = _missing_extra(args.command)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     rc: int = args.func(args)
     return rc
 
