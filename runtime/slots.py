@@ -20,21 +20,23 @@ its sandbox's init has exited (the kernel ends a pid namespace's init only after
 process in it is gone); one whose init did not exit is retired.
 
 Uids are unique across the processes of a host (two servers, a server and a CLI run): each uid a
-process takes is claimed by an exclusive ``flock`` of ``<lock_dir>/<uid>`` on an fd it keeps open
-until ``close()``; uids another live process holds are skipped, and the kernel drops a dead
-process's claims, so its uids go to whoever comes next.
+process takes is claimed by an exclusive open-file-description lock (``F_OFD_SETLK``) on byte
+``uid`` of ``<lock_dir>/uids``, through one fd kept open until ``close()``; uids another live
+process (or another ``UserSlots``) holds are skipped, and the kernel drops a dead process's claims,
+so its uids go to whoever comes next.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import socket
+import struct
 import sys
 from dataclasses import dataclass
 
@@ -44,8 +46,9 @@ log = logging.getLogger("rollbox.runtime")
 
 DEFAULT_RANGE = "1073741824:65536"  # 2^30: far above the uids of accounts and of /etc/subuid ranges
 BATCH = 32
-# host-wide: one lock file per uid handed out, flocked by the process whose sandboxes use it
+# host-wide: the file whose byte ``uid`` is locked by the process whose sandboxes use that uid
 LOCK_DIR = os.environ.get("ROLLBOX_UID_LOCK_DIR", "/run/rollbox/uids")
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock (64-bit Linux): l_type, l_whence, l_start, l_len, l_pid
 
 
 def parse_range(text: str) -> tuple[int, int] | None:
@@ -87,7 +90,8 @@ class UserSlots:
         self._making: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._lock_dir = lock_dir or LOCK_DIR
-        self._claims: dict[int, int] = {}  # uid -> the fd of its flocked lock file (held until close)
+        self._claims: set[int] = set()  # uids whose byte of the lock file this holds
+        self._claim_fd = -1  # the lock file, opened at the first claim
 
     @property
     def made(self) -> int:
@@ -154,32 +158,33 @@ class UserSlots:
 
     def _claim(self, n: int) -> list[int]:
         """Up to ``n`` uids from ``_next`` on that no other live process of the host holds, each
-        flocked on a file of the lock directory; ``_next`` moves past every uid looked at."""
-        os.makedirs(self._lock_dir, mode=0o700, exist_ok=True)
+        locked on its byte of the lock file; ``_next`` moves past every uid looked at."""
+        if self._claim_fd < 0:
+            os.makedirs(self._lock_dir, mode=0o700, exist_ok=True)
+            self._claim_fd = os.open(os.path.join(self._lock_dir, "uids"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         end = self.start + self.count
         got: list[int] = []
         while len(got) < n and self._next < end:
             uid = self._next
             self._next += 1
-            fd = os.open(os.path.join(self._lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # another live process's sandboxes have it
-                os.close(fd)
-                continue
-            except BaseException:
-                os.close(fd)
-                raise
-            self._claims[uid] = fd
-            got.append(uid)
+            if self._lock_byte(uid, fcntl.F_WRLCK):
+                self._claims.add(uid)
+                got.append(uid)
         return got
+
+    def _lock_byte(self, uid: int, kind: int) -> bool:
+        try:
+            fcntl.fcntl(self._claim_fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, uid, 1, 0))
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):  # another live process's sandboxes have it
+                return False
+            raise
+        return True
 
     def _unclaim(self, uids: list[int]) -> None:
         for uid in uids:
-            fd = self._claims.pop(uid, None)
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            self._claims.discard(uid)
+            self._lock_byte(uid, fcntl.F_UNLCK)
 
     async def prepare(self) -> None:
         """Make the first batch (at start, beside the first zygotes)."""
@@ -196,7 +201,10 @@ class UserSlots:
                 pass
         self._all.clear()
         self._free.clear()
-        self._unclaim(list(self._claims))
+        self._claims.clear()
+        if self._claim_fd >= 0:  # its locks go with it
+            os.close(self._claim_fd)
+            self._claim_fd = -1
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
