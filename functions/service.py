@@ -343,7 +343,8 @@ class Service:
                 ErrorCode.INVALID_DATA,
                 message,
                 details={"errors": details},
-                sandbox_id=sid if isinstance(sid, str) and len(sid) <= 128 and _SANDBOX_ID.fullmatch(sid) else None,  # never unvalidated
+                # never unvalidated text: it becomes the reply's ce-subject header
+                sandbox_id=sid if isinstance(sid, str) and len(sid) <= 128 and _SANDBOX_ID.fullmatch(sid) else None,
             ) from None
 
     async def _execute(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef,

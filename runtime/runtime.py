@@ -22,7 +22,7 @@ import shutil
 import socket
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -48,6 +48,10 @@ from rollbox.runtime.snapshot import BuiltinResolver, SnapshotResolver, Snapshot
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
 
 log = logging.getLogger("rollbox.runtime")
+
+# How long a released cgroup's killed processes may take to leave before it is removed rather than
+# reused (a fork bomb's pid namespace tears down in seconds; past it, removal is tried and logged).
+RELEASE_WAIT_S = 30.0
 MiB = 1024 * 1024
 
 
@@ -206,9 +210,7 @@ class Runtime:
                 d.mkdir(parents=True, exist_ok=True)
             self.user_slots = slots.UserSlots(*uid_range, probe=[str(probe_dirs[0]), str(self.layer_root),
                                                                  str(probe_dirs[1])])
-            task = asyncio.create_task(self._prepare_slots(self.user_slots))  # beside the first zygotes
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self._prepare_slots(self.user_slots))  # beside the first zygotes
         self.started = True
 
     async def _prepare_slots(self, user_slots: slots.UserSlots) -> None:
@@ -260,8 +262,11 @@ class Runtime:
             await z.close()
         self.zygotes.clear()
         self.started = False
-        for task in list(self._tasks):
-            await task
+        awaited: set[asyncio.Task[None]] = set()
+        while left := self._tasks - awaited:  # (and what they start: a sandbox ended releases its cgroup)
+            for task in left:
+                awaited.add(task)
+                await task
         for group in self.free_groups:
             await self._remove_group(group)
         self.free_groups.clear()
@@ -649,16 +654,14 @@ class Runtime:
             self.free_groups.append(group)
             return
         self.releasing.add(group)
-        task = asyncio.get_running_loop().create_task(self._release_later(group))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background(self._release_later(group))
 
     async def _release_later(self, group: Group) -> None:
         try:
             wait_s = 0.01
-            for _ in range(12):  # the last processes of a killed sandbox may take a moment to leave (~2 s in all)
-                if group.is_empty():
-                    break
+            deadline = time.monotonic() + RELEASE_WAIT_S
+            # the last processes of a killed sandbox may take a while to leave (a fork bomb's: seconds)
+            while not group.is_empty() and time.monotonic() < deadline:
                 await asyncio.sleep(wait_s)
                 wait_s = min(wait_s * 1.5, 0.4)  # a cgroup read each time: slower under load, not more often
             if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64:
@@ -798,9 +801,7 @@ class Runtime:
         async def end() -> None:
             self._ended(sb, await sb.close(reason), keep_usage=False)  # the id may be live again
 
-        task = asyncio.get_running_loop().create_task(end())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background(end())
 
     def _ended(self, sb: Sandbox, usage: Usage, keep_usage: bool = True) -> Usage:
         sandbox_id = sb.id
@@ -848,7 +849,11 @@ class Runtime:
             except SandboxNotFound:
                 pass  # destroyed meanwhile (shutdown)
 
-        task = asyncio.get_running_loop().create_task(end())
+        self._background(end())
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` on its own; ``close`` waits for it."""
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -226,5 +226,5 @@ def test_without_the_kubernetes_client_the_command_says_what_to_install(tmp_path
                "from rollbox.functions.cli import main; sys.exit(main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", blocked, "knative", "release", "--namespace", "rl"],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and "pip install 'rollbox[knative]'" in done.stderr, done.stderr
+    assert done.returncode == 2 and "pip install 'rollbox[knative]'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from rollbox.runtime.execution import descendants
+from rollbox.runtime.isolation.cgroups import mounts_of
 from rollbox.runtime.isolation.cgroups_v1 import V1Group
 from rollbox.runtime.isolation.cgroups_v2 import V2Group
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
@@ -135,7 +136,8 @@ async def test_a_timed_out_one_shot_run_replies_at_its_deadline(tmp_path: Path, 
     """A one-shot run's program is its sandbox's init: killed at the deadline, the run replies then.
     The pid namespace's teardown (seconds for a fork bomb's hundreds of processes) and the reaping
     finish in the background, and then nothing of the sandbox is left."""
-    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("oneshot"), pool_max=0)) as rt:
+    parent = _parent("oneshot")
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=parent, pool_max=0)) as rt:
         lim = Limits(pids_max=1024, cpu_max_cores=1.0)
         req = {"fork bomb": ExecRequest(code=WILD_FORK_BOMB, timeout_s=1.0),
                "background spinners": ExecRequest(command=BACKGROUND_SPINNERS, timeout_s=1.0),
@@ -153,3 +155,6 @@ async def test_a_timed_out_one_shot_run_replies_at_its_deadline(tmp_path: Path, 
             await asyncio.sleep(0.05)
         assert not rt.sandboxes, list(rt.sandboxes)  # ended in the background, within seconds
         assert all(u.reason == "destroyed" for u in rt.usages.values())  # and billed
+    roots = set(mounts_of("cgroup").values()) | set(mounts_of("cgroup2").values())
+    left = [str(Path(r) / parent) for r in roots if (Path(r) / parent).exists()]
+    assert not left, f"{kind}: cgroups left after the runtime closed: {left}"
