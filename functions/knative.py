@@ -29,8 +29,8 @@ from rollbox.runtime.errors import InvalidRequest, RollboxError
 if TYPE_CHECKING:
     from kubernetes import client
 
-__all__ = ["MIN_SCALE_ANNOTATION", "KnativeError", "Scale", "add_parser", "min_scale_patch", "prewarm", "release",
-           "scale", "wait_ready"]
+__all__ = ["MIN_SCALE_ANNOTATION", "KnativeError", "KubernetesNotConfigured", "Scale", "add_parser", "min_scale_patch",
+           "prewarm", "release", "scale", "wait_ready"]
 
 MIN_SCALE_ANNOTATION: Final = "autoscaling.knative.dev/min-scale"
 _GROUP: Final = "serving.knative.dev"
@@ -49,6 +49,10 @@ class KnativeError(RollboxError):
         self.namespace = namespace
         self.service = service
         self.status = status
+
+
+class KubernetesNotConfigured(KnativeError):
+    """No Kubernetes API to talk to: not in a pod (no service account) and no usable kubeconfig."""
 
 
 def min_scale_patch(min_scale: int) -> dict[str, Any]:
@@ -84,7 +88,7 @@ class Scale:
 
 def scale(namespace: str, service: str, *, api_client: client.ApiClient | None = None) -> Scale:
     """Read the Service and its newest Revision."""
-    api_client = api_client or _default_client()
+    api_client = api_client or _default_client(namespace, service)
     svc = _call(namespace, service, "reading", lambda api: api.get_namespaced_custom_object(
         _GROUP, _VERSION, namespace, _PLURAL, service), api_client)
     annotations = svc.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations") or {}
@@ -107,7 +111,7 @@ def wait_ready(namespace: str, service: str, replicas: int, *, timeout_s: float,
                api_client: client.ApiClient | None = None, sleep: Callable[[float], None] = time.sleep) -> Scale:
     """Wait until the Service's newest Revision is ready with at least ``replicas`` running; raises
     ``KnativeError`` (status None) with what it last saw when ``timeout_s`` passes first."""
-    api_client = api_client or _default_client()
+    api_client = api_client or _default_client(namespace, service)
     deadline = time.monotonic() + timeout_s
     while True:
         now = scale(namespace, service, api_client=api_client)
@@ -144,8 +148,9 @@ def _call(namespace: str, service: str, doing: str, call: Callable[[client.Custo
 
     k8s = _kubernetes()
     where = f"Knative Service {namespace}/{service}"
+    api_client = api_client or _default_client(namespace, service)
     try:
-        return call(k8s.client.CustomObjectsApi(api_client or _default_client()))
+        return call(k8s.client.CustomObjectsApi(api_client))
     except k8s.client.ApiException as exc:
         hint = {
             401: "the credentials were refused",
@@ -167,15 +172,24 @@ def _call(namespace: str, service: str, doing: str, call: Callable[[client.Custo
         ) from exc
 
 
-def _default_client() -> client.ApiClient:
-    """In a pod: its service account; elsewhere: the current kubeconfig context."""
+def _default_client(namespace: str, service: str) -> client.ApiClient:
+    """In a pod: its service account; elsewhere: the current kubeconfig context. Raises
+    ``KubernetesNotConfigured`` when there is neither."""
     k8s = _kubernetes()
     try:
         cfg = k8s.client.Configuration()
         k8s.config.load_incluster_config(client_configuration=cfg)
         return k8s.client.ApiClient(cfg)  # type: ignore[no-any-return]
     except k8s.config.ConfigException:
+        pass
+    try:
         return k8s.config.new_client_from_config()  # type: ignore[no-any-return]
+    except (k8s.config.ConfigException, OSError, TypeError, ValueError) as exc:
+        where = os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise KubernetesNotConfigured(
+            f"no Kubernetes API to talk to for Knative Service {namespace}/{service}: not in a pod (no service "
+            f"account) and no usable kubeconfig at {where} ({exc}); set KUBECONFIG or run `kubectl config "
+            "use-context`", namespace=namespace, service=service) from exc
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -225,7 +239,7 @@ def _cli(run: Callable[[argparse.Namespace, str], int]) -> Callable[[argparse.Na
             return run(args, _namespace(args.namespace))
         except RollboxError as exc:
             print(f"rollbox knative {args.knative_command}: {exc.message}", file=sys.stderr)
-            return 2 if isinstance(exc, InvalidRequest) else 1
+            return 2 if isinstance(exc, InvalidRequest | KubernetesNotConfigured) else 1
     return main
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from rollbox.functions.knative import KnativeError, prewarm, release, scale, wait_ready
+from rollbox.functions.knative import KnativeError, KubernetesNotConfigured, prewarm, release, scale, wait_ready
 from rollbox.runtime.errors import InvalidRequest, RollboxError
 
 PATH = "/apis/serving.knative.dev/v1/namespaces/rl/services/rollbox"
@@ -228,3 +228,18 @@ def test_without_the_kubernetes_client_the_command_says_what_to_install(tmp_path
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "pip install 'rollbox[knative]'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [("status",), ("release",), ("prewarm", "--replicas", "2")])
+def test_without_a_kubeconfig_the_command_says_so_in_one_line(tmp_path: Any, command: tuple[str, ...],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not in a pod and no kubeconfig (issue 26: a 44-line ConfigException traceback): one line naming
+    what is missing and where it looked, exit 2 (nothing was asked of any API server)."""
+    done = _rollbox(str(tmp_path / "no-such-kubeconfig"), *command)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "no usable kubeconfig at " + str(tmp_path / "no-such-kubeconfig") in done.stderr, done.stderr
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    with pytest.raises(KubernetesNotConfigured, match="no usable kubeconfig"):  # from Python: a KnativeError
+        scale("rl", "rollbox")
