@@ -1,8 +1,11 @@
-"""The ``rollbox`` command: run, doctor, serve, snapshot, store, trajectories, report, knative.
+"""The ``rollbox`` command: run, doctor, serve, snapshot, store, trajectories, replay, report, knative.
 
 Every flag is mirrored by an environment variable (``--port`` / ``PORT``), cast strictly.
 Subcommands live with the code they drive; this module only wires them up, and imports only the
 module of the command being run (``rollbox serve`` starting from zero pays no import it does not use).
+Help texts are shown as plain text (the modules' docstrings mark code with double backticks). A
+command whose reader goes away (``rollbox trajectories show E | head``) ends quietly with exit
+status 141 (128 + SIGPIPE), as a command killed by SIGPIPE does, not with a traceback.
 """
 
 from __future__ import annotations
@@ -10,8 +13,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
+import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 # command -> the module whose ``add_parser(sub)`` registers it (in the order ``--help`` lists them)
 COMMANDS: dict[str, str] = {
@@ -46,6 +52,36 @@ def _missing_extra(command: str) -> str | None:
     return None
 
 
+DESCRIPTION = "rollbox: serverless sandboxes for agent reinforcement learning."
+EPILOG = ("State (snapshots built or pulled, durable sandboxes, the recording spool and, without --store, "
+          "trajectories) lives in --home / ROLLBOX_HOME: by default /var/lib/rollbox as root, else "
+          "~/.local/share/rollbox, shared by every rollbox command and checkout on this machine that does not "
+          "set it. `rollbox doctor` prints the one in use.")
+
+
+def plain(text: str) -> str:
+    """Help text without reStructuredText's code marks: ``x`` -> x."""
+    return re.sub(r"``(.+?)``", r"\1", text, flags=re.S)
+
+
+class PlainFormatter(argparse.HelpFormatter):
+    """argparse's formatter, showing docstring-derived texts without their double backticks."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return plain(super()._expand_help(action))
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of ``rollbox`` and of each subcommand (argparse makes subparsers of the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", PlainFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _command(argv: Sequence[str]) -> str | None:
     """The subcommand named on the command line (its first word that is not an option), if known."""
     for arg in argv:
@@ -56,8 +92,8 @@ def _command(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="rollbox", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="rollbox", description=DESCRIPTION, epilog=EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     command = _command(args_in)
     modules = [COMMANDS[command]] if command else list(dict.fromkeys(COMMANDS.values()))
     for name in modules:
@@ -76,13 +112,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 ARROW_COMMANDS = frozenset({"trajectories", "replay", "report"})
 
 
+SIGPIPE_EXIT = 128 + signal.SIGPIPE
+
+
+def _reader_gone() -> None:
+    """Standard output's reader went away: point stdout at /dev/null so that nothing flushed later
+    (at exit) raises again, as Python's documentation advises for SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def script() -> None:
     """The ``rollbox`` console script: ``main``, then exit. After a command that read through Arrow the
     exit skips the C++ teardown (``os._exit`` once the output is flushed); nothing of theirs is left to
-    clean up by then (they write their files before returning)."""
-    rc = main()
-    if _command(sys.argv[1:]) in ARROW_COMMANDS:
+    clean up by then (they write their files before returning). A closed pipe on stdout ends the
+    command with status 141 and no traceback; Ctrl-C with 130."""
+    try:
+        rc = main()
         sys.stdout.flush()
+    except BrokenPipeError:
+        _reader_gone()
+        rc = SIGPIPE_EXIT
+    except KeyboardInterrupt:
+        rc = 128 + signal.SIGINT
+    if _command(sys.argv[1:]) in ARROW_COMMANDS:
         sys.stderr.flush()
         os._exit(rc)
     sys.exit(rc)

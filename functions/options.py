@@ -34,6 +34,14 @@ def integer(minimum: int) -> Callable[[str], int]:
     return cast
 
 
+def port(raw: str) -> int:
+    """A TCP port, 0 (any free one) to 65535."""
+    v = integer(0)(raw)
+    if v > 65535:
+        raise ValueError(f"not a TCP port (0-65535; 0: any free port): {v}")
+    return v
+
+
 def _seconds(raw: str, *, zero_ok: bool) -> float:
     try:
         v = float(raw.strip())

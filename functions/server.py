@@ -35,6 +35,7 @@ from rollbox.functions.options import (
     level,
     names,
     path,
+    port,
     resolve_options,
     seconds,
     seconds_or_never,
@@ -69,7 +70,7 @@ __all__ = ["ConfigError", "ServeConfig", "add_parser", "resolve", "serve"]
 _D = ServiceConfig()
 OPTIONS: tuple[Option, ...] = (
     Option("host", "--host", "HOST", text, "127.0.0.1", "address to listen on"),
-    Option("port", "--port", "PORT", integer(0), 8080, "port to listen on (0: any free port, logged)"),
+    Option("port", "--port", "PORT", port, 8080, "port to listen on (0: any free port, logged)"),
     Option(
         "max_live",
         "--max-live",
@@ -248,6 +249,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("s3_endpoint_url", "--s3-endpoint-url", "AWS_ENDPOINT_URL", text, None, "S3 endpoint URL"),
     Option("s3_region", "--s3-region", "AWS_REGION", text, None, "S3 region"),
+    Option("aws_profile", "--aws-profile", "AWS_PROFILE", text, None, "AWS credentials profile for an S3 store"),
     Option(
         "s3_max_attempts",
         "--s3-max-attempts",
@@ -471,6 +473,7 @@ async def serve(cfg: ServeConfig) -> int:
                     "pid": os.getpid(),
                     "isolation": _isolation(rt),
                     "store": snapshots.store_url,
+                    "home": str(home),
                     "durability": cfg.durability,
                 }
             },

@@ -39,6 +39,7 @@ class StoreConfig:
     cache_max_bytes: int | None = None
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
+    aws_profile: str | None = None
     s3_max_attempts: int = 3
 
 
@@ -79,7 +80,7 @@ def open_remote(cfg: StoreConfig) -> S3Store | None:
         return None
     from rollbox.snapshots.store_s3 import S3Store
 
-    return S3Store(url, endpoint_url=cfg.s3_endpoint_url, region=cfg.s3_region,
+    return S3Store(url, endpoint_url=cfg.s3_endpoint_url, region=cfg.s3_region, profile=cfg.aws_profile,
                    max_attempts=cfg.s3_max_attempts)
 
 
