@@ -4,6 +4,13 @@
     rollbox trajectories show EPISODE [--experiment E]           an episode's steps, in order
     rollbox trajectories export --experiment E [--usage] [--format parquet|jsonl|cloudevents] [--since D] [--out F]
 
+An episode name is an experiment's own: ``show`` and ``replay`` refuse a name that more than one
+experiment uses unless ``--experiment`` says which (exit 2, naming them). Steps reach the store when
+a server flushes its spool (every ``--flush-interval-s``, 10 s by default, and when it stops); the
+commands say how many recorded steps are still in the spool of ``--home`` when they find fewer.
+In ``--format jsonl`` and ``show --json`` the columns that hold JSON text in Parquet (``limits``,
+``env_version``, ``env``, ``labels``, ``files_in_text``, ``files_out_text``) are JSON objects.
+
 From Python, the same from the local store or S3 alike::
 
     from rollbox.functions.trajectories import steps, usage
@@ -25,6 +32,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -36,10 +44,14 @@ from rollbox.runtime.runtime import default_home
 from rollbox.snapshots.state import LocalObjects, Objects
 from rollbox.snapshots.store_s3 import S3Objects, S3Store
 
-__all__ = ["add_parser", "add_store_arguments", "open_objects", "read", "steps", "store_of", "usage"]
+__all__ = ["JSON_COLUMNS", "add_parser", "add_store_arguments", "as_objects", "episode_rows", "open_objects", "read",
+           "steps", "store_of", "unflushed", "usage"]
 
 KINDS = {"trajectories": STEP_SCHEMA, "usage": USAGE_SCHEMA}
+SPOOL_KINDS = {"trajectories": "step", "usage": "usage"}  # the kind of a spool line (recorder.KINDS)
 Progress = Callable[[int, int], None]
+# step columns that hold JSON text in Parquet (StepRecord: "JSON of ..."): objects in JSON output
+JSON_COLUMNS = ("files_in_text", "env", "limits", "files_out_text", "env_version", "labels")
 
 
 def open_objects(store: str | None = None, *, home: str | None = None, endpoint_url: str | None = None,
@@ -100,6 +112,91 @@ def _dedupe(table: pa.Table, cols: tuple[str, ...]) -> pa.Table:
             seen.add(key)
             keep.append(i)
     return table if len(keep) == len(table) else table.take(keep)
+
+
+def as_objects(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A step row for JSON output: its JSON-text columns decoded into objects (text that is not valid
+    JSON stays as it is)."""
+    out = dict(row)
+    for col in JSON_COLUMNS:
+        value = out.get(col)
+        if isinstance(value, str):
+            try:
+                out[col] = json.loads(value)
+            except ValueError:
+                pass
+    return out
+
+
+def unflushed(home: str | os.PathLike[str] | None, kind: str = "trajectories", *, experiment: str | None = None,
+              episode: str | None = None) -> int:
+    """Rows of ``kind`` recorded but not yet in the store: in the spool of ``home`` (default: the
+    default home), which a server flushes every ``--flush-interval-s`` and when it stops. 0 when there
+    is no spool or it cannot be read (another user's home)."""
+    prefix = b'{"k":"%s"' % SPOOL_KINDS[kind].encode()
+    n = 0
+    try:
+        segments = sorted((Path(home) if home else default_home()).joinpath("spool").glob("*.jsonl"))
+    except OSError:
+        return 0
+    for path in segments:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        for line in data.splitlines():
+            if not line.startswith(prefix):
+                continue
+            try:
+                row = json.loads(line)["r"]
+            except (ValueError, KeyError, TypeError):  # a line being written
+                continue
+            if experiment is not None and (row.get("experiment") or DEFAULT_EXPERIMENT) != experiment:
+                continue
+            if episode is not None and row.get("episode") != episode:
+                continue
+            n += 1
+    return n
+
+
+def _spool_note(n: int, home: str | None, noun: str = "step") -> str:
+    where = Path(home) if home else default_home()
+    what = noun if n == 1 else noun + "s"
+    return (f"{n} more recorded {what} {'is' if n == 1 else 'are'} not in the store yet: in the spool of {where}, "
+            "which a running `rollbox serve` flushes to the store every --flush-interval-s (10 s by default) and "
+            "when it stops")
+
+
+def experiments(store: str | Objects | None = None, kind: str = "trajectories") -> list[str]:
+    """The experiments the store holds rows of ``kind`` for (from the partition paths alone)."""
+    objects = _objects(store)
+    return sorted({unquote(k.split("/")[1].removeprefix("experiment=")) for k in objects.keys(f"{kind}/")
+                   if k.endswith(".parquet") and k.count("/") >= 2 and k.split("/")[1].startswith("experiment=")})
+
+
+def episode_rows(objects: Objects, episode: str, experiment: str | None, *, home: str | None = None) -> pa.Table:
+    """The steps of ``episode`` (of ``experiment``, or of the one experiment that has an episode of
+    that name). Raises ``InvalidRequest`` (exit 2) when there are none, or when experiments share
+    the name and none was given: the message names them, and how many rows are still unflushed."""
+    table = read("trajectories", objects, experiment=experiment, episode=episode)
+    where = f" in experiment {experiment!r}" if experiment else ""
+    if len(table) == 0:
+        waiting = unflushed(home, experiment=experiment, episode=episode)
+        known = ""
+        if experiment and experiment not in experiments(objects):
+            known = f"; no experiment {experiment!r} in {objects.url} ({_known(objects)})"
+        raise InvalidRequest(f"no steps of episode {episode!r}{where} in {objects.url}{known}"
+                             + (f"; {_spool_note(waiting, home)}" if waiting else ""))
+    found = sorted(set(table["experiment"].to_pylist()))
+    if experiment is None and len(found) > 1:
+        raise InvalidRequest(f"episode {episode!r} is in {len(found)} experiments: {', '.join(found)}; "
+                             "give --experiment to say which")
+    return table
+
+
+def _known(objects: Objects) -> str:
+    names = experiments(objects)
+    return f"experiments there: {', '.join(names)}" if names else "it holds no recorded steps"
 
 
 def steps(store: str | Objects | None = None, **kw: Any) -> Any:
@@ -168,7 +265,15 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
 
 
 def _ls(args: argparse.Namespace) -> int:
-    table = read("trajectories", store_of(args), experiment=args.experiment)
+    objects = store_of(args)
+    table = read("trajectories", objects, experiment=args.experiment)
+    waiting = unflushed(args.home, experiment=args.experiment)
+    if args.experiment and len(table) == 0:
+        raise InvalidRequest(f"no steps of experiment {args.experiment!r} in {objects.url} ({_known(objects)})"
+                             + (f"; {_spool_note(waiting, args.home)}" if waiting else ""))
+    if waiting:
+        print(f"rollbox trajectories: {_spool_note(waiting, args.home)}",
+              file=sys.stderr)
     rows: dict[str, dict[str, Any]] = {}
     group = "episode" if args.experiment else "experiment"
     for rec in table.select([group, "episode", "reward", "event_time"]).to_pylist():
@@ -197,14 +302,12 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    table = read("trajectories", store_of(args), experiment=args.experiment, episode=args.episode)
-    if len(table) == 0:
-        raise InvalidRequest(f"no steps of episode {args.episode!r}"
-                             + (f" in experiment {args.experiment!r}" if args.experiment else ""))
+    table = episode_rows(store_of(args), args.episode, args.experiment, home=args.home)
+    experiment = table["experiment"][0].as_py()
     rows = sorted(table.to_pylist(), key=lambda r: r["event_time"])
     for r in rows:
         if args.json:
-            print(json.dumps(r, default=str))
+            print(json.dumps(as_objects(r), default=str))
             continue
         kind = r["event_type"].rsplit(".", 1)[-1]
         head = f"{r['event_time']:%H:%M:%S.%f}"[:-3] + f"  {kind:<9} {r['status']}"
@@ -224,6 +327,10 @@ def _show(args: argparse.Namespace) -> int:
             print(f"  error {r['error_code']}: {r['error']}")
         if r["reward"] is not None or r["labels"]:
             print(f"  reward {r['reward']}  labels {r['labels'] or '{}'}")
+    waiting = unflushed(args.home, experiment=experiment, episode=args.episode)
+    if waiting:
+        print(f"rollbox trajectories: {_spool_note(waiting, args.home)} "
+              "(not shown)", file=sys.stderr)
     return 0
 
 
@@ -232,8 +339,14 @@ def _export(args: argparse.Namespace) -> int:
         raise InvalidRequest("export needs --experiment")
     if args.format == "cloudevents" and not args.usage:
         raise InvalidRequest("--format cloudevents is for usage records: add --usage")
-    table = read("usage" if args.usage else "trajectories", store_of(args), experiment=args.experiment,
-                 since=args.since)
+    kind = "usage" if args.usage else "trajectories"
+    objects = store_of(args)
+    if args.experiment not in experiments(objects, kind):
+        waiting = unflushed(args.home, kind, experiment=args.experiment)
+        raise InvalidRequest(f"no {'usage records' if args.usage else 'steps'} of experiment {args.experiment!r} "
+                             f"in {objects.url} ({_known(objects)}); nothing written"
+                             + (f"; {_spool_note(waiting, args.home, 'row')}" if waiting else ""))
+    table = read(kind, objects, experiment=args.experiment, since=args.since)
     out = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")  # noqa: SIM115
     try:
         if args.format == "parquet":
@@ -243,7 +356,7 @@ def _export(args: argparse.Namespace) -> int:
                 out.write(json.dumps(usage_event(r), default=str).encode() + b"\n")
         else:
             for r in table.to_pylist():
-                out.write(json.dumps(r, default=str).encode() + b"\n")
+                out.write(json.dumps(as_objects(r) if kind == "trajectories" else r, default=str).encode() + b"\n")
     finally:
         if out is not sys.stdout.buffer:
             out.close()

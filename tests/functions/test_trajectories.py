@@ -308,3 +308,145 @@ def test_rows_are_exactly_the_documented_models(tmp_path: Path) -> None:
     StepRecord.model_validate({k: v for k, v in by_id["id-1"].items() if k != "date"} | {
         "event_time": 1.0, "recorded_at": row["recorded_at"]})
     assert read("usage", log.recorder.objects).to_pylist()[0]["usage_id"] == "u"
+
+
+FORK = "dev.rollbox.sandbox.fork"
+
+
+async def test_replay_forks_the_children_again_and_names_what_it_cannot_replay(
+        servers: list[ServerProc], http: httpx.AsyncClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An episode that forks (issue 26: "3 of 4 steps identical" for 6 execs, the children's steps
+    silently left out): the children are forked again at the same point of the parent's steps and
+    their steps replayed; children labelled with another episode are that episode's, where their
+    steps are listed as not replayed, with the reason, and the exit status is 1."""
+    home = tmp_path / "home"
+    srv = start_server(tmp_path / "s", "--home", str(home))
+    servers.append(srv)
+    meta = {"experiment": "fk", "episode": "tree"}
+    sid = (await ok(http, srv, CREATE, {"metadata": meta})).data["sandbox_id"]
+    await ok(http, srv, EXEC, {"sandbox_id": sid, "command": "echo base > f"})
+    kids = [c["sandbox_id"] for c in (await ok(http, srv, FORK, {"sandbox_id": sid, "count": 2})).data["sandboxes"]]
+    for i, kid in enumerate(kids):
+        await ok(http, srv, EXEC, {"sandbox_id": kid, "command": f"echo child{i} >> f; cat f"})
+    await ok(http, srv, EXEC, {"sandbox_id": sid, "command": "echo parent >> f; cat f"})
+    grandkid = (await ok(http, srv, FORK, {"sandbox_id": kids[0], "count": 1})).data["sandboxes"][0]["sandbox_id"]
+    await ok(http, srv, EXEC, {"sandbox_id": grandkid, "command": "cat f"})
+    away = (await ok(http, srv, FORK, {"sandbox_id": sid, "count": 1, "metadata": {"experiment": "fk",
+                                                                                   "episode": "away"}}))
+    await ok(http, srv, EXEC, {"sandbox_id": away.data["sandboxes"][0]["sandbox_id"], "command": "cat f"})
+    for s in (sid, *kids, grandkid):
+        await ok(http, srv, DESTROY, {"sandbox_id": s})
+    assert srv.stop() == 0
+
+    assert await asyncio.to_thread(cli.main, ["replay", "tree", "--home", str(home)]) == 0
+    out = capsys.readouterr().out
+    assert "5 of 5 steps identical" in out, out  # 2 of the parent, 1 of each child, 1 of the grandchild
+    for s in (sid, *kids, grandkid):
+        assert s in out, (s, out)
+    assert await asyncio.to_thread(cli.main, ["replay", "away", "--home", str(home), "--experiment", "fk"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT REPLAYED" in out and "its sandbox's create or fork is not among this episode's" in out, out
+    assert "0 of 1 steps identical, 1 not replayed" in out, out
+
+
+def _store_rows(home: Path, rows: list[dict[str, Any]], segment: str = "r1.0000000000001.000001") -> None:
+    """Rows written to the local store of ``home`` by the recorder's own upload (as a flush does)."""
+    from rollbox.functions.records import StepRecord
+
+    lines = [("step", StepRecord(**{"event_source": "/t", "event_id": uuid.uuid4().hex, "event_type": EXEC,
+                                    "event_time": 1.0, "recorded_at": 1.0, "status": 200, "replica": "r1",
+                                    "total_ms": 1.0, **r}).model_dump()) for r in rows]
+    Recorder(home / "spool", LocalObjects(home), "r1")._upload(lines, segment)
+
+
+def test_an_episode_name_two_experiments_use_is_refused_without_experiment(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's trainer names its episodes 0..31, as every other experiment may (issue 26: show and
+    replay mixed them): without --experiment, a name in two experiments is refused (exit 2) naming them."""
+    home = tmp_path / "home"
+    _store_rows(home, [{"experiment": "a", "episode": "0", "sandbox_id": "sb-a", "command": "echo a"},
+                       {"experiment": "b", "episode": "0", "sandbox_id": "sb-b", "command": "echo b"},
+                       {"experiment": "b", "episode": "1", "sandbox_id": "sb-c", "command": "echo c"}])
+    for command in (["trajectories", "show", "0"], ["replay", "0"]):
+        assert cli.main([*command, "--home", str(home)]) == 2
+        err = capsys.readouterr().err
+        assert "episode '0' is in 2 experiments: a, b; give --experiment to say which" in err, err
+    assert cli.main(["trajectories", "show", "0", "--home", str(home), "--experiment", "b"]) == 0
+    out = capsys.readouterr().out
+    assert "$ echo b" in out and "echo a" not in out
+    assert cli.main(["trajectories", "show", "1", "--home", str(home)]) == 0  # one experiment has it: no doubt
+    assert "$ echo c" in capsys.readouterr().out
+
+
+def test_export_of_an_unknown_experiment_writes_nothing_and_names_the_known_ones(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """(issue 26: an empty file and exit 0)"""
+    home = tmp_path / "home"
+    _store_rows(home, [{"experiment": "known-1", "episode": "e"}, {"experiment": "known-2", "episode": "e"}])
+    target = tmp_path / "out.jsonl"
+    for extra in ([], ["--usage"], ["--format", "jsonl"]):
+        assert cli.main(["trajectories", "export", "--home", str(home), "--experiment", "nope", "--out",
+                         str(target), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "of experiment 'nope'" in err and "known-1, known-2" in err and "nothing written" in err, err
+        assert not target.exists()
+    assert cli.main(["trajectories", "ls", "--home", str(home), "--experiment", "nope"]) == 2
+    assert "known-1, known-2" in capsys.readouterr().err
+
+
+def test_jsonl_export_and_show_json_give_json_columns_as_objects(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """(issue 26: `limits` and `env_version` were JSON strings inside the JSON line)"""
+    from rollbox.functions.records import StepRecord
+    from rollbox.functions.trajectories import JSON_COLUMNS
+
+    # every column the schema documents as JSON text is decoded
+    assert set(JSON_COLUMNS) == {n for n, f in StepRecord.model_fields.items() if "JSON" in (f.description or "")}
+    home = tmp_path / "home"
+    _store_rows(home, [{"experiment": "j", "episode": "e", "sandbox_id": "sb-j", "event_type": CREATE,
+                        "limits": '{"cpu_max_cores":1.0}', "env_version": '{"python":"3.11"}',
+                        "labels": '{"k":"v"}'},
+                       {"experiment": "j", "episode": "e", "sandbox_id": "sb-j", "env": '{"A":"1"}',
+                        "files_in_text": '{"a.txt":"hi"}', "files_out_text": '{"b":null}', "event_time": 2.0}])
+    target = tmp_path / "j.jsonl"
+    assert cli.main(["trajectories", "export", "--home", str(home), "--experiment", "j", "--format", "jsonl",
+                     "--out", str(target)]) == 0
+    exported = [json.loads(line) for line in target.read_text().splitlines()]
+    assert cli.main(["trajectories", "show", "e", "--home", str(home), "--json"]) == 0
+    shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for rows in (sorted(exported, key=lambda r: r["event_time"]), shown):
+        assert rows[0]["limits"] == {"cpu_max_cores": 1.0} and rows[0]["env_version"] == {"python": "3.11"}
+        assert rows[0]["labels"] == {"k": "v"}
+        assert (rows[1]["env"], rows[1]["files_in_text"], rows[1]["files_out_text"]) == (
+            {"A": "1"}, {"a.txt": "hi"}, {"b": None})
+    # Parquet keeps the documented string columns
+    assert cli.main(["trajectories", "export", "--home", str(home), "--experiment", "j", "--out",
+                     str(tmp_path / "j.parquet")]) == 0
+    assert pd.read_parquet(tmp_path / "j.parquet")["limits"].dropna().tolist() == ['{"cpu_max_cores":1.0}']
+
+
+def test_steps_still_in_the_spool_are_named_when_the_store_has_fewer(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Steps reach the store when a server flushes its spool (every 10 s by default; issue 26: nothing
+    said so): show and ls say how many of the steps asked for are still in the spool of --home."""
+    from rollbox.functions.recorder import spool_line
+
+    home = tmp_path / "home"
+    _store_rows(home, [{"experiment": "sp", "episode": "e", "sandbox_id": "sb-1", "command": "echo flushed"}])
+    (home / "spool").mkdir(parents=True, exist_ok=True)
+    pending = [{"experiment": "sp", "episode": "e", "sandbox_id": "sb-1"},
+               {"experiment": "sp", "episode": "e", "sandbox_id": "sb-1"},
+               {"experiment": "sp", "episode": "later"}, {"experiment": "other", "episode": "e"}]
+    (home / "spool" / "r9.0000000000001.000001.jsonl").write_bytes(
+        b"".join(spool_line("step", r) for r in pending) + b'{"k":"step","r":{"exper')  # a line being written
+
+    assert cli.main(["trajectories", "show", "e", "--home", str(home), "--experiment", "sp"]) == 0
+    captured = capsys.readouterr()
+    assert "$ echo flushed" in captured.out
+    assert f"2 more recorded steps are not in the store yet: in the spool of {home}" in captured.err, captured.err
+    assert "every --flush-interval-s (10 s by default)" in captured.err
+    assert cli.main(["trajectories", "show", "later", "--home", str(home)]) == 2
+    err = capsys.readouterr().err
+    assert "no steps of episode 'later'" in err and "1 more recorded step is not in the store yet" in err, err
+    assert cli.main(["trajectories", "ls", "--home", str(home)]) == 0
+    assert "4 more recorded steps are not in the store yet" in capsys.readouterr().err
