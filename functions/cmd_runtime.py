@@ -1,4 +1,10 @@
-"""``rollbox run`` and ``rollbox doctor``: the runtime from the command line."""
+"""``rollbox run`` and ``rollbox doctor``: the runtime from the command line.
+
+Both use the home directory ``--home`` / ROLLBOX_HOME (default /var/lib/rollbox as root, else
+~/.local/share/rollbox): its local store resolves the snapshot names, so a ``python`` built into it
+(``rollbox snapshot build``) is what ``run`` restores; ``doctor`` prints which home is in use, and what
+``python`` names there.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,21 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rollbox.functions.options import ConfigError, Option, add_options, integer, resolve_options, seconds, text
+from rollbox.functions.options import (
+    ConfigError,
+    Option,
+    add_options,
+    integer,
+    path,
+    resolve_options,
+    seconds,
+    text,
+)
+from rollbox.runtime.errors import RollboxError
 
 MiB = 1024 * 1024
 RUN_OPTIONS: tuple[Option, ...] = (
@@ -17,6 +34,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("timeout_s", "--timeout-s", "ROLLBOX_TIMEOUT_S", seconds, 30.0, "wall-clock limit for the run"),
     Option("memory_mb", "--memory-mb", "ROLLBOX_MEMORY_MB", integer(16), None,
            "memory limit in MiB (unset: the snapshot's own)"),
+    Option("home", "--home", "ROLLBOX_HOME", path, None,
+           "state directory and local snapshot store (unset: /var/lib/rollbox as root, else ~/.local/share/rollbox)"),
 )
 
 
@@ -72,11 +91,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
 
     from rollbox.functions.stores import StoreConfig, open_store
-    from rollbox.runtime.runtime import RuntimeConfig
+    from rollbox.runtime.runtime import RuntimeConfig, default_home
+
+    home = opts["home"] or default_home()
 
     async def go() -> ExecResult:
-        resolver = open_store(StoreConfig())  # the local store in ROLLBOX_HOME (or its default)
-        async with Runtime(RuntimeConfig(layer_root=Path(resolver.layer_root)), resolver=resolver) as rt:
+        resolver = open_store(StoreConfig(home=home))
+        async with Runtime(RuntimeConfig(state_dir=home, layer_root=Path(resolver.layer_root)),
+                           resolver=resolver) as rt:
             view = await rt.resolve(opts['snapshot'])
             return await rt.run(req, snapshot=view.id, limits=limit_overrides(opts, view.limits.lifetime_s))
 
@@ -105,10 +127,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     return res.exit_code
 
 
+def home_line(environ: Mapping[str, str] = os.environ) -> str:
+    """Which home is in use, where that choice came from, and what ``python`` names in its store."""
+    from rollbox.runtime.runtime import default_home
+    from rollbox.snapshots.store_local import LocalStore
+
+    home = default_home()
+    origin = ("from ROLLBOX_HOME" if environ.get("ROLLBOX_HOME") else
+              "the default: shared by every rollbox command, server and checkout on this machine that sets no "
+              "--home / ROLLBOX_HOME")
+    try:
+        built = LocalStore(home).names().get("python") if (home / "names").is_dir() else None
+    except (OSError, RollboxError):
+        built = None
+    python = (f"`python` is snapshot {built[:12]} built into it (`rollbox snapshot rm {built[:12]}` goes back to "
+              "the built-in)") if built else "`python` is the built-in snapshot (the host's Python)"
+    return f"home: {home} ({origin}); {python}"
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from rollbox.runtime.doctor import diagnose
 
     ok, lines = asyncio.run(diagnose())
+    lines.insert(1, f"  info {home_line()}")
     for line in lines:
         print(line)
     return 0 if ok else 1

@@ -6,6 +6,10 @@ talk to (a directory or ``s3://bucket/prefix``; default: the local store). S3 se
 ``--s3-endpoint-url`` / AWS_ENDPOINT_URL, ``--s3-region`` / AWS_REGION, ``--aws-profile`` /
 AWS_PROFILE; credentials come from the usual AWS variables or profile.
 
+``snapshot build`` names the snapshot after its template (``--name`` to choose another) in the local
+store, which every command and server using that home shares: when that moves a name (the built-in
+``python`` included) it says so, with the old and the new id.
+
 ``rollbox store init`` sets an S3 store's retention tiers as bucket lifecycle rules (``--state-days`` /
 ROLLBOX_STATE_DAYS, ``--cold-days`` / ROLLBOX_COLD_DAYS, ``--cold-class`` / ROLLBOX_COLD_CLASS,
 ``--no-transition`` / ROLLBOX_NO_TRANSITION); ``rollbox store show`` prints the bucket's rules.
@@ -36,6 +40,7 @@ from rich.table import Table
 from rollbox.runtime.errors import InvalidRequest, RollboxError
 from rollbox.runtime.runtime import default_home
 from rollbox.snapshots.build import build
+from rollbox.snapshots.resolver import BUILTIN
 from rollbox.snapshots.store import ByteCallback, Store, copy_snapshot
 from rollbox.snapshots.store_local import LocalStore
 from rollbox.snapshots.store_s3 import (
@@ -47,7 +52,7 @@ from rollbox.snapshots.store_s3 import (
     S3Store,
     is_own_rule,
 )
-from rollbox.snapshots.template import PipOptions, load_template
+from rollbox.snapshots.template import PipOptions, Template, load_template
 
 
 def _env_bool(name: str, env: Mapping[str, str]) -> bool:
@@ -91,6 +96,8 @@ def add_parser(subparsers: Any) -> None:
 
     p = sub.add_parser("build", parents=[common], help="build a template into a snapshot")
     p.add_argument("template", help="template YAML file")
+    p.add_argument("--name", default=None,
+                   help="the name to give the snapshot in the local store (default: the template's own)")
     p.add_argument("--pip-find-links", action="append",
                    default=[x for x in env.get("ROLLBOX_PIP_FIND_LINKS", "").split(os.pathsep) if x],
                    help=f"extra wheel directory for pip (ROLLBOX_PIP_FIND_LINKS, {os.pathsep}-separated)")
@@ -172,11 +179,17 @@ def _bars(console: Console) -> Iterator[Callable[[str, int], ByteCallback]]:
 
 def _build(args: argparse.Namespace, console: Console) -> int:
     template, where = load_template(args.template)
+    if args.name is not None:
+        try:
+            template = Template.model_validate({**template.model_dump(), "name": args.name})
+        except ValueError as exc:
+            raise InvalidRequest(f"--name {args.name!r}: {exc}") from None
     no_index = args.pip_no_index
     if no_index is None:
         no_index = _env_bool("ROLLBOX_PIP_NO_INDEX", os.environ)
     extra = PipOptions(find_links=tuple(os.path.abspath(p) for p in args.pip_find_links), no_index=no_index)
     local = _local(args)
+    before = local.names().get(template.name)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task(f"building {template.name}")
@@ -186,16 +199,34 @@ def _build(args: argparse.Namespace, console: Console) -> int:
         remote = _remote(args)
         with _bars(console) as on_layer:
             copy_snapshot(local, remote, template.name, tmp_dir=str(local.root / "tmp"), on_layer=on_layer)
+    moved = _moved_name(template.name, before, manifest.id, local)
+    if moved:
+        Console(stderr=True, soft_wrap=True).print(f"[bold yellow]note:[/] {escape(moved)}", highlight=False)
     if args.json:
         version = manifest.version.model_dump()
-        print(json.dumps({"id": manifest.id, "name": template.name, "version": version}))
+        print(json.dumps({"id": manifest.id, "name": template.name, "previous_id": before, "home": str(local.root),
+                          "version": version}))
     else:
-        console.print(f"built [bold]{template.name}[/] {manifest.id}  "
+        console.print(f"built [bold]{escape(template.name)}[/] {manifest.id} in {escape(str(local.root))}  "
                       f"({len(manifest.layers)} layers, {manifest.size_bytes / 1e6:.1f} MB)", highlight=False)
         if manifest.version.packages:
             console.print("packages: " + ", ".join(f"{k}=={v}" for k, v in manifest.version.packages.items()),
                           highlight=False)
     return 0
+
+
+def _moved_name(name: str, before: str | None, now: str, local: LocalStore) -> str | None:
+    """What a build did to a name that every user of this home shares, if it moved one."""
+    if before == now:
+        return None
+    users = (f"every rollbox command and server using {local.root} (--home / ROLLBOX_HOME) now restores "
+             f"{now[:12]} for {name!r}")
+    if before is not None:
+        return f"{name}: {before[:12]} -> {now[:12]}; {users} (`rollbox snapshot build --name` keeps a name apart)"
+    if name == BUILTIN:
+        return (f"{name!r} now names this snapshot instead of the built-in one; {users}; `rollbox snapshot rm "
+                f"{now[:12]} --home {local.root}` goes back to the built-in")
+    return None
 
 
 def _list(args: argparse.Namespace, console: Console) -> int:

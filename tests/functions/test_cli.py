@@ -138,3 +138,27 @@ def test_serve_takes_the_aws_profile_its_credentials_message_recommends(seaweed:
         assert listening["home"] == str(tmp_path / "home"), listening
     finally:
         assert srv.stop() == 0
+
+
+def test_doctor_and_run_say_and_take_the_home_in_use(tmp_path: Path) -> None:
+    """The state directory is shared by every command and checkout that sets none (issue 26: not
+    documented, nowhere shown): doctor prints the one in use and what `python` names there; run takes
+    --home, and restores the `python` built into that home."""
+    import json
+
+    home = tmp_path / "home"
+    doctor = rollbox("doctor", env={"ROLLBOX_HOME": str(home)})
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert doctor.stdout.splitlines()[1] == (f"  info home: {home} (from ROLLBOX_HOME); `python` is the built-in "
+                                             "snapshot (the host's Python)"), doctor.stdout
+    shipped = Path(__file__).resolve().parents[2] / "snapshots" / "templates" / "python.yaml"
+    built = rollbox("snapshot", "build", str(shipped), "--home", str(home), "--json")
+    assert built.returncode == 0, built.stderr
+    sid = json.loads(built.stdout)["id"]
+    doctor = rollbox("doctor", env={"ROLLBOX_HOME": str(home)})
+    assert f"`python` is snapshot {sid[:12]} built into it" in doctor.stdout.splitlines()[1], doctor.stdout
+    ran = rollbox("run", "--home", str(home), "--json", "--code", "print(6 * 7)")
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout)["snapshot_id"] == sid  # the home's python, not the built-in
+    default = rollbox("run", "--code", "print(1)", env={"ROLLBOX_HOME": str(tmp_path / "other")})
+    assert default.returncode == 0 and (tmp_path / "other" / "layers").is_dir(), default.stderr

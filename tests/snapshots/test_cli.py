@@ -75,3 +75,32 @@ def test_errors_exit_non_zero_and_say_why(tmp_path: Path) -> None:
 
     no_store = run("push", "x", "--home", home)
     assert no_store.returncode == 2 and "--store (or ROLLBOX_STORE) is required" in no_store.stderr
+
+
+def test_a_build_that_moves_a_shared_name_says_so(tmp_path: Path) -> None:
+    """The local store is shared by every command and server using its home (issue 26: building
+    python.yaml silently re-pointed the built-in `python` for all of them): a build that moves a name
+    says which, old -> new id, and `--name` builds under another name."""
+    home = str(tmp_path / "home")
+    shipped = Path(__file__).resolve().parents[2] / "snapshots" / "templates" / "python.yaml"
+    first = run("build", str(shipped), "--home", home, "--json")
+    assert first.returncode == 0, first.stderr
+    new = json.loads(first.stdout)
+    assert (new["name"], new["previous_id"], new["home"]) == ("python", None, home)
+    assert "'python' now names this snapshot instead of the built-in one" in first.stderr, first.stderr
+    assert f"every rollbox command and server using {home}" in first.stderr
+    again = run("build", str(shipped), "--home", home)
+    assert again.returncode == 0 and "note:" not in again.stderr, again.stderr  # the same snapshot: nothing moved
+    assert f"built python {new['id']} in {home}" in again.stdout
+    other = tmp_path / "python.yaml"
+    other.write_text(shipped.read_text().replace("imports: [", "imports: [zlib, "))
+    moved = run("build", str(other), "--home", home)
+    assert moved.returncode == 0, moved.stderr
+    now = json.loads(run("show", "python", "--home", home, "--json").stdout)["id"]
+    assert now != new["id"] and f"python: {new['id'][:12]} -> {now[:12]}" in moved.stderr, moved.stderr
+    apart = run("build", str(shipped), "--home", home, "--name", "python-mine", "--json")
+    assert apart.returncode == 0 and "note:" not in apart.stderr, apart.stderr
+    assert json.loads(apart.stdout)["name"] == "python-mine"
+    assert json.loads(run("show", "python", "--home", home, "--json").stdout)["id"] == now  # left alone
+    bad = run("build", str(shipped), "--home", home, "--name", "no/slash")
+    assert bad.returncode == 2 and "--name 'no/slash'" in bad.stderr, bad.stderr
