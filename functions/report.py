@@ -195,8 +195,10 @@ def summarize(steps: Any, usage: Any, prices: Prices, *, bucket_s: float | None 
     by_type = s["kind"].value_counts().to_dict()
     steps_by_type = {k: int(by_type.pop(k)) for k in STEP_ORDER if k in by_type}
     steps_by_type.update({str(k): int(v) for k, v in sorted(by_type.items())})
-    per_bucket = np.floor((s["end"].to_numpy() - math.floor(d.t0 / bucket) * bucket) / bucket)
+    first = math.floor(d.t0 / bucket) * bucket
+    per_bucket = np.floor((s["end"].to_numpy() - first) / bucket)
     peak_steps = int(pd.Series(per_bucket).value_counts().max()) if len(s) else 0
+    window = (math.floor((d.t1 - first) / bucket) + 1) * bucket  # the plotted buckets: the mean of their rates
 
     execs = s[(s["kind"] == "exec") & (s["status"] == 200)]
     lives = _lives(d)
@@ -222,7 +224,7 @@ def summarize(steps: Any, usage: Any, prices: Prices, *, bucket_s: float | None 
         "lives_by_kind": {str(k): int(v) for k, v in sorted(u["kind"].value_counts().items())},
         "steps": len(s), "steps_by_type": steps_by_type, "step_errors": int((s["status"] != 200).sum()),
         "resumed_steps": int(s["resumed"].sum()),
-        "steps_per_s_avg": len(s) / span if span > 0 else None,
+        "steps_per_s_avg": len(s) / window, "window_s": window,
         "steps_per_s_peak": peak_steps / bucket,
         "exec_steps": len(execs),
         "latency_p50_ms": _pct(execs["total_ms"].dropna(), 0.5),
@@ -275,10 +277,14 @@ def _spread(starts: Any, ends: Any, amounts: Any, edges: Any) -> Any:
 
 def timeline(steps: Any, usage: Any, prices: Prices, *, bucket_s: float | None = None) -> Any:
     """One row per time bucket (index: the bucket's start, UTC): ``steps`` and ``steps_per_s`` (steps
-    that ended in it), ``resumed`` (steps that resumed a hibernated sandbox), ``open`` (most sandboxes
-    open at once in it), ``p50_ms``/``p90_ms``/``p99_ms`` (total_ms of the successful exec steps that ended in it),
-    ``cost_usd`` (per-second billing at ``prices``, each life's cost spread over
-    ``[ended_at - wall_s, ended_at]``) and ``cost_usd_per_h`` (that as a rate)."""
+    that ended in it), ``work_steps`` (of those, exec and run: the work, without the creates and
+    destroys that bunch up when a load starts and stops), ``resumed`` (steps that resumed a hibernated
+    sandbox), ``open`` (most sandboxes open at once in it), ``p50_ms``/``p90_ms``/``p99_ms`` (total_ms of
+    the successful exec steps that ended in it), ``cost_usd`` (per-second billing at ``prices``, each
+    life's cost spread evenly over the time its sandbox was open: from its first step's start, or
+    ``ended_at - wall_s`` if earlier, to its end; the records do not tell its live seconds from its
+    hibernated ones, and placing them all just before ``ended_at`` piled the lives a load's end destroys
+    at once onto the last seconds) and ``cost_usd_per_h`` (that as a rate)."""
     import numpy as np
     import pandas as pd
 
@@ -294,9 +300,11 @@ def timeline(steps: Any, usage: Any, prices: Prices, *, bucket_s: float | None =
 
     sb = bucket_of(s["end"].to_numpy())
     count = np.bincount(sb, minlength=n).astype(float)
+    work = np.bincount(sb, weights=s["kind"].isin(("exec", "run")).to_numpy(dtype=float), minlength=n)
     resumed = np.bincount(sb, weights=s["resumed"].to_numpy(dtype=float), minlength=n)
 
-    t, levels = _open_levels(_lives(d))
+    lives = _lives(d)
+    t, levels = _open_levels(lives)
     open_now = np.zeros(n)
     if len(t):
         i = np.searchsorted(t, edges[:-1], side="right")
@@ -311,9 +319,13 @@ def timeline(steps: Any, usage: Any, prices: Prices, *, bucket_s: float | None =
         pct.loc[q.index, ["p50_ms", "p90_ms", "p99_ms"]] = q[[0.5, 0.9, 0.99]].to_numpy()
 
     per_s = (u["vcpu_s"] * prices.vcpu_s + u["gib_s"] * prices.gib_s).to_numpy(dtype=float)
-    cost = _spread(u["start"].to_numpy(dtype=float), u["end"].to_numpy(dtype=float), per_s, edges)
+    opened = lives["start"].reindex(u["sandbox_id"]).to_numpy(dtype=float)  # NaN: no id, or no steps
+    closed = lives["end"].reindex(u["sandbox_id"]).to_numpy(dtype=float)
+    start = np.fmin(u["start"].to_numpy(dtype=float), opened)
+    end = np.fmax(u["end"].to_numpy(dtype=float), closed)
+    cost = _spread(start, end, per_s, edges)
     out = pd.DataFrame({
-        "steps": count, "steps_per_s": count / bucket, "resumed": resumed, "open": open_now,
+        "steps": count, "steps_per_s": count / bucket, "work_steps": work, "resumed": resumed, "open": open_now,
         "p50_ms": pct["p50_ms"].to_numpy(), "p90_ms": pct["p90_ms"].to_numpy(), "p99_ms": pct["p99_ms"].to_numpy(),
         "cost_usd": cost, "cost_usd_per_h": cost / bucket * 3600.0,
     }, index=pd.to_datetime(edges[:-1], unit="s", utc=True))
@@ -371,7 +383,8 @@ def _rows(sm: dict[str, Any]) -> list[tuple[str, str, str, Any]]:
         ("steps", "steps", f"{sm['steps']:,} ({by_type})" + (f"; {sm['step_errors']:,} answered with an error"
                                                            if sm["step_errors"] else ""), sm["steps"]),
         ("resumed_steps", "steps that resumed a hibernated sandbox", _num(sm["resumed_steps"]), sm["resumed_steps"]),
-        ("steps_per_s_avg", "steps/s, average", _num(sm["steps_per_s_avg"], digits=3), sm["steps_per_s_avg"]),
+        ("steps_per_s_avg", f"steps/s, average (over the {_duration(sm['window_s'])} of {_num(sm['bucket_s'])} s "
+         "buckets plotted)", _num(sm["steps_per_s_avg"], digits=3), sm["steps_per_s_avg"]),
         ("steps_per_s_peak", f"steps/s, peak ({_num(sm['bucket_s'])} s buckets)",
          _num(sm["steps_per_s_peak"], digits=3), sm["steps_per_s_peak"]),
         ("latency_p50_ms", "exec step latency p50 (total_ms, successful execs)", _num(sm["latency_p50_ms"], " ms"),
@@ -406,19 +419,52 @@ def _rows(sm: dict[str, Any]) -> list[tuple[str, str, str, Any]]:
     return rows
 
 
-def _axes_time(ax: Any, xs: Any, *, integer: bool = False) -> None:
-    """A time x axis over the whole span (every plot the same), labelled concisely; ``integer``: counts."""
+def _clock(span_s: float) -> Callable[[float, Any], str]:
+    """Tick labels of a time axis: wall-clock time (UTC), with the date when the span passes a day and
+    tenths of a second when ticks fall between seconds (matplotlib's concise labels showed bare
+    seconds, "30", between the minutes)."""
     import matplotlib.dates
-    from matplotlib.ticker import MaxNLocator
+
+    mdates: Any = matplotlib.dates  # partly typed
+
+    def label(x: float, _pos: Any) -> str:
+        t: dt.datetime = mdates.num2date(x)
+        if span_s >= 86400:
+            return t.strftime("%m-%d %H:%M")
+        text = t.strftime("%H:%M:%S")
+        tenths = round(t.microsecond / 100_000)
+        return text + (f".{tenths}" if 0 < tenths < 10 else "")
+    return label
+
+
+def _axes_time(ax: Any, xs: Any, *, integer: bool = False, top: float | None = None) -> None:
+    """A time x axis over the whole span (every plot the same), labelled as clock times; a y axis from
+    0 (to ``top`` if given): counts (``integer``) get whole-number ticks and at least 0..1, so a
+    constant or empty series is drawn as a line on a scale, not as noise around its value."""
+    import matplotlib.dates
+    import numpy as np
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     mdates: Any = matplotlib.dates  # partly typed: its locators and formatters are not
-    loc = mdates.AutoDateLocator()
-    ax.xaxis.set_major_locator(loc)
-    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(loc))
+    ax.xaxis.set_major_locator(mdates.AutoDateLocator(minticks=3, maxticks=9))
+    span_s = float((xs[-1] - xs[0]) / np.timedelta64(1, "s"))
+    ax.xaxis.set_major_formatter(FuncFormatter(_clock(span_s)))
     ax.set_xlim(xs[0], xs[-1])
+    if ax.get_yscale() == "linear":
+        hi = ax.get_ylim()[1] if top is None else top
+        ax.set_ylim(0, max(hi, 1.0) if integer else (hi if hi > 0 else 1.0))
     if integer:
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=2))
     ax.grid(True, alpha=0.3)
+
+
+def _headroom(values: Any, floor: float = 0.0) -> float:
+    """A y limit above the largest finite value (15 % headroom), at least ``floor``."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    return max(float(v.max()) * 1.15 if len(v) else 0.0, floor)
 
 
 def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
@@ -429,6 +475,8 @@ def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
     b = _num(sm["bucket_s"], " s")
     width = np.timedelta64(int(sm["bucket_s"] * 1e6), "us")
     xs = np.append(x, x[-1] + width)  # step lines: each bucket's value drawn across the bucket
+    day = dt.datetime.fromtimestamp(sm["start"], dt.UTC).strftime("%Y-%m-%d")
+    xlabel = f"time (UTC), from {day}"
 
     def ys(col: str) -> Any:
         return np.append(tl[col].to_numpy(dtype=float), tl[col].iloc[-1])
@@ -437,12 +485,13 @@ def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
         fig = Figure(figsize=(10, 3.5), dpi=100, layout="constrained")
         return fig, fig.subplots()
 
-    def save(fig: Any, ax: Any, name: str, ylabel: str, title: str, *, legend: bool = True) -> None:
+    def save(fig: Any, ax: Any, name: str, ylabel: str, title: str, *, legend: bool = True,
+             top: float | None = None) -> None:
         ax.set_ylabel(ylabel)
-        ax.set_xlabel("time (UTC)")
+        ax.set_xlabel(xlabel)
         if legend:
             ax.legend(loc="upper right", fontsize=8)
-        _axes_time(ax, xs)
+        _axes_time(ax, xs, top=top)
         fig.suptitle(title)
         fig.savefig(out / f"{name}.png")
     captions: dict[str, str] = {}
@@ -452,14 +501,14 @@ def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
     ax1.step(xs, ys("open"), where="post", color="tab:blue", label="open sandboxes (created, not yet destroyed)")
     ax1.axhline(sm["peak_open"], color="tab:red", ls="--", lw=1, label=f"peak {sm['peak_open']}")
     ax1.set_ylabel("sandboxes")
-    ax1.legend(loc="upper right", fontsize=8)
+    ax1.legend(loc="best", fontsize=8)
     ax2.bar(x, tl["resumed"], width=width, align="edge", color="tab:orange",
             label=f"steps that resumed a hibernated sandbox (per {b})")
     ax2.set_ylabel("steps")
     ax2.legend(loc="upper right", fontsize=8)
-    for ax in (ax1, ax2):
-        _axes_time(ax, xs, integer=True)
-    ax2.set_xlabel("time (UTC)")
+    _axes_time(ax1, xs, integer=True, top=_headroom([sm["peak_open"]], 1.0))
+    _axes_time(ax2, xs, integer=True, top=_headroom(tl["resumed"], 1.0))
+    ax2.set_xlabel(xlabel)
     fig.suptitle("Sandboxes over time (which sandboxes are in memory is not recorded)")
     fig.savefig(out / "sandboxes.png")
     captions["sandboxes"] = (f"Open sandboxes (most at once in each {b} bucket; from each sandbox's first to its "
@@ -467,11 +516,24 @@ def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
                              "Whether an open sandbox was in memory or hibernated is not recorded.")
 
     fig, ax = one_axes()
-    ax.step(xs, ys("steps_per_s"), where="post", color="tab:green", label=f"steps/s ({b} buckets)")
-    if sm["steps_per_s_avg"] is not None:
-        ax.axhline(sm["steps_per_s_avg"], color="gray", ls="--", lw=1, label=f"average {sm['steps_per_s_avg']:.3g}")
-    save(fig, ax, "steps", "steps/s", "Steps per second (every recorded step, by when its reply was made)")
-    captions["steps"] = f"Steps answered per second, in {b} buckets."
+    total, work = tl["steps_per_s"].to_numpy(dtype=float), (tl["work_steps"] / sm["bucket_s"]).to_numpy(dtype=float)
+    ax.fill_between(xs, ys("work_steps") / sm["bucket_s"], step="post", color="tab:green", alpha=0.35,
+                    label="exec and run steps/s")
+    ax.step(xs, ys("steps_per_s"), where="post", color="tab:green", lw=1, label=f"all steps/s ({b} buckets)")
+    avg = sm["steps_per_s_avg"]
+    ax.axhline(avg, color="gray", ls="--", lw=1, label=f"average {avg:.3g} (peak {sm['steps_per_s_peak']:.3g})")
+    # the scale follows the work and the bulk of the steps: a burst of creates or destroys (a load starting
+    # or stopping) that would flatten the rest is cut at the top and its height written there
+    top = _headroom([work.max(), np.percentile(total, 95) if len(total) else 0.0, avg], 1.0 / sm["bucket_s"])
+    over = np.flatnonzero(total > top)
+    runs = np.split(over, np.flatnonzero(np.diff(over) > 1) + 1) if len(over) else []
+    for i in (int(run[np.argmax(total[run])]) for run in runs):  # one label per run of cut buckets
+        ax.annotate(f"{total[i]:.3g}/s", (x[i] + width // 2, top), xytext=(0, -2), textcoords="offset points",
+                    ha="center", va="top", fontsize=7, color="tab:green")
+    save(fig, ax, "steps", "steps/s", "Steps per second (every recorded step, by when its reply was made)", top=top)
+    captions["steps"] = (f"Steps answered per second, in {b} buckets: all of them (line) and the exec and run "
+                         "steps among them (filled). The scale follows the work; a burst of creates or destroys "
+                         "above it (a load starting or stopping) is cut at the top, its rate written there.")
 
     fig, ax = one_axes()
     execs = bool(tl["p50_ms"].notna().any())
@@ -483,7 +545,8 @@ def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
             ax.set_yscale("log")
     else:
         ax.text(0.5, 0.5, "no exec steps", ha="center", va="center", transform=ax.transAxes)
-    save(fig, ax, "latency", "ms", f"Exec step latency (total_ms) percentiles per {b}", legend=execs)
+    save(fig, ax, "latency", "ms", f"Exec step latency (total_ms) percentiles per {b}", legend=execs,
+         top=_headroom(tl["p99_ms"], 1.0) if execs else None)
     captions["latency"] = (f"p50, p90 and p99 of the exec steps' total_ms (event in to reply out) in each {b} "
                            "bucket.")
 
@@ -491,13 +554,14 @@ def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
     ax.fill_between(xs, ys("cost_usd_per_h"), step="post", color="tab:blue", alpha=0.4,
                     label="billed per second ($/h)")
     ax.step(xs, ys("cost_usd_per_h"), where="post", color="tab:blue", lw=1)
-    if sm["always_on_rate_usd_s"] is not None:
-        ax.axhline(sm["always_on_rate_usd_s"] * 3600, color="tab:red", ls="--", lw=1.5,
-                   label=f"always-on fleet of {sm['peak_open']} ($/h)")
-    save(fig, ax, "cost", "$/h", "Cost rate: per-second billing vs an always-on fleet")
-    captions["cost"] = ("Per-second billing: each sandbox life's cost spread evenly over its live time "
-                        f"[ended_at - wall_s, ended_at], as a rate per {b} bucket; against the always-on "
-                        "fleet's rate (peak open sandboxes at the typical limits).")
+    fleet = None if sm["always_on_rate_usd_s"] is None else sm["always_on_rate_usd_s"] * 3600
+    if fleet is not None:
+        ax.axhline(fleet, color="tab:red", ls="--", lw=1.5, label=f"always-on fleet of {sm['peak_open']} ($/h)")
+    save(fig, ax, "cost", "$/h", "Cost rate: per-second billing vs an always-on fleet",
+         top=_headroom([*tl["cost_usd_per_h"], fleet or 0.0], 1e-9))
+    captions["cost"] = ("Per-second billing: each sandbox life's cost spread evenly over the time its sandbox was "
+                        f"open (the records do not tell its live seconds from its hibernated ones), as a rate per {b} "
+                        "bucket; against the always-on fleet's rate (peak open sandboxes at the typical limits).")
     return captions
 
 

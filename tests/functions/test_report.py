@@ -110,7 +110,7 @@ def test_summarize_totals(tmp_path: Path) -> None:
     assert (sm["episodes"], sm["sandboxes"], sm["lives"]) == (3, 3, 3)
     assert sm["steps"] == 14 and sm["step_errors"] == 1 and sm["resumed_steps"] == 1
     assert sm["steps_by_type"] == {"create": 3, "exec": 7, "destroy": 3, "annotate": 1}
-    assert sm["steps_per_s_avg"] == pytest.approx(14 / 75.5)
+    assert sm["steps_per_s_avg"] == pytest.approx(14 / 76)  # over the 76 one-second buckets plotted
     assert sm["steps_per_s_peak"] == 2  # T+40.5 and T+40.7
     # successful execs: 10, 20, 30, 100, 1000, 40 ms (the 404's 5 ms is not a latency)
     assert sm["latency_p50_ms"] == pytest.approx(35.0)
@@ -158,12 +158,15 @@ def test_sandbox_lives_and_timeline(tmp_path: Path) -> None:
     assert tl["resumed"].sum() == 1 and at[19]["resumed"] == 1
     assert at[19]["p50_ms"] == at[19]["p99_ms"] == 1000
     assert at[1]["p50_ms"] == 10 and pd.isna(at[12]["p50_ms"])  # the 404 is no latency sample
-    # per-second cost spread over each life [ended_at - wall_s, ended_at], conserved
+    # per-second cost spread over the time each sandbox was open (first step's start .. its end), conserved:
+    # sb-a T+0 .. T+10.1, sb-b T+5.0 .. T+75.5, sb-c T+8.0 .. T+20.1 (hibernated most of it: not piled at its end)
     assert tl["cost_usd"].sum() == pytest.approx(PER_SECOND, rel=1e-9)
-    assert at[0]["cost_usd"] == pytest.approx(10 * A / 10 * 0.95, rel=1e-6)  # sb-a from T+0.05
-    assert at[5]["cost_usd"] == pytest.approx(A + 71 * B / 70.2 * 0.8, rel=1e-6)  # sb-b from T+5.2
+    assert at[0]["cost_usd"] == pytest.approx(10 * A / 10.1, rel=1e-6)
+    assert at[5]["cost_usd"] == pytest.approx(10 * A / 10.1 + 71 * B / 70.5, rel=1e-6)
     assert at[5]["cost_usd_per_h"] == pytest.approx(at[5]["cost_usd"] * 3600)
-    assert at[30]["cost_usd"] == pytest.approx(71 * B / 70.2, rel=1e-6)
+    assert at[19]["cost_usd"] == pytest.approx(71 * B / 70.5 + 5 * C / 12.1, rel=1e-6)
+    assert at[30]["cost_usd"] == pytest.approx(71 * B / 70.5, rel=1e-6)
+    assert tl["work_steps"].sum() == 7 and at[40]["work_steps"] == 1  # the execs (the 404 too), not the annotate
 
     assert report.choose_bucket(75.5) == 1 and report.choose_bucket(3600) == 15
     assert report.choose_bucket(6 * 3600) == 120
@@ -253,3 +256,76 @@ def test_cli_no_rows_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     err = capsys.readouterr().err
     assert "no steps or usage recorded for experiment 'nothing-here'" in err and str(tmp_path) in err
     assert not out.exists()
+
+
+def _figures(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The report's figures by file name, as they were saved (drawn: tick labels are final)."""
+    from matplotlib.figure import Figure
+
+    saved: dict[str, Any] = {}
+    original = Figure.savefig
+
+    def keep(self: Any, fname: Any, *args: Any, **kw: Any) -> Any:
+        saved[Path(fname).stem] = self
+        return original(self, fname, *args, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return saved
+
+
+CLOCK = re.compile(r"^\d\d:\d\d:\d\d(\.\d)?$")
+
+
+def test_a_short_steady_experiment_draws_sensible_axes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(issue 26) 8 sandboxes open the whole time, nothing resumed, 90 steps in under a second: the
+    sandbox axis was 7.6-8.4, the resumes axis -0.045..0.045, "average 180" was drawn above "peak 91",
+    and the x ticks were bare seconds. Now counts start at 0 on whole numbers, the average is the mean
+    of the plotted buckets (never above the peak), and ticks are clock times."""
+    rows = [step(f"sb-{i}", CREATE, 0.01 * i, 5, episode=str(i)) for i in range(8)]
+    rows += [step(f"sb-{i % 8}", EXEC, 0.1 + 0.005 * i, 2, episode=str(i % 8), exec_ms=1) for i in range(82)]
+    steps = pd.DataFrame([r for _, r in rows])
+    usage = pd.DataFrame([life(f"sb-{i}", str(i), 1.0, 512 * MiB, 0.5, 0.6, prices=Prices())[1] for i in range(8)])
+    sm = report.summarize(steps, usage, Prices())
+    assert sm["steps"] == 90 and sm["steps_per_s_avg"] <= sm["steps_per_s_peak"], sm
+    figs = _figures(monkeypatch)
+    report.render(tmp_path / "out", E, sm, report.timeline(steps, usage, Prices(), bucket_s=sm["bucket_s"]))
+    open_ax, resumed_ax = figs["sandboxes"].axes
+    assert open_ax.get_ylim()[0] == 0 and open_ax.get_ylim()[1] >= 8, open_ax.get_ylim()
+    assert resumed_ax.get_ylim() == (0, 1.0), resumed_ax.get_ylim()
+    for ax in (open_ax, resumed_ax):
+        assert all(float(t).is_integer() for t in ax.get_yticks()), ax.get_yticks()
+    steps_ax = figs["steps"].axes[0]
+    assert steps_ax.get_ylim()[0] == 0 and steps_ax.get_ylim()[1] >= sm["steps_per_s_peak"]
+    average = next(t.get_text() for t in steps_ax.get_legend().get_texts() if t.get_text().startswith("average"))
+    assert average == f"average {sm['steps_per_s_avg']:.3g} (peak {sm['steps_per_s_peak']:.3g})"
+    for name, fig in figs.items():
+        for ax in fig.axes:
+            labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+            assert all(CLOCK.match(label) for label in labels), (name, labels)
+        assert fig.axes[-1].get_xlabel().startswith("time (UTC), from 20"), fig.axes[-1].get_xlabel()
+
+
+def test_a_load_that_stops_at_once_does_not_dominate_the_plots(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """(issue 26) 20 sandboxes, 2 execs/s for a minute, then all destroyed in the same second (a load
+    test stopping), each live 5 s of its 60 (hibernated the rest): the destroy burst set the steps
+    plot's scale (20/s against 2/s of work; the creates at the start: 10/s) and the cost of every life was drawn in its last 5 s, a
+    cliff at the right edge. Now the steps scale follows the work (the burst cut, its rate written at
+    the top) and each life's cost is spread over the time it was open."""
+    rows = [step(f"sb-{i}", CREATE, 0.1 * i, 50, episode=str(i)) for i in range(20)]
+    rows += [step(f"sb-{i % 20}", EXEC, 2.0 + 0.5 * i, 20, episode=str(i % 20), exec_ms=10) for i in range(116)]
+    rows += [step(f"sb-{i}", DESTROY, 60.2 + 0.01 * i, 30, episode=str(i)) for i in range(20)]
+    steps = pd.DataFrame([r for _, r in rows])
+    usage = pd.DataFrame([life(f"sb-{i}", str(i), 1.0, 512 * MiB, 5.0, 60.2 + 0.01 * i, prices=Prices())[1]
+                          for i in range(20)])
+    sm = report.summarize(steps, usage, Prices())
+    tl = report.timeline(steps, usage, Prices(), bucket_s=sm["bucket_s"])
+    rate = tl["cost_usd_per_h"].to_numpy()
+    assert rate[-5:].max() < 2 * float(pd.Series(rate[5:-5]).median()), rate  # no cliff at the end
+    assert tl["cost_usd"].sum() == pytest.approx(sm["cost_per_second_usd"], rel=1e-9)  # the total is kept
+    figs = _figures(monkeypatch)
+    report.render(tmp_path / "out", E, sm, tl)
+    steps_ax = figs["steps"].axes[0]
+    assert 2 <= steps_ax.get_ylim()[1] < 5, steps_ax.get_ylim()  # the work's scale, not the burst's 20/s
+    cut = [t.get_text() for t in steps_ax.texts]
+    assert cut == ["10/s", "20/s"], cut  # the creates' two seconds at the start (one label), the destroys' end
