@@ -517,8 +517,11 @@ class Client:
         timeout_s: float | None = None,
         limits: Limits | None = None,
         metadata: Mapping[str, str] | None = None,
+        include_isolation: bool = False,
     ) -> Sandbox:
-        """A live sandbox; ``timeout_s`` is its lifetime (the service destroys it after that)."""
+        """A live sandbox; ``timeout_s`` is its lifetime (the service destroys it after that).
+        ``include_isolation``: its ``info.isolation`` is the full isolation report (else None, and
+        ``info.isolation_summary`` one line)."""
         data: dict[str, Any] = {"snapshot": snapshot}
         if timeout_s is not None:
             data["timeout_s"] = timeout_s
@@ -526,6 +529,8 @@ class Client:
             data["limits"] = limits.model_dump(exclude_unset=True)
         if metadata:
             data["metadata"] = dict(metadata)
+        if include_isolation:
+            data["include_isolation"] = True
         info = await self.send(
             SANDBOX_CREATE,
             data,
@@ -543,6 +548,7 @@ class Client:
         count: int = 1,
         limits: Limits | None = None,
         metadata: Mapping[str, str] | None = None,
+        include_isolation: bool = False,
     ) -> list[Sandbox]:
         """``count`` new sandboxes from exactly one of a live sandbox (they see its files as they
         are now and keep its limits) or a snapshot (name or id). All of them, or an error."""
@@ -555,6 +561,8 @@ class Client:
             data["limits"] = limits.model_dump(exclude_unset=True)
         if metadata:
             data["metadata"] = dict(metadata)
+        if include_isolation:
+            data["include_isolation"] = True
         record = await self.send(
             SANDBOX_FORK,
             data,
@@ -607,11 +615,13 @@ class Sandbox:
         timeout_s: float | None = None,
         limits: Limits | None = None,
         metadata: Mapping[str, str] | None = None,
+        include_isolation: bool = False,
     ) -> Sandbox:
         """Create a sandbox at the service ``url`` (or through a shared ``Client``)."""
         client = url if isinstance(url, Client) else Client(url)
         try:
-            sb = await client.create(snapshot, timeout_s=timeout_s, limits=limits, metadata=metadata)
+            sb = await client.create(snapshot, timeout_s=timeout_s, limits=limits, metadata=metadata,
+                                     include_isolation=include_isolation)
         except BaseException:
             if client is not url:
                 await client.aclose()
@@ -657,11 +667,12 @@ class Sandbox:
             raise ClientError(f"sandbox {self.id} was killed; create a new one", sandbox_id=self.id)
         return await self.client.snapshot(self.id, name)
 
-    async def fork(self, n: int = 1, *, metadata: Mapping[str, str] | None = None) -> list[Sandbox]:
+    async def fork(self, n: int = 1, *, metadata: Mapping[str, str] | None = None,
+                   include_isolation: bool = False) -> list[Sandbox]:
         """``n`` new sandboxes seeing this one's files as they are now; each is killed on its own."""
         if self._killed:
             raise ClientError(f"sandbox {self.id} was killed; create a new one", sandbox_id=self.id)
-        return await self.client.fork(self.id, count=n, metadata=metadata)
+        return await self.client.fork(self.id, count=n, metadata=metadata, include_isolation=include_isolation)
 
     async def kill(self) -> Usage | None:
         """Destroy the sandbox; its usage record, or None if the service no longer knew it."""

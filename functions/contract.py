@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Final, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
 
 __all__ = [
@@ -207,6 +207,9 @@ class CreateData(_Data):
     metadata: dict[str, str] = Field(
         default_factory=dict, description="free labels: experiment, episode, ... (logged, billed)"
     )
+    include_isolation: StrictBool = Field(
+        default=False, description="the reply carries the full isolation report (~2.5 KB); by default only its "
+                                   "one-line `isolation_summary`")
 
     _metadata = field_validator("metadata")(_check_metadata)
 
@@ -334,6 +337,9 @@ class ForkData(_Data):
     count: Annotated[int, Field(ge=1, le=MAX_FORK)] = 1
     limits: Limits | None = Field(default=None, description="only with snapshot; a live fork keeps its parent's")
     metadata: dict[str, str] = Field(default_factory=dict, description="default: the parent's, for a live fork")
+    include_isolation: StrictBool = Field(
+        default=False, description="each new sandbox's record carries its full isolation report (~2.5 KB); by "
+                                   "default only its one-line `isolation_summary`")
 
     _metadata = field_validator("metadata")(_check_metadata)
 

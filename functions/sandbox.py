@@ -23,7 +23,8 @@ __all__ = ["ROUTES", "create", "destroy", "exec_", "run"]
 
 
 async def create(rt: SandboxRuntime, data: CreateData) -> SandboxInfo:
-    return await rt.create(snapshot=data.snapshot, limits=data.effective_limits(), metadata=data.metadata)
+    info = await rt.create(snapshot=data.snapshot, limits=data.effective_limits(), metadata=data.metadata)
+    return info if data.include_isolation else info.brief()
 
 
 async def exec_(rt: SandboxRuntime, data: ExecData) -> ExecResult:

@@ -197,7 +197,13 @@ def routes(snapshots: Snapshots) -> tuple[Route, ...]:
             return await snapshots.snapshot(data)
         return await durable.step(data.sandbox_id, lambda _live: snapshots.snapshot(data), SnapshotRecord)
 
-    async def fork(_rt: SandboxRuntime, data: ForkData) -> ForkRecord:
+    async def fork(rt: SandboxRuntime, data: ForkData) -> ForkRecord:
+        record = await fork_all(rt, data)
+        if data.include_isolation:
+            return record
+        return record.model_copy(update={"sandboxes": [info.brief() for info in record.sandboxes]})
+
+    async def fork_all(_rt: SandboxRuntime, data: ForkData) -> ForkRecord:
         if durable is None or data.sandbox_id is None:
             return await snapshots.fork(data)
         ev = current_event.get()

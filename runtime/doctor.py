@@ -144,7 +144,7 @@ async def diagnose() -> tuple[bool, list[str]]:
                 raise RuntimeError(f"unexpected result: exit {r.exit_code}, {r.stdout!r} {r.stderr!r}")
             lines.append("  ok   sandbox: created, ran `id -u; hostname` as uid 1000 in host 'sandbox', destroyed")
             lines.append(f"layers in force in that sandbox ({info.sandbox_id}):")
-            lines.extend(f"  {k}: {v}" for k, v in info.isolation.items())
+            lines.extend(f"  {k}: {v}" for k, v in (info.isolation or {}).items())
     except Exception as exc:
         ok = False
         lines.append(f"  FAIL sandbox: {exc}")

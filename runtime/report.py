@@ -24,7 +24,7 @@ from rollbox.runtime.isolation.cgroups_v1 import V1, V1Group
 from rollbox.runtime.isolation.cgroups_v2 import V2, V2Group
 from rollbox.runtime.spec import Limits
 
-__all__ = ["LAYERS", "cpu", "render"]
+__all__ = ["LAYERS", "cpu", "render", "summary"]
 
 LAYERS = ("mode", "namespaces", "user", "filesystem", "cgroups", "cpu", "rlimits", "seccomp", "limits")
 NOT_READ = "not read back yet: no sandbox has started in this runtime"
@@ -340,3 +340,28 @@ def render(*, rootless: bool, uid: int, host_ns: Mapping[str, int], backend: Bac
         except (LookupError, TypeError, ValueError, AttributeError) as exc:  # a read-back of an unexpected shape
             out[name] = f"not rendered: {type(exc).__name__}: {exc}"
     return out
+
+
+_FLAGS = ("NOT ", "MISSING", "STILL MOUNTED", "not read back", "not rendered", "OFF")
+
+
+def summary(report: Mapping[str, str]) -> str:
+    """The report in one line (what a create or fork reply carries by default): mode, the namespaces
+    unshared, the user inside and on the host, the cgroup backend, seccomp, and the layers whose text
+    says something fell back or could not be read back."""
+    parts = []
+    mode_text = report.get("mode", "")
+    parts.append(mode_text.split(" (", 1)[0] or "mode ?")
+    ns = report.get("namespaces", "")
+    prefix = "unshared from the host: "
+    parts.append("namespaces " + (ns[len(prefix):].split(";", 1)[0] if ns.startswith(prefix) else "?"))
+    parts.append(report.get("user", "user ?").split(";", 1)[0])
+    cg = report.get("cgroups", "")
+    parts.append("no cgroup (rlimits)" if cg.startswith("none") else
+                 f"cgroup {cg.split(':', 1)[0]}" if cg[:2] in ("v1", "v2") else "cgroups ?")
+    sc = report.get("seccomp", "")
+    parts.append("seccomp filter" if sc.startswith("filter loaded") else "seccomp NOT in force")
+    flagged = [layer for layer, text in report.items() if any(f in text for f in _FLAGS)]
+    if flagged:
+        parts.append(f"see the full report for: {', '.join(flagged)}")
+    return "; ".join(parts)

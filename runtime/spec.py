@@ -157,13 +157,31 @@ class SandboxInfo(BaseModel):
     forked_from: str | None = Field(default=None, description="the live sandbox this one was forked from")
     pooled: bool
     create_ms: float
-    isolation: dict[str, str] = Field(
-        default_factory=dict,
+    isolation: dict[str, str] | None = Field(
+        default=None,
         description="layer (mode, namespaces, user, filesystem, cgroups, cpu, rlimits, seccomp, limits) -> what is in "
-                    "force for this sandbox, as probed and read back, or what fell back and why")
+                    "force for this sandbox, as probed and read back, or what fell back and why (~2.5 KB). In a "
+                    "create or fork reply only when the event asks for it (`include_isolation: true`); "
+                    "`rollbox doctor` prints it for this host")
+    isolation_summary: str = Field(
+        default="",
+        description="the isolation report in one line: mode, namespaces, user, cgroups, seccomp, and the layers "
+                    "that fell back or could not be read back, if any")
     hibernated: bool | None = Field(default=None, description="durable sandboxes: created hibernated, no live copy "
                                     "made (while steps here come more slowly than idle live copies last); its first "
                                     "step resumes it")
+
+    @model_validator(mode="after")
+    def _summarize(self) -> SandboxInfo:
+        if self.isolation and not self.isolation_summary:
+            from rollbox.runtime.report import summary
+
+            self.isolation_summary = summary(self.isolation)
+        return self
+
+    def brief(self) -> SandboxInfo:
+        """This record without its full isolation report (its one-line summary stays)."""
+        return self if self.isolation is None else self.model_copy(update={"isolation": None})
 
 
 class Usage(BaseModel):
