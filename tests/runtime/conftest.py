@@ -66,15 +66,16 @@ def host_mounts() -> int:
     return len(Path("/proc/self/mountinfo").read_text().splitlines())
 
 
-def open_fds() -> int:
-    """Open fds of this process, not counting the cgroup.procs files that reusable cgroups keep
-    open (a cache bounded by the free-group list, handed to each sandbox of that group)."""
-    n = 0
+def fd_targets() -> dict[str, str]:
+    """What each open fd of this process refers to, without the cgroup.procs files that reusable
+    cgroups keep open (a cache bounded by the free-group list, handed to each sandbox of that group)."""
+    found = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{fd}").endswith("/cgroup.procs"):
-                continue
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            pass
-        n += 1
-    return n
+            target = "?"
+        if not target.endswith("/cgroup.procs"):
+            found[fd] = target
+    return found
+
