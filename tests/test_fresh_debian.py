@@ -124,8 +124,13 @@ def _newcomer(scratch: Scratch, name: str, env: dict[str, str], user: pwd.struct
 
     step("git clone", ["git", "clone", "-q", str(scratch.source), "rollbox"], work, 60)
     clone = work / "rollbox"
-    step("bootstrap", ["scripts/bootstrap"], clone, 240)
+    boot = step("bootstrap", ["scripts/bootstrap"], clone, 240)
     assert "home = /usr/bin\n" in (clone / ".venv" / "pyvenv.cfg").read_text()  # made from Debian's Python
+    # it prints what matters, not pip's and setuptools' chatter (issue 26: ~250 lines, most of them
+    # setuptools' `project.license` deprecation warning)
+    said = (boot.stdout + boot.stderr).splitlines()
+    assert said[-1].startswith("bootstrap: .venv ready: rollbox "), said[-20:]
+    assert not [line for line in said if re.search(r"warning|deprecat", line, re.I)], said[:40]
     step("bootstrap again", ["scripts/bootstrap"], clone, 60)
     doctor = step("rollbox doctor", [".venv/bin/rollbox", "doctor"], clone, 60).stdout
     run = step("rollbox run", [".venv/bin/rollbox", "run", "--code", "print(6 * 7)"], clone, 60)
