@@ -345,17 +345,24 @@ class DurableRuntime:
                            isolation=self.rt.isolation_report(), hibernated=True)
 
     async def step(self, sandbox_id: str, action: Callable[[_Live], Awaitable[M]], model: type[M],
-                   may_pass: bool = False) -> M:
+                   may_pass: bool = False, room: int = 0) -> M:
         """Run one step on a sandbox's newest state and commit it before returning its reply: the
         sandbox is resumed first if it is not live here (or its copy here is stale); a redelivered
         event gets its recorded reply without running. ``may_pass``: the step may pass through
-        (``_passes``)."""
+        (``_passes``). ``room``: live sandboxes the step makes beside this one (a fork's children),
+        made room for as a create's are (idle ones hibernated)."""
         ev = current_event.get()
         async with self._holding(sandbox_id):
             live, replay = await self._prepare(sandbox_id, ev, model, may_pass)
             if replay is not None:
                 return replay
             assert live is not None
+            if room:
+                cap = self.rt.config.max_live
+                if room + 1 > cap:
+                    raise Overloaded(f"{room} new sandboxes beside sandbox {sandbox_id} do not fit under this "
+                                     f"replica's live cap ({cap}, --max-live)", retry_after_s=1.0)
+                await self._make_room(room)
             passing = live.passing
             try:
                 reply = await action(live)
@@ -574,12 +581,8 @@ class DurableRuntime:
                 self._account(live, sb.cpu_s, sb.peak_memory_bytes)
             files = prev.files
             inline: dict[str, bytes] = {}
-            blobs: dict[str, str] = {}
             if scan and sb is not None:
-                files, inline, blobs = await self._scan(sid, live, gen)
-            for sha, path in blobs.items():
-                if time.monotonic() - self._blobs_known.get(sha, float("-inf")) >= REFRESH_AFTER_S:
-                    await self._io(self._put_blob, sha, path)
+                files, inline = await self._scan(sid, live, gen)
             events = dict(prev.events)
             if ev is not None:
                 events[ev.key] = [gen, ev.fingerprint]
@@ -628,19 +631,24 @@ class DurableRuntime:
             raise StoreDeadline(f"the store did not answer within {self._calls.deadline_s:g} s while "
                                 "committing a sandbox's step") from None
 
-    async def _scan(self, sandbox_id: str, live: _Live, gen: int) -> tuple[Files, dict[str, bytes], dict[str, str]]:
-        """The sandbox's files, read while it is held still; (files, inline contents, blobs to upload)."""
+    async def _scan(self, sandbox_id: str, live: _Live, gen: int) -> tuple[Files, dict[str, bytes]]:
+        """The sandbox's files, read while it is held still (or, once it died, through its upper
+        directory's descriptor); (files, inline contents). New large contents are uploaded as blobs
+        before it may run again or its descriptor is closed: their paths lead into it."""
         def scan(upper: str, small: bool = False) -> tuple[Files, dict[str, bytes], dict[str, str]]:
             files, paths = scan_upper(upper, live.hashes, small)
             inline, blobs = place_contents(files, live.record if live.record.generation >= 0 else None, gen, paths)
             return files, inline, blobs
 
-        async def scanned(upper: str) -> tuple[Files, dict[str, bytes], dict[str, str]]:
+        async def scanned(upper: str) -> tuple[Files, dict[str, bytes]]:
             try:  # most steps change a few small files: scanned here, no thread's round trip
-                return scan(upper, small=True)
+                files, inline, blobs = scan(upper, small=True)
             except UpperTooLarge:
-                result: tuple[Files, dict[str, bytes], dict[str, str]] = await self._disk(scan, upper)
-                return result
+                files, inline, blobs = await self._disk(scan, upper)
+            for sha, path in blobs.items():
+                if time.monotonic() - self._blobs_known.get(sha, float("-inf")) >= REFRESH_AFTER_S:
+                    await self._io(self._put_blob, sha, path)
+            return files, inline
 
         try:
             async with self.rt.frozen(sandbox_id) as sb:
@@ -748,12 +756,13 @@ class DurableRuntime:
             contents[sha] = data
         return contents
 
-    async def _make_room(self) -> None:
-        """At the live cap, hibernate the least recently used idle sandboxes instead of refusing. If
-        every live sandbox is running a step, wait for one to end (up to ``ROOM_WAIT_S``, then 429)."""
+    async def _make_room(self, n: int = 1) -> None:
+        """Room for ``n`` more live sandboxes: at the live cap, hibernate the least recently used idle
+        ones instead of refusing. If every live sandbox is running a step, wait for one to end (up to
+        ``ROOM_WAIT_S``, then 429)."""
         cap = self.rt.config.max_live
         deadline: float | None = None
-        while len(self.rt.sandboxes) + self.rt._creating >= cap:
+        while len(self.rt.sandboxes) + self.rt._creating + n > cap:
             idle = [(live.last_used, sid) for sid, live in self.live.items() if not self._wanted(sid)]
             if not idle:
                 loop = asyncio.get_running_loop()

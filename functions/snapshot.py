@@ -216,7 +216,7 @@ def routes(snapshots: Snapshots) -> tuple[Route, ...]:
             await durable.adopt(record.sandboxes, forked_from=parent)
             return record
 
-        return await durable.step(parent, forking, ForkRecord)
+        return await durable.step(parent, forking, ForkRecord, room=data.count)
 
     return (
         route(SANDBOX_SNAPSHOT, snapshot),
