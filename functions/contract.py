@@ -111,6 +111,10 @@ def _numeric(annotation: Any) -> bool:
     return annotation in (int, float) or any(_numeric(a) for a in get_args(annotation))
 
 
+def _textual(annotation: Any) -> bool:
+    return annotation is str or any(_textual(a) for a in get_args(annotation))
+
+
 def _nested_model(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
@@ -118,8 +122,9 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def _refuse_bools(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
-    """JSON true/false is not a number (pydantic would take ``timeout_s: true`` as 1 s): refuse a
-    boolean given for any numeric field, nested models (``limits``) included, naming the field."""
+    """JSON true/false and strings are not numbers (pydantic would take ``timeout_s: true`` as 1 s and
+    ``reward: "1"`` as 1.0): refuse a boolean or a string given for any numeric field, nested models
+    (``limits``) included, naming the field."""
     if not isinstance(data, dict):
         return data
     for name, field in model.model_fields.items():
@@ -128,6 +133,8 @@ def _refuse_bools(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
         value = data[name]
         if isinstance(value, bool) and _numeric(field.annotation):
             raise ValueError(f"'{prefix}{name}' must be a number, not a boolean ({str(value).lower()})")
+        if isinstance(value, str) and _numeric(field.annotation) and not _textual(field.annotation):
+            raise ValueError(f"'{prefix}{name}' must be a number, not a string ({value[:40]!r})")
         nested = _nested_model(field.annotation)
         if nested is not None:
             _refuse_bools(nested, value, f"{prefix}{name}.")
@@ -371,11 +378,13 @@ class ErrorCode:
     SNAPSHOT_NOT_FOUND: Final = "snapshot_not_found"  # 404
     NOT_FOUND: Final = "not_found"  # 404: no such HTTP path
     METHOD_NOT_ALLOWED: Final = "method_not_allowed"  # 405
+    REQUEST_TIMEOUT: Final = "request_timeout"  # 408: the headers or body stopped arriving; nothing ran
     IDEMPOTENCY_CONFLICT: Final = "idempotency_conflict"  # 409: same (source, id), different event
     SANDBOX_BUSY: Final = "sandbox_busy"  # 409, with Retry-After: another replica committed a step first
     SANDBOX_GONE: Final = "sandbox_gone"  # 410: destroyed or expired (lifetime, idle)
     SANDBOX_DIED: Final = "sandbox_died"  # 410: the sandbox ended while in use
     PAYLOAD_TOO_LARGE: Final = "payload_too_large"  # 413
+    HEADERS_TOO_LARGE: Final = "headers_too_large"  # 431: the header section is over the cap
     UNSUPPORTED: Final = "unsupported"  # 422: valid, but not servable here (a process-image snapshot)
     UNSUPPORTED_MEDIA_TYPE: Final = "unsupported_media_type"  # 415
     OVERLOADED: Final = "overloaded"  # 429, with Retry-After
@@ -384,6 +393,7 @@ class ErrorCode:
     STORE_UNAVAILABLE: Final = "store_unavailable"  # 503, with Retry-After: snapshot store outage
     STORE_CORRUPT: Final = "store_corrupt"  # 502: an object failed its sha256 check; it was not used
     STORE_ERROR: Final = "store_error"  # 502: the store refused (credentials, missing bucket, ...)
+    INSUFFICIENT_STORAGE: Final = "insufficient_storage"  # 507, with Retry-After: a disk of this server is full
 
 
 class ErrorData(_Data):
