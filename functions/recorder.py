@@ -15,6 +15,14 @@ So nothing acknowledged is lost on a crash: a restart flushes what the last proc
 not locked by a live process). Flushing a segment twice (a crash between its upload and its
 deletion) finds its files there and writes nothing: every row is in the store once.
 
+One row never holds up the others: any row can be spooled (text JSON cannot carry, a lone surrogate,
+is replaced by U+FFFD), and a line the Parquet writer refuses is set aside as it is, under
+``rejected/`` in the store, while the rest of its segment is written. A write the disk refuses (full:
+ENOSPC) is cut back off the segment, so the lines after it stay readable; the rows of that write are
+dropped unless a durable commit acknowledges them (their reply is an error: see the service), and
+``disk_full`` says so until the spool's disk has room again (checked every second), so the service
+refuses work before it runs rather than answering steps it cannot record.
+
 A durable step's row is spooled *before* its state is committed (the commit is what acknowledges
 it), marked pending with the generation it commits; a failed commit drops it from the flush. Rows of
 a segment left by a dead process that are still marked pending are kept only if that generation's
@@ -26,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import errno
 import fcntl
 import io
+import json
 import logging
 import math
 import os
@@ -65,6 +75,9 @@ log = logging.getLogger("rollbox.recorder")
 GiB = 1024**3
 KINDS = {"step": ("trajectories", STEP_SCHEMA), "usage": ("usage", USAGE_SCHEMA)}
 FLUSH_DEADLINE_S = 120.0  # a flush the store does not finish in this time fails; its segment is kept
+SETTLE_WAIT_S = 30.0  # a flush waits this long for a segment's durable commits to settle (then: next flush)
+MIN_FREE_BYTES = 16 * 1024 * 1024  # below this on the spool's disk, ``disk_full`` (steps are refused)
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 WARM_UP_AFTER_S = 1.0  # after start: a replica scaled from zero answers its first event before
 
 
@@ -79,11 +92,28 @@ def partition_key(kind: str, experiment: str | None, when: float | str, name: st
 
 def spool_line(kind: str, row: dict[str, Any], pending: list[Any] | None = None) -> bytes:
     """A row as one line of the spool: ``{"k": kind, "r": row[, "p": pending]}`` (``k`` first: the flush
-    sorts lines by kind without parsing them)."""
+    sorts lines by kind without parsing them). Never fails: what orjson refuses (a lone surrogate, an
+    integer past 64 bits) is written by json with the surrogates replaced by U+FFFD."""
     line: dict[str, Any] = {"k": kind, "r": row}
     if pending is not None:
         line["p"] = pending
-    return orjson.dumps(line, default=str, option=orjson.OPT_APPEND_NEWLINE)
+    try:
+        return orjson.dumps(line, default=str, option=orjson.OPT_APPEND_NEWLINE)
+    except orjson.JSONEncodeError:
+        return json.dumps(_storable(line), default=str, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def _storable(value: Any) -> Any:
+    """``value`` with every string valid UTF-8 (lone surrogates as U+FFFD) and NaN/inf as null."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {_storable(str(k)): _storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_storable(v) for v in value]
+    return value
 
 
 _KIND_PREFIX = {kind: b'{"k":"%s"' % kind.encode() for kind in KINDS}
@@ -121,20 +151,24 @@ class _Metrics:
         r = registry or CollectorRegistry()
         self.flushes = Counter("rollbox_spool_flushes", "Spool segments written to the store as Parquet",
                                ["result"], registry=r)
+        self.rejected = 0  # lines the Parquet writer refused, set aside under rejected/ (from the flush thread)
+        self.dropped = 0  # rows whose spool write the disk refused (their replies were errors)
         self.rows: dict[str, int] = {}
         self.syncs = 0  # disk syncs of the spool (each serves every reply written before it started)
         self.bills: dict[str, list[float]] = {}  # experiment -> billed s, vCPU-s, GiB-s, dollars
         r.register(self)
 
     def bill(self, row: dict[str, Any]) -> None:
-        sums = self.bills.setdefault(row.get("experiment") or DEFAULT_EXPERIMENT, [0.0, 0.0, 0.0, 0.0])
-        sums[0] += row["billed_s"]
-        sums[1] += row["vcpu_s"]
-        sums[2] += row["gib_s"]
-        sums[3] += row["cost_usd"]
+        sums = self.bills.setdefault(str(row.get("experiment") or DEFAULT_EXPERIMENT), [0.0, 0.0, 0.0, 0.0])
+        for i, name in enumerate(("billed_s", "vcpu_s", "gib_s", "cost_usd")):
+            value = row.get(name)
+            if isinstance(value, int | float):
+                sums[i] += value
 
     def describe(self) -> list[CounterMetricFamily]:
         return [CounterMetricFamily("rollbox_recorded_rows", ""), CounterMetricFamily("rollbox_spool_syncs", ""),
+                CounterMetricFamily("rollbox_spool_rejected_rows", ""),
+                CounterMetricFamily("rollbox_spool_dropped_rows", ""),
                 *(CounterMetricFamily(name, "") for name, _ in self._BILLS)]
 
     def collect(self) -> list[CounterMetricFamily]:
@@ -145,7 +179,13 @@ class _Metrics:
         syncs = CounterMetricFamily("rollbox_spool_syncs",
                                     "Disk syncs of the spool (each serves every row written before it)",
                                     value=self.syncs)
-        families = [rows, syncs]
+        rejected = CounterMetricFamily("rollbox_spool_rejected_rows",
+                                       "Spooled rows the Parquet writer refused, kept as JSON under rejected/",
+                                       value=self.rejected)
+        dropped = CounterMetricFamily("rollbox_spool_dropped_rows",
+                                      "Rows whose spool write the disk refused (full); their steps got an error",
+                                      value=self.dropped)
+        families = [rows, syncs, rejected, dropped]
         for i, (name, text) in enumerate(self._BILLS):
             family = CounterMetricFamily(name, text, labels=["experiment"])
             for experiment, sums in list(self.bills.items()):
@@ -178,6 +218,12 @@ class Token:
     commit: tuple[str, int]  # (sandbox id, generation) of the commit that acknowledges the rows
 
 
+# Lines on their way to the disk: (segment fd, bytes, the future done once they are on it, the rows to
+# drop if the disk refuses them: (segment, first row, count), None when a commit or nobody answers for them)
+_Span = tuple[_Segment, int, int]
+_Item = tuple[int, bytes, asyncio.Future[None], _Span | None]
+
+
 class Recorder:
     def __init__(self, spool_dir: Path, objects: Objects, replica: str, *, flush_records: int = 5000,
                  flush_interval_s: float = 10.0, prices: Prices | None = None,
@@ -194,13 +240,13 @@ class Recorder:
         self._seq = 0
         self._current: _Segment | None = None
         self._segments: dict[int, _Segment] = {}
-        # batches for the spool's writer thread: ([(segment fd, lines)], future), None to stop
-        self._queue: queue.SimpleQueue[tuple[list[tuple[int, bytes]], asyncio.Future[None]] | None] = \
+        # batches for the spool's writer thread: ([(segment fd, lines)], future, spans), None to stop
+        self._queue: queue.SimpleQueue[tuple[list[tuple[int, bytes]], asyncio.Future[None], list[_Span]] | None] = \
             queue.SimpleQueue()
-        self._lazy: list[tuple[int, bytes, asyncio.Future[None]]] = []  # lines no reply waits for yet
+        self._lazy: list[_Item] = []  # lines no reply waits for yet
         self._thread: threading.Thread | None = None
         self._aio: AsyncFsync | None = None  # the spool's syncs without the thread, where Linux AIO works
-        self._unwritten: list[tuple[int, bytes, asyncio.Future[None]]] = []  # (AIO) for the next write and sync
+        self._unwritten: list[_Item] = []  # (AIO) for the next write and sync
         self._sync_soon = False  # (AIO) the next write and sync is scheduled
         self._syncing = 0  # (AIO) fds of the sync under way
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -209,6 +255,8 @@ class Recorder:
         self._leftovers = False
         self._stem = f"{replica}.{int(time.time() * 1000):013d}"
         self.calls = StoreCalls(2, name="rollbox-flush")  # the store's writes, with deadlines
+        self.min_free_bytes = MIN_FREE_BYTES
+        self._full: str | None = None  # why the spool's disk is full (None: it has room)
 
     def bind_metrics(self, registry: CollectorRegistry) -> None:
         self.metrics = _Metrics(registry)
@@ -217,9 +265,40 @@ class Recorder:
     def syncs(self) -> int:
         return self.metrics.syncs
 
+    @property
+    def disk_full(self) -> str | None:
+        """Why rows cannot be spooled now (the disk refused a write, or has less than ``min_free_bytes``
+        free), else None. Cleared once the disk has room again (``check_disk``, every second)."""
+        return self._full
+
+    def check_disk(self) -> None:
+        """Look at the free space of the spool's disk (what an unprivileged writer may use)."""
+        try:
+            st = os.statvfs(self.dir)
+        except OSError as exc:
+            log.warning("cannot read the free space of %s: %s", self.dir, exc)
+            return
+        free = st.f_bavail * st.f_frsize
+        if free < self.min_free_bytes:
+            if self._full is None:
+                log.warning("the spool's disk is full (%d bytes free in %s): steps are refused until it has "
+                            "room", free, self.dir)
+            self._full = f"{free} bytes free on the disk of {self.dir} (at least {self.min_free_bytes} needed)"
+        elif self._full is not None:
+            log.info("the spool's disk has room again (%d bytes free in %s)", free, self.dir)
+            self._full = None
+
+    def _refused(self, exc: OSError) -> None:
+        """A spool write failed: a full disk is remembered until ``check_disk`` finds room."""
+        if exc.errno in DISK_FULL:
+            if self._full is None:
+                log.warning("the spool's disk is full (%s): steps are refused until it has room", exc.strerror)
+            self._full = f"writing the spool in {self.dir}: {exc.strerror}"
+
     # ------------------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.check_disk()
         await self._recover_left()
         self._loop = asyncio.get_running_loop()
         if self._want_aio:
@@ -231,7 +310,7 @@ class Recorder:
         if self._aio is None:
             self._thread = threading.Thread(target=self._write_loop, name="rollbox-spool", daemon=True)
             self._thread.start()
-        self._tasks = [asyncio.create_task(self._flush_loop())]
+        self._tasks = [asyncio.create_task(self._flush_loop()), asyncio.create_task(self._watch_disk())]
 
     async def _recover_left(self) -> None:
         try:
@@ -245,15 +324,17 @@ class Recorder:
         if left:
             log.info("flushed %d rows a previous process left in the spool", left)
 
-    async def close(self) -> int:
-        """Drain: write what is queued, flush every segment, stop. Returns the rows flushed."""
+    async def close(self, *, settle_wait_s: float = 5.0) -> int:
+        """Drain: write what is queued, flush every segment, stop. Returns the rows flushed. Nothing
+        commits now: rows still marked pending after ``settle_wait_s`` (a lost settle) stay in their
+        segment for the next start, which asks the store."""
         await self._drain_queue()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        rows = await self.flush()
+        rows = await self.flush(settle_wait_s=settle_wait_s)
         await self._drain_queue()
         if self._aio is not None:
             self._aio.close()
@@ -280,23 +361,23 @@ class Recorder:
         with the next rows that are waited for (or within a second), sharing their fsync."""
         seg = self._current
         assert seg is not None, "Recorder.start() first"
-        first = len(seg.rows)
         mark = None if pending is None else [pending[0], pending[1], self.replica]
-        lines = []
+        lines = [spool_line(kind, row, mark) for kind, row in rows]  # all made before any is marked
         for kind, row in rows:
-            if mark is not None:
-                seg.pending.add(len(seg.rows))
-                seg.settled.clear()
-            lines.append(spool_line(kind, row, mark))
-            seg.rows.append(lines[-1])
             self.metrics.rows[kind] = self.metrics.rows.get(kind, 0) + 1
             if kind == "usage":
                 self.metrics.bill(row)
+        first = len(seg.rows)  # nothing below raises: a pending mark is always settled by its token
+        seg.rows.extend(lines)
+        if mark is not None:
+            seg.pending.update(range(first, first + len(lines)))
+            if lines:
+                seg.settled.clear()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if now:
-            self._push([(seg.fd, b"".join(lines), fut)])
+        if now:  # a reply waits: if the disk refuses them, the rows go (unless a commit acknowledges them)
+            self._push([(seg.fd, b"".join(lines), fut, (seg, first, len(lines)) if mark is None else None)])
         else:
-            self._lazy.append((seg.fd, b"".join(lines), fut))
+            self._lazy.append((seg.fd, b"".join(lines), fut, None))
         if len(seg.rows) >= self.flush_records:
             self._rotate()
         return (Token(seg.seq, first, len(rows), pending) if pending is not None else None), fut
@@ -336,7 +417,7 @@ class Recorder:
             self._current.closed = True
         self._open_segment()
 
-    def _push(self, items: list[tuple[int, bytes, asyncio.Future[None]]]) -> None:
+    def _push(self, items: list[_Item]) -> None:
         """Hand lines to the writer thread, with every lazy line so far (they share its write)."""
         if self._lazy:
             items, self._lazy = self._lazy + items, []
@@ -346,11 +427,22 @@ class Recorder:
             self._write_soon(items)
             return
         fut = items[-1][2]
-        for _, _, f in items[:-1]:
+        for _, _, f, _ in items[:-1]:
             _chain(fut, f)
-        self._queue.put(([(fd, data) for fd, data, _ in items], fut))
+        self._queue.put(([(fd, data) for fd, data, _, _ in items], fut, [s for *_, s in items if s is not None]))
 
-    def _write_soon(self, items: list[tuple[int, bytes, asyncio.Future[None]]]) -> None:
+    def _lost(self, spans: list[_Span], exc: OSError) -> None:
+        """The disk refused a write: its rows that no commit acknowledges are dropped (their replies
+        are errors), so the flush does not write rows of steps that were not acknowledged."""
+        self._refused(exc)
+        for seg, first, count in spans:
+            seg.void.update(range(first, first + count))
+            self.metrics.dropped += count
+        if spans:
+            log.warning("the spool's disk refused %d rows (%s); their steps were answered with an error",
+                        sum(c for _, _, c in spans), exc)
+
+    def _write_soon(self, items: list[_Item]) -> None:
         """(AIO) Queue lines for the next write and sync, which starts at the end of this turn of the
         event loop if none is under way, else when the one under way ends (a sync covers only what was
         written before it started): every reply that arrives meanwhile shares one write and one sync."""
@@ -363,15 +455,19 @@ class Recorder:
         assert self._aio is not None and not self._syncing  # (scheduled only while none is under way)
         self._sync_soon = False
         items, self._unwritten = self._unwritten, []
-        batch = [f for _, _, f in items]
+        batch = [f for _, _, f, _ in items]
         by_fd: dict[int, list[bytes]] = {}
-        for fd, data, _ in items:
+        for fd, data, _, _ in items:
             if data:
                 by_fd.setdefault(fd, []).append(data)
         try:
             _write_all(by_fd)  # to the page cache: microseconds
         except OSError as exc:
+            self._lost([s for *_, s in items if s is not None], exc)
             _resolve(batch, exc)
+            if self._unwritten and not self._sync_soon:  # arrived meanwhile: their own try
+                self._sync_soon = True
+                asyncio.get_running_loop().call_soon(self._write_and_sync)
             return
         if not by_fd:
             _resolve(batch, None)  # nothing written since the last sync ended
@@ -384,7 +480,10 @@ class Recorder:
             self._syncing -= 1
             if self._syncing:
                 return
-            _resolve(batch, OSError(errors[0], f"syncing the spool: {os.strerror(errors[0])}") if errors else None)
+            failed = OSError(errors[0], f"syncing the spool: {os.strerror(errors[0])}") if errors else None
+            if failed is not None:
+                self._lost([s for *_, s in items if s is not None], failed)
+            _resolve(batch, failed)
             if self._unwritten:
                 self._write_and_sync()
 
@@ -409,6 +508,7 @@ class Recorder:
                     batch.append(self._queue.get_nowait())
             by_fd: dict[int, list[bytes]] = {}
             futures = []
+            spans: list[_Span] = []
             for item in batch:
                 if item is None:
                     stop = True
@@ -417,6 +517,7 @@ class Recorder:
                     if data:
                         by_fd.setdefault(fd, []).append(data)
                 futures.append(item[1])
+                spans.extend(item[2])
             error: OSError | None = None
             try:
                 _write_all(by_fd)
@@ -427,18 +528,30 @@ class Recorder:
             assert self._loop is not None
             if futures:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                    self._loop.call_soon_threadsafe(_resolve, futures, error)
+                    self._loop.call_soon_threadsafe(self._written, futures, spans, error)
+
+    def _written(self, futures: list[asyncio.Future[None]], spans: list[_Span], error: OSError | None) -> None:
+        """(On the loop) the writer thread's batch is on disk, or was refused."""
+        if error is not None:
+            self._lost(spans, error)
+        _resolve(futures, error)
 
     async def _drain_queue(self) -> None:
         """Return once every line appended before the call is on disk."""
         if self._aio is None and (self._thread is None or not self._thread.is_alive()):
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._push([(-1, b"", fut)])
+        self._push([(-1, b"", fut, None)])
         with contextlib.suppress(OSError):
             await fut
 
     # --------------------------------------------------------------------------------- flush
+    async def _watch_disk(self, every_s: float = 1.0) -> None:
+        """``disk_full`` kept current (its own task: a flush can take long)."""
+        while True:
+            await asyncio.sleep(every_s)
+            self.check_disk()
+
     async def _flush_loop(self) -> None:
         # pyarrow's kernels and Parquet writer load lazily (~0.6 s, pandas included): once, in the
         # background after the server answers, so that neither its start nor its first flush waits
@@ -459,8 +572,10 @@ class Recorder:
                 except Exception:  # logged; the segments stay in the spool and are tried again
                     log.exception("flushing the spool failed")
 
-    async def flush(self) -> int:
-        """Write every segment with rows to the store (the current one is closed first). Returns rows written."""
+    async def flush(self, *, settle_wait_s: float = SETTLE_WAIT_S) -> int:
+        """Write every segment with rows to the store (the current one is closed first). Returns rows
+        written. A segment whose durable commits have not settled within ``settle_wait_s`` is kept for
+        the next flush; the others are written meanwhile."""
         async with self._flush_lock:
             if self._leftovers:
                 await self._recover_left()
@@ -475,9 +590,11 @@ class Recorder:
                     continue
                 if seg.pending:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(seg.settled.wait(), 30.0)
+                        await asyncio.wait_for(seg.settled.wait(), settle_wait_s)
                 if seg.pending:  # a commit still running (a hung store): keep the segment, try again later
-                    return written
+                    log.warning("%s: %d rows still wait for their durable commit; kept for the next flush",
+                                seg.path.name, len(seg.pending))
+                    continue
                 try:
                     count = await self.calls.run(self._flush_segment, seg, doing=f"flushing {seg.path.name}",
                                                  deadline_s=FLUSH_DEADLINE_S)
@@ -512,12 +629,23 @@ class Recorder:
         self._upload_lines([spool_line(kind, row) for kind, row in rows], name)
 
     def _upload_lines(self, lines: list[bytes], name: str) -> None:
-        """Spool lines as Parquet files, one per (kind, experiment, date), each with a create-only write."""
+        """Spool lines as Parquet files, one per (kind, experiment, date), each with a create-only write.
+        Lines Arrow cannot read as their kind's schema go, as they are, to ``rejected/<kind>/<name>.jsonl``."""
         for kind, (_, schema) in KINDS.items():
             mine = [line for line in lines if line.startswith(_KIND_PREFIX[kind])]
             if not mine:
                 continue
-            table = arrow_table_of_lines(b"".join(mine), schema)
+            try:
+                table = arrow_table_of_lines(b"".join(mine), schema)
+            except (pa.ArrowException, ValueError, TypeError, OverflowError):
+                mine, bad = self._sort_lines(mine, schema)
+                self.objects.put_new(f"rejected/{kind}/{name}.jsonl", b"".join(bad))
+                self.metrics.rejected += len(bad)
+                log.warning("%s: %d %s rows could not be written as Parquet; kept as JSON under rejected/%s/",
+                            name, len(bad), kind, kind)
+                if not mine:
+                    continue
+                table = arrow_table_of_lines(b"".join(mine), schema)
             when = "recorded_at" if "recorded_at" in schema.names else "ended_at"
             dates = pc.strftime(table[when], format="%Y-%m-%d").fill_null(
                 dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"))
@@ -530,6 +658,20 @@ class Recorder:
                 pq.write_table(group, buf, compression="zstd")
                 # False: flushed before a crash, already there
                 self.objects.put_new(partition_key(kind, part["e"], part["d"], name), buf.getvalue())
+
+    @staticmethod
+    def _sort_lines(lines: list[bytes], schema: pa.Schema) -> tuple[list[bytes], list[bytes]]:
+        """(Lines Arrow reads as ``schema``, lines it does not), each tried alone."""
+        good: list[bytes] = []
+        bad: list[bytes] = []
+        for line in lines:
+            try:
+                arrow_table_of_lines(line if line.endswith(b"\n") else line + b"\n", schema)
+            except (pa.ArrowException, ValueError, TypeError, OverflowError):
+                bad.append(line if line.endswith(b"\n") else line + b"\n")
+            else:
+                good.append(line)
+        return good, bad
 
     # ------------------------------------------------------------------------------ recovery
     def _recover(self) -> int:
@@ -610,8 +752,16 @@ def _chain(outer: asyncio.Future[None], inner: asyncio.Future[None]) -> None:
 
 
 def _write_all(by_fd: dict[int, list[bytes]]) -> None:
-    for fd, chunks in by_fd.items():  # the segments are O_DSYNC: each write is on disk when it returns
+    """Append each segment's lines (O_DSYNC without AIO: on disk when the write returns). A write the
+    disk refuses part-way is cut back off its segment: a torn line would swallow the next one."""
+    for fd, chunks in by_fd.items():
         data = b"".join(chunks) if len(chunks) > 1 else chunks[0]
-        while data:
-            n = os.write(fd, data)
-            data = data[n:]
+        size = os.fstat(fd).st_size
+        try:
+            while data:
+                n = os.write(fd, data)
+                data = data[n:]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise

@@ -74,7 +74,7 @@ def event_time(value: Any) -> float:
     """A CloudEvent ``time`` (RFC 3339) as unix seconds; now if absent or unreadable."""
     if isinstance(value, str) and value:
         with contextlib.suppress(ValueError):
-            return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            return dt.datetime.fromisoformat(value.upper().replace("Z", "+00:00")).timestamp()
     return time.time()
 
 

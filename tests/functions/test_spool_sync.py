@@ -1,20 +1,27 @@
-"""The spool's disk syncs: Linux AIO fdatasync reaped on the event loop, and the writer-thread fallback.
+"""The spool's disk syncs: Linux AIO fdatasync reaped on the event loop, and the writer-thread fallback;
+and the spool's robustness: any row can be spooled, one bad row, an unsettled commit or a full disk
+never holds up the others.
 
-Real files on this machine's disk, a real event loop; nothing is faked.
+Real files on this machine's disk (and a real tmpfs that fills up), a real event loop; nothing is faked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
+import subprocess
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 import pytest
 from rollbox.functions.aiosync import AsyncFsync
-from rollbox.functions.recorder import Recorder
+from rollbox.functions.recorder import Recorder, spool_line
+from rollbox.functions.trajectories import read
 from rollbox.runtime.errors import StoreError
 from rollbox.snapshots.state import LocalObjects
 
@@ -109,3 +116,114 @@ async def test_a_local_commit_synced_on_the_loop_is_create_only_and_leaves_nothi
         assert not aio.busy
     finally:
         aio.close()
+
+
+# -- one row never holds up the others ---------------------------------------------------------------
+
+def _row(i: int | str, **more: object) -> dict[str, object]:
+    return {"event_id": f"e{i}", "event_source": "/t", "event_type": "dev.rollbox.sandbox.run", "status": 200,
+            "event_time": 1.0, "recorded_at": 1.0, "experiment": "spool-test", **more}
+
+
+def test_any_row_can_be_spooled() -> None:
+    """What orjson refuses (a lone surrogate, an integer past 64 bits) is still one JSON line."""
+    for row in ({"stdout": "a\ud800b", "\udc00key": 1}, {"exit_code": 2**70}, {"wall_s": float("nan")}):
+        line = spool_line("step", row)
+        assert line.endswith(b"\n") and line.count(b"\n") == 1
+        assert orjson.loads(line)["k"] == "step"
+    assert orjson.loads(spool_line("step", {"stdout": "a\ud800b"}))["r"]["stdout"] == "a\ufffdb"
+
+
+async def test_a_row_the_parquet_writer_refuses_is_set_aside_and_the_rest_written(tmp_path: Path) -> None:
+    store = LocalObjects(tmp_path / "store")
+    rec = Recorder(tmp_path / "spool", store, "r1")
+    await rec.start()
+    try:
+        futures = [rec.append([("step", row)])[1] for row in (
+            _row(1), _row(2, stdout="lone \ud800 surrogate"), _row(3, exit_code=2**70), _row(4, status="abc"),
+            _row(5))]
+        await asyncio.wait_for(asyncio.gather(*futures), 30)  # every one spooled
+        assert await rec.flush() == 5
+    finally:
+        await rec.close()
+    table = read("trajectories", store, experiment="spool-test")
+    got = dict(zip(table.column("event_id").to_pylist(), table.column("stdout").to_pylist(), strict=True))
+    assert got == {"e1": None, "e2": "lone \ufffd surrogate", "e5": None}
+    rejected = [k for k in store.keys("rejected/") if k.startswith("rejected/step/")]
+    assert len(rejected) == 1
+    lines = [orjson.loads(x)["r"] for x in store.get(rejected[0]).splitlines()]  # type: ignore[union-attr]
+    assert [r["event_id"] for r in lines] == ["e3", "e4"] and rec.metrics.rejected == 2
+
+
+async def test_rows_waiting_for_a_commit_do_not_hold_up_other_segments_or_the_drain(tmp_path: Path) -> None:
+    """A segment whose rows wait for a durable commit that never settles is kept for later; the
+    segments after it are written meanwhile, and the drain does not wait past its bound (it waited
+    30 s and flushed none of them)."""
+    store = LocalObjects(tmp_path / "store")
+    rec = Recorder(tmp_path / "spool", store, "r1")
+    await rec.start()
+    _, fut = rec.append([("step", _row("pending"))], pending=("sb-x", 1))
+    await fut
+    assert await rec.flush(settle_wait_s=0.1) == 0  # its segment is closed, and kept
+    _, fut = rec.append([("step", _row("later"))])
+    await fut
+    t0 = time.monotonic()
+    assert await rec.close(settle_wait_s=0.2) == 1  # the later segment: written
+    assert time.monotonic() - t0 < 5
+    assert read("trajectories", store, experiment="spool-test").column("event_id").to_pylist() == ["elater"]
+    kept = list((tmp_path / "spool").glob("*.jsonl"))
+    assert len(kept) == 1 and b'"epending"' in kept[0].read_bytes()  # for the next start, which asks the store
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs (a real filesystem that fills up), unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("aio", [True, False], ids=["aio", "thread"])
+async def test_a_write_the_disk_refuses_is_cut_back_and_its_rows_dropped(tmp_path: Path, tiny_disk: Path,
+                                                                         aio: bool) -> None:
+    """The spool's disk is full: the rows of the refused write fail their future (the service answers
+    507), are cut back off the segment (no torn line to swallow the next one after a crash) and are
+    not flushed; ``disk_full`` says so until there is room; the rows before and after are kept."""
+    store = LocalObjects(tmp_path / "store")
+    rec = Recorder(tiny_disk / "spool", store, "r1", aio=aio)
+    rec.min_free_bytes = 0
+    await rec.start()
+    try:
+        _, fut = rec.append([("step", _row("before"))])
+        await fut
+        seg = rec._current
+        assert seg is not None and rec.disk_full is None
+        size = seg.path.stat().st_size
+        filler = tiny_disk / "filler"
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+        _, fut = rec.append([("step", _row("refused", stdout="x" * 200_000)), ("usage", {"billed_s": 1})])
+        with pytest.raises(OSError) as info:
+            await asyncio.wait_for(fut, 30)
+        assert info.value.errno == errno.ENOSPC
+        assert rec.disk_full is not None and "No space left" in rec.disk_full
+        assert seg.path.stat().st_size == size  # cut back: only the row before
+        assert rec.metrics.dropped == 2
+        filler.unlink()
+        rec.check_disk()
+        assert rec.disk_full is None
+        _, fut = rec.append([("step", _row("after"))])
+        await fut
+        assert seg.path.read_bytes().count(b"\n") == 2
+        assert await rec.flush() == 2
+    finally:
+        await rec.close()
+    ids = read("trajectories", store, experiment="spool-test").column("event_id").to_pylist()
+    assert sorted(ids) == ["eafter", "ebefore"]
