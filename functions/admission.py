@@ -2,12 +2,14 @@
 
 Two caps: requests admitted and not yet answered (queued in the runtime or running), and live
 sandboxes. Creates and runs still in flight count as live until they return, so the cap holds
-under a burst of concurrent creates. Draining (SIGTERM) refuses everything new.
+under a burst of concurrent creates. Draining (SIGTERM) refuses everything new. A full disk (the
+spool's, or the local store's) refuses work too: ``InsufficientStorage`` (507 + Retry-After).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,9 +30,31 @@ class ServiceConfig:
     idempotency_ttl_s: float = 600.0
     idempotency_max_bytes: int = 256 * MiB
     retry_after_s: float = 1.0
+    request_timeout_s: float = 15.0  # headers, and each wait for more of the body: longer is a 408
 
 
-__all__ = ["Admission", "Rejected", "ServiceConfig"]
+__all__ = ["Admission", "InsufficientStorage", "Rejected", "ServiceConfig", "disk_full"]
+
+
+class InsufficientStorage(RollboxError):
+    """A disk this server writes to is full (ENOSPC, EDQUOT): the step's row or state cannot be kept,
+    so it was refused (nothing acknowledged); retry after ``retry_after_s`` (None: the error table's
+    5 s), or on another replica."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, **kw: str | None):
+        super().__init__(message, **kw)
+        self.retry_after_s = retry_after_s
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it: a ``StoreError`` raised from an ``OSError``) is a full disk."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
 
 
 class Rejected(Exception):

@@ -20,6 +20,7 @@ a caller does about it:
     │   │   ├── MethodNotAllowedError           405 method_not_allowed
     │   │   ├── IdempotencyConflictError        409 idempotency_conflict: an event id reused for other content
     │   │   ├── PayloadTooLargeError            413 payload_too_large
+    │   │   ├── HeadersTooLargeError            431 headers_too_large
     │   │   ├── UnsupportedMediaTypeError       415 unsupported_media_type
     │   │   └── UnsupportedError                422 unsupported: valid, not servable here (a process image)
     │   ├── NotFoundError                   404
@@ -29,9 +30,11 @@ a caller does about it:
     │   │       └── SandboxGoneError            410 sandbox_gone: destroyed or expired (``details['reason']``)
     │   ├── SandboxDiedError                410 sandbox_died: it ended while in use
     │   ├── SandboxBusyError                409 sandbox_busy (retried): another replica committed a step first
+    │   ├── RequestTimeoutError             408 request_timeout (retried): the request stopped arriving
     │   ├── OverloadedError                 429 overloaded (retried): ``retry_after_s``
     │   │   ├── StoreUnavailableError           503 store_unavailable (retried): the store cannot be reached
-    │   │   └── ShuttingDownError               503 shutting_down (retried): the replica is draining
+    │   │   ├── ShuttingDownError               503 shutting_down (retried): the replica is draining
+    │   │   └── InsufficientStorageError        507 insufficient_storage (retried): the server's disk is full
     │   └── InternalError                   500 internal, and any code this client does not know
     │       └── StoreError                      502 store_error: the snapshot store refused
     │           └── StoreCorruptError           502 store_corrupt: it returned data that failed its sha256
@@ -89,7 +92,9 @@ __all__ = [
     "ClientError",
     "CommandExitError",
     "EndpointNotFoundError",
+    "HeadersTooLargeError",
     "IdempotencyConflictError",
+    "InsufficientStorageError",
     "InternalError",
     "InvalidDataError",
     "InvalidEventError",
@@ -98,6 +103,7 @@ __all__ = [
     "NotFoundError",
     "OverloadedError",
     "PayloadTooLargeError",
+    "RequestTimeoutError",
     "Sandbox",
     "SandboxBusyError",
     "SandboxDiedError",
@@ -183,6 +189,10 @@ class UnsupportedMediaTypeError(InvalidRequestError):
     pass
 
 
+class HeadersTooLargeError(InvalidRequestError):
+    pass
+
+
 class UnsupportedError(InvalidRequestError):
     """Valid, but not servable by this service (a snapshot carrying a process image)."""
 
@@ -215,6 +225,12 @@ class SandboxBusyError(ServiceError):
     retryable = True
 
 
+class RequestTimeoutError(ServiceError):
+    """The server stopped waiting for the rest of the request (headers or body); nothing ran."""
+
+    retryable = True
+
+
 class OverloadedError(ServiceError):
     retryable = True
 
@@ -225,6 +241,11 @@ class StoreUnavailableError(OverloadedError):
 
 class ShuttingDownError(OverloadedError):
     pass
+
+
+class InsufficientStorageError(OverloadedError):
+    """The server's disk is full: the step was refused or its record could not be written; a retry of
+    the same event (later, or on another replica) runs it, or answers it from its durable state."""
 
 
 class InternalError(ServiceError):
@@ -261,6 +282,9 @@ ERROR_CLASSES: Final[Mapping[str, type[ServiceError]]] = {
     ErrorCode.STORE_UNAVAILABLE: StoreUnavailableError,
     ErrorCode.STORE_CORRUPT: StoreCorruptError,
     ErrorCode.STORE_ERROR: StoreError,
+    ErrorCode.REQUEST_TIMEOUT: RequestTimeoutError,
+    ErrorCode.INSUFFICIENT_STORAGE: InsufficientStorageError,
+    ErrorCode.HEADERS_TOO_LARGE: HeadersTooLargeError,
 }
 
 # Connection failures worth a retry of the same event: it never arrived, or its reply was lost on a
@@ -299,6 +323,10 @@ def _error_class(status: int, code: str = "") -> type[ServiceError]:
         return SandboxGoneError
     if status in (429, 503):
         return OverloadedError
+    if status == 507:
+        return InsufficientStorageError
+    if status == 408:
+        return RequestTimeoutError
     if 400 <= status < 500:
         return InvalidRequestError
     return InternalError
@@ -441,8 +469,8 @@ class Client:
                     return self._reply(resp, expect, model, sandbox_id)
                 except ServiceError as exc:
                     err, retryable = exc, exc.retryable
-                except TransportError as exc:  # not an event: a proxy's 429/503 page is still "retry later"
-                    err, retryable = exc, resp.status_code in (429, 503)
+                except TransportError as exc:  # not an event: a proxy's 429/503/507 page is still "retry later"
+                    err, retryable = exc, resp.status_code in (408, 429, 503, 507)
                 told = _retry_after(resp)
                 wait = _backoff(attempt) if told is None else told
             err.attempts = attempt

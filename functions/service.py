@@ -3,8 +3,12 @@
 Served by functions-framework (its ASGI flavour, HTTP signature: its ``cloud_event`` signature
 drops return values, and a reply must travel in the response). Per request:
 
-    read body (capped) -> decode the CloudEvent -> route by type -> validate data
-    -> idempotency (source, id) -> admission -> handler (one runtime call) -> reply event
+    read body (capped, 408 if it stops arriving) -> decode the CloudEvent -> route by type
+    -> validate data -> idempotency (source, id) -> disk room to record it (else 507) -> admission
+    -> handler (one runtime call) -> its row on disk (else 507: never a 200 whose row is lost) -> reply
+
+A reply that may differ on a retry (409 busy, 429, 5xx, 507) is not kept for redeliveries. A client
+that goes away before its request is read is counted as status 499 and logged, not as an error.
 
 Also ``GET /healthz`` (the process is up), ``/readyz`` (it takes work) and ``/metrics``.
 """
@@ -12,7 +16,6 @@ Also ``GET /healthz`` (the process is up), ``/readyz`` (it takes work) and ``/me
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import math
@@ -29,7 +32,7 @@ from cloudevents.http import CloudEvent
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from rollbox.functions import sandbox
-from rollbox.functions.admission import Admission, Rejected, ServiceConfig
+from rollbox.functions.admission import Admission, InsufficientStorage, Rejected, ServiceConfig, disk_full
 from rollbox.functions.contract import (
     REPLY_CARRIES,
     SANDBOX_CREATED,
@@ -48,13 +51,18 @@ from rollbox.functions.steps import StepLog, current_step
 from rollbox.runtime import errors as rterr
 from rollbox.runtime.pool import Pool
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 __all__ = ["ERROR_TABLE", "Service", "ServiceConfig", "handle"]
 
 MiB = 1024 * 1024
 _SANDBOX_ID = re.compile(SANDBOX_ID_PATTERN)
+CLIENT_GONE = 499  # the status label of a request whose client left before it was read (nginx's)
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its request body was read: nobody gets a reply."""
 
 
 @dataclass(frozen=True)
@@ -103,9 +111,10 @@ class _Maps:
 
 
 # Every exception's reply, in one place: the runtime's, the service's own refusals (admission, drain,
-# an idempotency conflict) raised as the runtime's classes. The first matching class wins (subclasses
-# first); a class not here is a 500 ``internal``. README's errors table and the client's exception
-# classes follow this table; Retry-After is the exception's own when it carries one, else the row's.
+# an idempotency conflict, a full disk) raised as the runtime's classes. The first matching class wins
+# (subclasses first); a class not here is a 500 ``internal``; a store error caused by a full disk is
+# ``InsufficientStorage``. README's errors table and the client's exception classes follow this table;
+# Retry-After is the exception's own when it carries one, else the row's.
 ERROR_TABLE: tuple[tuple[type[rterr.RollboxError], _Maps], ...] = (
     (rterr.InvalidRequest, _Maps(400, ErrorCode.INVALID_DATA)),
     (Conflict, _Maps(409, ErrorCode.IDEMPOTENCY_CONFLICT)),
@@ -121,6 +130,8 @@ ERROR_TABLE: tuple[tuple[type[rterr.RollboxError], _Maps], ...] = (
                                  "the snapshot store returned corrupt data, which was not used: ")),
     (rterr.StoreError, _Maps(502, ErrorCode.STORE_ERROR, "snapshot store error: ")),
     (rterr.Overloaded, _Maps(429, ErrorCode.OVERLOADED, retry_after_s=1.0)),
+    (InsufficientStorage, _Maps(507, ErrorCode.INSUFFICIENT_STORAGE,
+                                "the server's disk is full; retry later or on another replica: ", 5.0)),
     (rterr.ShuttingDown, _Maps(503, ErrorCode.SHUTTING_DOWN, "the server is shutting down; retry elsewhere: ", 1.0)),
 )
 
@@ -132,6 +143,8 @@ def _internal() -> ReplyError:
 
 def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
     """An exception as its error reply (``ERROR_TABLE``); one not in the table is ``_internal()``."""
+    if isinstance(exc, rterr.StoreError) and disk_full(exc):  # the local store's disk, not the store's refusal
+        exc = InsufficientStorage(exc.message, sandbox_id=exc.sandbox_id)
     m = next((maps for cls, maps in ERROR_TABLE if isinstance(exc, cls)), None)
     if m is None:
         return _internal()
@@ -144,7 +157,7 @@ def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
         details["snapshot_id"] = exc.snapshot_id
     if isinstance(exc, rterr.SandboxGone):
         details["reason"] = exc.reason
-    own = exc.retry_after_s if isinstance(exc, rterr.Overloaded | rterr.ShuttingDown) else None
+    own = exc.retry_after_s if isinstance(exc, rterr.Overloaded | rterr.ShuttingDown | InsufficientStorage) else None
     retry = own if own is not None else m.retry_after_s
     return ReplyError(m.status, m.code, m.prefix + exc.message, sandbox_id=exc.sandbox_id, retry_after_s=retry,
                       details=details)
@@ -152,6 +165,12 @@ def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
 
 def _store_details(exc: rterr.StoreError) -> dict[str, Any]:
     return {k: v for k, v in (("snapshot_id", exc.snapshot_id), ("layer_id", exc.layer_id)) if v is not None}
+
+
+def _kept_for_redeliveries(status: int) -> bool:
+    """Whether a reply is the event's answer for good: not one a retry may change (another replica was
+    first, overload, an incomplete request, a server or store fault, a full disk)."""
+    return status < 500 and status not in (408, 409, 429)
 
 
 class Service:
@@ -215,16 +234,24 @@ class Service:
             if path == "/healthz":
                 return JSONResponse({"status": "ok"})
             if path == "/readyz":
-                ok = self.ready and not self.admission.draining and self.store_ok
+                full = self._disk_full()
+                ok = self.ready and not self.admission.draining and self.store_ok and full is None
                 status = "ready" if ok else ("draining" if self.admission.draining else
-                                             "starting" if not self.ready else "store unavailable")
-                body = {"status": status, "inflight": self.admission.inflight, "store_ok": self.store_ok}
+                                             "starting" if not self.ready else
+                                             "store unavailable" if not self.store_ok else "disk full")
+                body = {"status": status, "inflight": self.admission.inflight, "store_ok": self.store_ok,
+                        "disk_ok": full is None}
                 return JSONResponse(body, status_code=200 if ok else 503)
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
         if path != "/" or method != "POST":
             # read what the client sent (bounded) before answering, so closing cannot reset the reply
-            with contextlib.suppress(ReplyError):
+            try:
                 await self._read_body(request)
+            except ReplyError as late:
+                if late.status == 408:
+                    return self._respond(request, _error(late), {})
+            except _ClientGone:
+                return Response(status_code=CLIENT_GONE)  # nobody reads it
         if path != "/":
             err = ReplyError(404, ErrorCode.NOT_FOUND, f"no endpoint at {path[:100]!r}: POST CloudEvents to '/'")
             return self._respond(request, _error(err), {})
@@ -242,7 +269,7 @@ class Service:
         carry: dict[str, str] = {}
         try:
             body = await self._read_body(request)  # first, even to refuse: see handle()
-            event = decode(request.headers, body)
+            event = decode(request.headers, body, request.headers.raw)
             for theirs, ours in REPLY_CARRIES:  # partition key, RequestReply correlation: onto the reply
                 value = event.get(theirs)
                 if isinstance(value, str) and 0 < len(value) <= 256:
@@ -268,6 +295,10 @@ class Service:
             )
         except ReplyError as err:
             reply = _error(err)
+        except _ClientGone:  # nothing to answer, and not the server's fault
+            self.metrics.requests.labels("invalid", str(CLIENT_GONE)).inc()
+            logger.info("client left before its request was read", extra={"fields": {"status": CLIENT_GONE}})
+            return Response(status_code=CLIENT_GONE)
         except rterr.RollboxError as exc:  # an idempotency conflict found by the cache
             reply = _error(_runtime_error(exc))
         except Exception:  # a bug here still answers with an error event, never a bare 500 page
@@ -293,26 +324,41 @@ class Service:
         headers, body = encode(event, content_mode(request.headers))
         if reply.retry_after_s is not None:
             headers["retry-after"] = str(max(1, math.ceil(reply.retry_after_s)))
-        if reply.status == 503:
+        if reply.status in (408, 503):  # 408: what is left of the request is not read
             headers["connection"] = "close"
         headers.update(extra)
         return Response(body, status_code=reply.status, headers=headers)
 
     async def _read_body(self, request: Request) -> bytes:
+        """The body, at most ``max_body_bytes`` (else 413); 408 if no more of it comes for
+        ``request_timeout_s``; ``_ClientGone`` if the client closes the connection first."""
         cap = self.config.max_body_bytes
+        idle_s = self.config.request_timeout_s
         declared = request.headers.get("content-length", "")
         too_large = declared.isdigit() and int(declared) > cap
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                too_large = True
-            if too_large:
-                if size > max(64 * MiB, 4 * cap):  # stop reading; the connection is closed after the reply
-                    break
-                continue
-            chunks.append(chunk)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(idle_s) as deadline:
+                async for chunk in request.stream():
+                    deadline.reschedule(loop.time() + idle_s)
+                    size += len(chunk)
+                    if size > cap:
+                        too_large = True
+                    if too_large:
+                        if size > max(64 * MiB, 4 * cap):  # stop reading; the connection is closed after the reply
+                            break
+                        continue
+                    chunks.append(chunk)
+        except TimeoutError:
+            of = f" of the {declared} declared" if declared.isdigit() else ""
+            raise ReplyError(408, ErrorCode.REQUEST_TIMEOUT,
+                             f"the request body stopped arriving: nothing more for {idle_s:g} s after {size} "
+                             f"bytes{of} (--request-timeout-s); send the whole body at once",
+                             details={"request_timeout_s": idle_s, "received_bytes": size}) from None
+        except ClientDisconnect:
+            raise _ClientGone from None
         if too_large:
             raise ReplyError(
                 413,
@@ -347,20 +393,39 @@ class Service:
                 sandbox_id=sid if isinstance(sid, str) and len(sid) <= 128 and _SANDBOX_ID.fullmatch(sid) else None,
             ) from None
 
+    def _disk_full(self) -> str | None:
+        """Why steps cannot be recorded now (the spool's disk is full), else None."""
+        return self.steps.recorder.disk_full if self.steps is not None else None
+
     async def _execute(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef,
                        time_attr: Any = None) -> _Reply:
         if self.steps is None:
             return await self._call(route, data, fields, event)
+        full = self._disk_full()
+        if full is not None:  # its row could not be kept: refused before it runs
+            self.metrics.rejects.labels("disk_full").inc()
+            return _error(_runtime_error(InsufficientStorage(f"the step cannot be recorded ({full})",
+                                                             retry_after_s=self.config.retry_after_s)),
+                          cacheable=False)
         ctx = self.steps.begin(route.spec.request_type, event.source, event.id, time_attr, data)
         try:
             reply = await self._call(route, data, fields, event)
-            if reply.status == 200 or reply.cacheable:  # a final answer: the step (retryable ones are not)
+            # a final answer is a step (retryable ones are not: nothing happened, the retry is the step)
+            if reply.status == 200 or reply.cacheable or reply.code == ErrorCode.INTERNAL:
                 payload = ctx.result if reply.status == 200 else ErrorData.model_validate(reply.event.data)
                 try:
                     await self.steps.finish(ctx, reply.status, payload)
-                except Exception:  # the step happened and is answered; its row is what is lost
+                except Exception as exc:  # the row is not on disk: never answered as if it were
                     self.metrics.record_failures.inc()
-                    logger.exception("recording the step failed", extra={"fields": fields})
+                    if disk_full(exc):
+                        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+                        logger.warning(f"the step's row could not be written: {why}", extra={"fields": fields})
+                        reply = _error(_runtime_error(InsufficientStorage(
+                            f"the step's record could not be written ({why}); retry the same event",
+                            retry_after_s=self.config.retry_after_s)), cacheable=False)
+                    else:
+                        logger.exception("recording the step failed", extra={"fields": fields})
+                        reply = _error(_internal(), cacheable=False)
             return reply
         finally:
             self.steps.end(ctx)
@@ -392,12 +457,14 @@ class Service:
             err = _runtime_error(exc)
             if err.status == 429:
                 self.metrics.rejects.labels("runtime").inc()
-            if err.status >= 500:
+            if err.status == 507:
+                logger.warning(f"disk full: {exc.message}", extra={"fields": {**fields, "sandbox_id": exc.sandbox_id}})
+            elif err.status >= 500:
                 logger.error("runtime error", exc_info=True, extra={"fields": {**fields, "sandbox_id": exc.sandbox_id}})
-            return _error(err, cacheable=err.status not in (409, 429, 502, 503))
+            return _error(err, cacheable=_kept_for_redeliveries(err.status))
         except Exception:
             logger.exception("handler failed", extra={"fields": fields})
-            return _error(_internal())
+            return _error(_internal(), cacheable=False)
         self.metrics.record_reply(route.spec.request_type, result)
         if (ctx := current_step.get()) is not None:
             ctx.result = result

@@ -128,7 +128,8 @@ async def test_unreachable_service_is_a_transport_error() -> None:
 
 # -- every error code, typed; retries of what is retryable, bounded in time ------------------------
 
-RETRYABLE_CODES = {"sandbox_busy", "overloaded", "shutting_down", "store_unavailable"}  # the contract's
+RETRYABLE_CODES = {"sandbox_busy", "overloaded", "shutting_down", "store_unavailable",  # the contract's
+                   "insufficient_storage", "request_timeout"}
 
 
 def test_every_error_code_of_the_contract_has_its_own_class() -> None:
@@ -147,7 +148,8 @@ def test_every_error_code_of_the_contract_has_its_own_class() -> None:
     assert client_module._error_class(404, "snapshot_archived") is NotFoundError
     assert client_module._error_class(429, "slow_down") is OverloadedError
     assert client_module._error_class(418, "teapot") is InvalidRequestError
-    assert client_module._error_class(507, "full") is InternalError
+    assert client_module._error_class(507, "full") is client_module.InsufficientStorageError  # retried
+    assert client_module._error_class(502, "bad_gateway") is InternalError
 
 
 async def requests_answered(http: httpx.AsyncClient, srv: ServerProc, etype: str) -> float:

@@ -202,6 +202,7 @@ def test_no_other_place_maps_an_exception_to_a_status() -> None:
         "m.code",  # _runtime_error(): the table's row
         "ErrorCode.INTERNAL",  # _internal(): anything not in the table
         "ErrorCode.NOT_FOUND", "ErrorCode.METHOD_NOT_ALLOWED",  # HTTP: path, method
+        "ErrorCode.REQUEST_TIMEOUT",  # HTTP: a body that stopped arriving
         "ErrorCode.UNKNOWN_TYPE", "ErrorCode.PAYLOAD_TOO_LARGE",  # the event: its type, its size
         "ErrorCode.INVALID_DATA", "ErrorCode.INVALID_DATA",  # its data: not an object, not the model
     ]), by_hand
