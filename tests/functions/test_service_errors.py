@@ -118,6 +118,10 @@ async def test_internal_error_is_500_without_host_details(tmp_path: Path, http: 
         aside.rename(state)
         r = await send(http, srv.url, ce(SANDBOX_RUN, {"code": "print('recovered')"}))
         assert (r.status, r.data["stdout"]) == (200, "recovered\n")
+        # a 500 is not the event's answer for good: its redelivery runs (it was replayed as the 500)
+        again = await send(http, srv.url, ce(SANDBOX_CREATE, {}, id=eid))
+        assert (again.status, again.type) == (200, SANDBOX_CREATED), again.data
+        await send(http, srv.url, ce(SANDBOX_DESTROY, {"sandbox_id": again.data["sandbox_id"]}))
     finally:
         rc = srv.stop()
         if state.is_file():
