@@ -14,7 +14,8 @@ the reply sent. So:
     exactly once                  two replicas racing for generation n+1: one commits, the other keeps
                                   nothing and answers 409 sandbox_busy; a redelivered event finds its
                                   reply in the sandbox's records (ids of created sandboxes are derived
-                                  from the event, so a redelivered create finds its sandbox too)
+                                  from the event, so a redelivered create finds its sandbox too; a
+                                  fork's children are new at each attempt, found through the parent)
     hibernate                     a live copy idle for ``hibernate_after_s``, or the least recently
                                   used idle one when the live cap is reached, is ended (nothing is
                                   written: its state is that of its last acknowledged step)
@@ -155,6 +156,7 @@ class DurableRuntime:
         self.live: dict[str, _Live] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._busy: set[str] = set()
+        self._adopted: dict[str, list[str]] = {}  # parent -> fork children committed in its running step
         self._calls = StoreCalls(io_threads, name="rollbox-state")  # store calls, each with a deadline
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rollbox-scan")  # reading upper dirs
         self._blobs_known: dict[str, float] = {}  # blob -> when it was last written or refreshed here
@@ -293,8 +295,18 @@ class DurableRuntime:
             await self._commit(tomb, usage, ev, scan=False, state="destroyed", reason="destroyed")
             return usage
 
+    def fork_ids(self, count: int) -> list[str]:
+        """Ids for the children of a live fork: new at each attempt. A fork that was acknowledged is
+        answered again from its parent's records; one that was not (it lost its parent's commit to
+        another replica, or its replica died) may have committed its children already, and a retry
+        that reused their ids could never commit them."""
+        return ["sb-" + secrets.token_hex(10) for _ in range(count)]
+
     async def adopt(self, children: list[SandboxInfo], forked_from: str) -> None:
-        """Commit the first generation of each fork child (live here, its parent's files injected)."""
+        """Commit the first generation of each fork child (live here, its parent's files injected).
+        Until the parent's step is committed they are its to disown (``step``)."""
+        self._adopted[forked_from] = [info.sandbox_id for info in children]
+
         async def one(info: SandboxInfo) -> None:
             live = self._new_live(info, forked_from)
             async with self._holding(info.sandbox_id):
@@ -305,6 +317,21 @@ class DurableRuntime:
             for info in children:
                 self._drop(info.sandbox_id, "fork failed")
             raise failed[0]
+
+    async def _disown(self, children: list[str]) -> None:
+        """A fork's step was not committed (another replica committed that generation of the parent
+        first): its children, committed already, are nobody's. Their records go (no reply names
+        them), and their live copies. Only on that sure loss: a commit past the store's deadline may
+        have landed, naming them."""
+        for sid in children:
+            self._drop(sid, "fork not committed")
+            self._seen.pop(sid, None)
+            self._due.pop(sid, None)
+        try:
+            await self._io(self.objects.delete, [record_key(sid, 0) for sid in children])
+        except (StoreError, OSError) as exc:  # they expire as any idle sandbox does
+            log.warning("could not remove the records of %d children of a fork that was not committed: %s",
+                        len(children), exc)
 
     def _new_live(self, info: SandboxInfo, forked_from: str | None) -> _Live:
         """The live copy of a sandbox just made here, before its first generation is committed."""
@@ -365,11 +392,17 @@ class DurableRuntime:
                 await self._make_room(room)
             passing = live.passing
             try:
-                reply = await action(live)
+                try:
+                    reply = await action(live)
+                finally:
+                    live.last_used = time.monotonic()
+                    live.passing = False  # for this step only (one refused before it ran leaves a live copy)
+                await self._commit(live, reply, ev)
+            except SandboxBusy:  # another replica committed this generation: nothing of the step is kept
+                await self._disown(self._adopted.pop(sandbox_id, []))
+                raise
             finally:
-                live.last_used = time.monotonic()
-                live.passing = False  # for this step only (one refused before it ran leaves a live copy)
-            await self._commit(live, reply, ev)
+                self._adopted.pop(sandbox_id, None)
             live.resume_ms = None
             if passing:
                 self._drop(sandbox_id, "hibernated")

@@ -32,7 +32,7 @@ from rollbox.functions.contract import (
 )
 from rollbox.functions.durable import DurableRuntime
 from rollbox.functions.logs import logger
-from rollbox.functions.routing import Route, SandboxRuntime, current_event, route
+from rollbox.functions.routing import Route, SandboxRuntime, route
 from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreError
 from rollbox.runtime.snapshot import ROLLBOX_VERSION, SnapshotView
 from rollbox.runtime.spec import DEFAULT_LIMITS
@@ -206,13 +206,11 @@ def routes(snapshots: Snapshots) -> tuple[Route, ...]:
     async def fork_all(_rt: SandboxRuntime, data: ForkData) -> ForkRecord:
         if durable is None or data.sandbox_id is None:
             return await snapshots.fork(data)
-        ev = current_event.get()
         parent = data.sandbox_id
 
         async def forking(_live: Any) -> ForkRecord:
-            ids = [ev.next_sandbox_id() for _ in range(data.count)] if ev is not None else None
-            record = await snapshots.fork(data, sandbox_ids=ids)
             assert durable is not None
+            record = await snapshots.fork(data, sandbox_ids=durable.fork_ids(data.count))
             await durable.adopt(record.sandboxes, forked_from=parent)
             return record
 

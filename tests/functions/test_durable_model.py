@@ -165,7 +165,8 @@ class Cluster:
 
     def __init__(self, seaweed: SeaweedS3, base: Path, n: int = len(REPLICA_ARGS)):
         self.seaweed = seaweed
-        bucket = seaweed.new_bucket()
+        base.mkdir(parents=True, exist_ok=True)
+        self.bucket = bucket = seaweed.new_bucket()
         env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
                "ROLLBOX_STORE": f"s3://{bucket}/rb", "AWS_ENDPOINT_URL": seaweed.endpoint,
                "ROLLBOX_S3_MAX_ATTEMPTS": "2"}
@@ -174,6 +175,18 @@ class Cluster:
             r.launch()
         self.http = httpx.Client(timeout=httpx.Timeout(10.0, read=120.0))
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="model-client")
+
+    def children_in_store(self, parent: str) -> list[str]:
+        """The sandboxes whose first record in the store says they were forked from ``parent``."""
+        s3 = self.seaweed.client()
+        found = []
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix="rb/sandboxes/"):
+            for obj in page.get("Contents", []):
+                if obj["Key"].endswith("/0000000000.json"):
+                    body = s3.get_object(Bucket=self.bucket, Key=obj["Key"])["Body"].read()
+                    if json.loads(body.split(b"\n", 1)[0]).get("forked_from") == parent:
+                        found.append(obj["Key"].split("/")[2])
+        return sorted(found)
 
     def send(self, i: int, ev: CloudEvent, mode: str = "binary") -> Reply | None:
         """The reply, or None if the connection broke (the replica was killed meanwhile)."""
@@ -223,7 +236,8 @@ for op in json.loads(OPS):
         if os.path.islink(p):
             os.remove(p)
         parent(p)
-        text = op[2] if k != "big" else (op[2] + "-") * (70000 // (len(op[2]) + 1) + 1)
+        size = op[3] if len(op) > 3 else 70000
+        text = op[2] if k != "big" else (op[2] + "-") * (size // (len(op[2]) + 1) + 1)
         with open(p, "a" if k == "append" else "w", encoding="utf-8") as f:
             f.write(text)
     elif k == "delete":
@@ -317,7 +331,8 @@ class Tree:
             p = op[1]
             self.links.pop(p, None)
             self._parent(p)
-            text = op[2] if k != "big" else (op[2] + "-") * (70000 // (len(op[2]) + 1) + 1)
+            size = op[3] if len(op) > 3 else 70000  # (a blob: over INLINE_MAX_BYTES)
+            text = op[2] if k != "big" else (op[2] + "-") * (size // (len(op[2]) + 1) + 1)
             if p in self.files:
                 node = self._own(p)
                 node.content = node.content + text if k == "append" else text
@@ -855,3 +870,26 @@ def test_a_fork_at_the_live_cap_hibernates_an_idle_sandbox(model: DurableModel) 
     (child,) = model.fork(a, 1, 1)
     model.step(child, 1, [["append", "a", " child"]])
     model.step(a, 1, [["append", "a", " still"]])
+
+
+def test_a_fork_that_lost_its_race_can_be_retried(model: DurableModel) -> None:
+    """A fork whose parent's commit lost the race (409: "nothing of this request was kept, retry it")
+    had committed its children already, under ids derived from the event alone: the retry made the same
+    ids and was 409 (their records exist) forever. The lost attempt's children are gone, too."""
+    a, b = 0, 1
+    sb = model.create(a)
+    model.step(sb, a, [["big", "a", "x", 40 << 20]])
+    model.step(sb, a, [["write", "b", "1"]])  # A holds it live; B must resume it (its 40 MB file) to fork
+    fork = event(FORK, {"sandbox_id": sb.sid, "count": 1}, source=SOURCE)
+    slow = model.w.submit(b, fork)
+    time.sleep(0.15)
+    model.step(sb, a, [["append", "b", "2"]])  # commits first: the fork's commit of the parent loses
+    lost = model.expect(slow.result(), 409, "sandbox_busy")
+    assert lost.headers["retry-after"]
+    reply = model.expect(model.w.send(b, fork), 200)  # the retry its 409 asks for
+    (child,) = model.forked(sb, reply)
+    model.ack(fork, reply, "fork")
+    model.step(child, 2, [["append", "b", "child"]])
+    for r in (a, b, 2):
+        model.resend_one(model.acked[-2], r)
+    assert model.w.children_in_store(sb.sid) == [child.sid]
