@@ -424,11 +424,11 @@ class DurableRuntime:
         if head.state == "destroyed":
             raise SandboxGone(f"sandbox {sandbox_id} was destroyed ({head.reason})",
                               sandbox_id=sandbox_id, reason=head.reason or "destroyed")
+        why = head.expired(time.time())  # (a live copy too: the runtime's reaper looks only now and then)
+        if why is not None:
+            await self._expire(head, why, live)
+            raise SandboxGone(f"sandbox {sandbox_id} expired ({why} limit)", sandbox_id=sandbox_id, reason=why)
         if live is None:
-            why = head.expired(time.time())
-            if why is not None:
-                await self._expire(head, why)
-                raise SandboxGone(f"sandbox {sandbox_id} expired ({why} limit)", sandbox_id=sandbox_id, reason=why)
             passing = may_pass and self._passes(head)
             if may_pass:
                 self._note_passing(passing)
@@ -739,6 +739,9 @@ class DurableRuntime:
         await self.rt.take(head.snapshot, head.limits, head.metadata, sandbox_id=sid, forked_from=head.forked_from,
                            step_next=spare)
         self._not_metered(sid)
+        sb = self.rt.sandboxes.get(sid)
+        if sb is not None:  # its lifetime counts from the sandbox's create, not from this resume (the reaper's)
+            sb.created_at = time.monotonic() - max(0.0, time.time() - head.created_at)
         try:
             if head.files.entries or head.files.whiteouts or head.files.opaque:
                 diff = diff_of(head.files, contents)
@@ -838,10 +841,17 @@ class DurableRuntime:
         self._drop(sandbox_id, "hibernated")
         self.metrics.hibernations.labels(reason).inc()
 
-    async def _expire(self, head: SandboxRecord, why: str) -> None:
-        """Write the tombstone of a sandbox whose lifetime or idle limit passed while it hibernated."""
+    async def _expire(self, head: SandboxRecord, why: str, live: _Live | None = None) -> None:
+        """Write the tombstone of a sandbox whose lifetime or idle limit passed (while it hibernated, or
+        before the runtime's reaper ended its live copy here: then it ends now)."""
         tomb = _Live(record=head)
-        usage = self._usage(head, why)
+        if live is not None:
+            self.live.pop(head.sandbox_id, None)
+            with contextlib.suppress(RollboxError):
+                local = await self.rt.destroy(head.sandbox_id, reason=why)
+                self._account(live, local.cpu_s, local.peak_memory_bytes)
+            tomb = live
+        usage = self._usage(tomb.record, why)
         with contextlib.suppress(SandboxBusy):
             await self._commit(tomb, usage, None, scan=False, state="destroyed", reason=why)
 

@@ -365,16 +365,37 @@ class Tree:
         return out
 
 
+LIFETIME_SLACK_S = 1.5  # past its lifetime a live copy is reaped within the reaper's interval (0.5 s); a margin
+LIFETIMES = st.sampled_from([None, None, None, 2.0, 4.0])  # None: the default (900 s)
+
+
 @dataclass
 class Sandbox:
     sid: str
     trees: list[Tree]  # what it may hold: one, or more while the order of two racing steps is not known
-    destroyed: bool = False
+    lifetime_s: float | None = None  # a short lifetime (None: longer than any sequence)
+    born: tuple[float, float] = (0.0, 0.0)  # (monotonic) its create was sent, answered: it was made between
+    ended: str | None = None  # "destroyed" (by an event), "lifetime" (seen expired); None: it may still run
     execs: int = 0  # acknowledged exec steps: what its usage record must count
     destroy_reply: dict[str, Any] | None = None
 
     def __repr__(self) -> str:  # (how Hypothesis prints a failing sequence)
         return f"<sandbox {self.sid}>"
+
+    @property
+    def exec_timeout_s(self) -> float:
+        return min(10.0, self.lifetime_s or 10.0)
+
+    def state(self, call: Call) -> str:
+        """For a request sent and answered when ``call`` was (the server decided in between): 'live',
+        'gone', or 'either' (its lifetime may have passed)."""
+        if self.ended is not None:
+            return "gone"
+        if self.lifetime_s is None or call.answered < self.born[0] + self.lifetime_s:
+            return "live"
+        if call.sent > self.born[1] + self.lifetime_s + LIFETIME_SLACK_S:
+            return "gone"
+        return "either"
 
 
 @dataclass
@@ -396,12 +417,23 @@ class Acked:
     kind: str
 
 
+@dataclass
+class Call:
+    """One request as its client saw it: its reply (None: the connection broke), when it was sent and
+    answered (monotonic). A client that sends it again until it is answered keeps ``sent``."""
+
+    reply: Reply | None
+    sent: float
+    answered: float
+
+
 def exec_event(sb: Sandbox, ops: list[list[Any]], *, sleep_s: float = 0.0) -> tuple[CloudEvent, list[list[Any]]]:
     """An exec that appends its own token to the journal ``j``, then applies ``ops``; and those ops."""
     eid = uuid.uuid4().hex
     full = ([["sleep", sleep_s]] if sleep_s else []) + [["append", "j", eid[:8] + "\n"], *ops]
     code = f"OPS = {json.dumps(full)!r}\n{PROGRAM}"
-    return event(EXEC, {"sandbox_id": sb.sid, "code": code}, id=eid, source=SOURCE), full
+    data = {"sandbox_id": sb.sid, "code": code, "timeout_s": sb.exec_timeout_s}
+    return event(EXEC, data, id=eid, source=SOURCE), full
 
 
 def after(tree: Tree, ops: list[list[Any]]) -> Tree:
@@ -420,11 +452,24 @@ def copies(trees: list[Tree], lower: bool = False) -> list[Tree]:
     return [t.copy(lower) for t in trees]
 
 
+def altered(ev: CloudEvent) -> CloudEvent:
+    """The same event identity (source, id) with other content."""
+    data = dict(ev.data)
+    if ev["type"] == EXEC:
+        data["code"] += "\n# altered"
+    elif ev["type"] == DESTROY:
+        data["outcome"] = {"reward": 1.0}
+    else:
+        data["metadata"] = {"altered": "1"}
+    return CloudEvent({k: v for k, v in ev.get_attributes().items() if k != "time"}, data)
+
+
 # ------------------------------------------------------------------------------------------ the machine
 
 EXPENSIVE_PER_SEQUENCE = int(os.environ.get("ROLLBOX_MODEL_EXPENSIVE", "1"))  # restarts, idling, long pauses
 OUTAGES = os.environ.get("ROLLBOX_MODEL_OUTAGES") == "1"  # store pauses past the deadline (8 s each)
 MAX_SANDBOXES = 5
+KILL_KINDS = st.sampled_from(["exec", "exec", "fork", "create", "destroy"])
 
 
 class DurableModel(RuleBasedStateMachine):
@@ -443,6 +488,32 @@ class DurableModel(RuleBasedStateMachine):
         self.expensive = 0
         DurableModel.sequences += 1
 
+    # -- the client ----------------------------------------------------------------------------------
+
+    def call(self, r: int, ev: CloudEvent, mode: str = "binary") -> Call:
+        self.w.replicas[r].url  # noqa: B018 - (its start is not the request's time)
+        sent = time.monotonic()
+        reply = self.w.send(r, ev, mode)
+        return Call(reply, sent, time.monotonic())
+
+    def call_soon(self, r: int, ev: CloudEvent) -> Future[Call]:
+        self.w.replicas[r].url  # noqa: B018
+        return self.w.pool.submit(self.call, r, ev)
+
+    def until_answered(self, r: int, ev: CloudEvent, first: Call, tries: int = 60) -> Call:
+        """A client sending ``ev`` to replica ``r`` until it gets a final reply (it retries a 503, a 429,
+        a 409 sandbox_busy and a broken connection), from the first attempt ``first`` on."""
+        call = first
+        for _ in range(tries):
+            reply = call.reply
+            if reply is not None and not (reply.status in (429, 503) or
+                                          (reply.status == 409 and reply.data["code"] == "sandbox_busy")):
+                return Call(reply, first.sent, call.answered)
+            assert reply is None or reply.status != 500, reply.data
+            time.sleep(0.3)
+            call = self.call(r, ev)
+        raise AssertionError(f"event {ev['id']} not answered after {tries} tries: {call.reply and call.reply.data}")
+
     # -- checks ------------------------------------------------------------------------------------
 
     def expect(self, reply: Reply | None, status: int, code: str | None = None) -> Reply:
@@ -452,6 +523,22 @@ class DurableModel(RuleBasedStateMachine):
         if code is not None:
             assert reply.data["code"] == code, reply.data
         return reply
+
+    def ended(self, sb: Sandbox, call: Call) -> bool:
+        """Whether ``call`` was rightly answered as the end of ``sb``: 410 sandbox_gone if it is gone (or
+        may be, past its lifetime); any other reply then fails, as a 410 while it must be live does."""
+        state = sb.state(call)
+        reply = call.reply
+        if state == "live" or (state == "either" and (reply is None or reply.status != 410)):
+            return False
+        self.expect(reply, 410, "sandbox_gone")
+        assert reply is not None
+        reason = reply.data["details"].get("reason")
+        assert reason in ("destroyed", "lifetime") and (sb.ended is None or
+                                                         (reason == "destroyed") == (sb.ended == "destroyed")), \
+            (reply.data, sb.ended)
+        sb.ended = sb.ended or "lifetime"
+        return True
 
     def check_exec(self, sb: Sandbox, reply: Reply, ops: list[list[Any]]) -> None:
         """A 200 exec: it ran, and what it listed is the model after its ops; the model moves on."""
@@ -471,23 +558,15 @@ class DurableModel(RuleBasedStateMachine):
     def ack(self, ev: CloudEvent, reply: Reply, kind: str) -> None:
         self.acked.append(Acked(ev, reply.status, reply.data, kind))
 
-    def gone(self, reply: Reply | None) -> None:
-        self.expect(reply, 410, "sandbox_gone")
+    def open_ones(self) -> list[Sandbox]:
+        return [sb for sb in self.sbs.values() if sb.ended is None]
 
-    def live_ones(self) -> list[Sandbox]:
-        return [sb for sb in self.sbs.values() if not sb.destroyed]
-
-    def until_acknowledged(self, i: int, ev: CloudEvent, tries: int = 60) -> Reply:
-        """Send ``ev`` to replica ``i`` until it is answered with a final reply (a client retrying a
-        503, a 429, a 409 sandbox_busy or a broken connection)."""
-        for _ in range(tries):
-            reply = self.w.send(i, ev)
-            if reply is not None and not (reply.status in (429, 503) or
-                                          (reply.status == 409 and reply.data["code"] == "sandbox_busy")):
-                return reply
-            assert reply is None or reply.status != 500, reply.data
-            time.sleep(0.5)
-        raise AssertionError(f"event {ev['id']} not answered after {tries} tries: {reply and reply.data}")
+    def made(self, info: dict[str, Any], trees: list[Tree], call: Call) -> Sandbox:
+        lifetime = info["limits"]["lifetime_s"]
+        sb = Sandbox(info["sandbox_id"], trees, lifetime if lifetime < 600 else None, (call.sent, call.answered))
+        assert sb.sid not in self.sbs, f"{sb.sid} made twice"
+        self.sbs[sb.sid] = sb
+        return sb
 
     @invariant()
     def no_errors_logged(self) -> None:
@@ -501,30 +580,66 @@ class DurableModel(RuleBasedStateMachine):
                     bad.append(rec)
         assert not bad, "errors in the replicas' logs:\n" + "\n".join(json.dumps(b)[:3000] for b in bad)
 
+    # -- what each kind of reply means for the model --------------------------------------------------
+
+    def exec_done(self, sb: Sandbox, ev: CloudEvent, ops: list[list[Any]], call: Call) -> None:
+        if not self.ended(sb, call):
+            self.check_exec(sb, self.expect(call.reply, 200), ops)
+            self.ack(ev, call.reply, "exec")  # type: ignore[arg-type]
+
+    def create_done(self, ev: CloudEvent, call: Call, trees: list[Tree]) -> Sandbox:
+        reply = self.expect(call.reply, 200)
+        sb = self.made(reply.data, trees, call)
+        self.ack(ev, reply, "create")
+        return sb
+
+    def fork_done(self, sb: Sandbox, ev: CloudEvent, count: int, r: int, call: Call) -> list[Sandbox]:
+        if self.ended(sb, call):
+            return []
+        if count + 1 > MAX_LIVE[r]:  # the children and their parent cannot all be live on that replica
+            self.expect(call.reply, 429, "overloaded")
+            return []
+        reply = self.expect(call.reply, 200)
+        assert len(reply.data["sandboxes"]) == count, reply.data
+        self.ack(ev, reply, "fork")
+        return self.forked(sb, reply, call)
+
+    def forked(self, parent: Sandbox, reply: Reply, call: Call) -> list[Sandbox]:
+        children = []
+        for info in reply.data["sandboxes"]:
+            assert info["forked_from"] == parent.sid, info
+            children.append(self.made(info, copies(parent.trees), call))
+        return children
+
+    def destroy_done(self, sb: Sandbox, ev: CloudEvent, call: Call) -> None:
+        reply = self.expect(call.reply, 200)
+        if sb.destroy_reply is not None:  # repeating a destroy (a new event) returns the same record
+            assert reply.data == sb.destroy_reply, (reply.data, sb.destroy_reply)
+            return
+        # (past its lifetime, its end may have been recorded first)
+        reasons = ("destroyed",) if sb.state(call) == "live" and sb.ended is None else ("destroyed", "lifetime")
+        assert (reply.data["sandbox_id"], reply.data["execs"]) == (sb.sid, sb.execs) and \
+            reply.data["reason"] in reasons and reply.data["billed_s"] >= 1, (reply.data, sb.execs, reasons)
+        sb.ended = "destroyed" if reply.data["reason"] == "destroyed" else "lifetime"
+        sb.destroy_reply = reply.data
+        self.ack(ev, reply, "destroy")
+
     # -- rules -------------------------------------------------------------------------------------
 
     @initialize(target=sandboxes, r=REPLICA)
     def first(self, r: int) -> Sandbox:
         return self.create(r)
 
-    @precondition(lambda self: len(self.live_ones()) < MAX_SANDBOXES)
-    @rule(target=sandboxes, r=REPLICA)
-    def create(self, r: int) -> Sandbox:
-        ev = event(CREATE, {}, source=SOURCE)
-        reply = self.expect(self.w.send(r, ev), 200)
-        sb = Sandbox(reply.data["sandbox_id"], [Tree()])
-        self.sbs[sb.sid] = sb
-        self.ack(ev, reply, "create")
-        return sb
+    @precondition(lambda self: len(self.open_ones()) < MAX_SANDBOXES)
+    @rule(target=sandboxes, r=REPLICA, lifetime=LIFETIMES)
+    def create(self, r: int, lifetime: float | None = None) -> Sandbox:
+        ev = event(CREATE, {} if lifetime is None else {"timeout_s": lifetime}, source=SOURCE)
+        return self.create_done(ev, self.call(r, ev), [Tree()])
 
     @rule(sb=sandboxes, r=REPLICA, ops=OPS, mode=MODES)
     def step(self, sb: Sandbox, r: int, ops: list[list[Any]], mode: str = "binary") -> None:
         ev, full = exec_event(sb, ops)
-        reply = self.w.send(r, ev, mode)
-        if sb.destroyed:
-            return self.gone(reply)
-        self.check_exec(sb, self.expect(reply, 200), full)
-        self.ack(ev, reply, "exec")
+        self.exec_done(sb, ev, full, self.call(r, ev, mode))
 
     @precondition(lambda self: self.acked)
     @rule(data=st.data(), r=REPLICA, mode=MODES)
@@ -532,46 +647,57 @@ class DurableModel(RuleBasedStateMachine):
         self.resend_one(data.draw(st.sampled_from(self.acked), label="event"), r, mode)
 
     def resend_one(self, first: Acked, r: int, mode: str = "binary") -> None:
-        reply = self.expect(self.w.send(r, first.ev, mode), first.status)
+        reply = self.expect(self.call(r, first.ev, mode).reply, first.status)
         assert reply.data == first.data, f"a re-sent {first.kind} event got another reply:\n" \
                                          f" first {first.data}\n again {reply.data}"
 
-    @rule(target=sandboxes, sb=sandboxes, r1=REPLICA, r2=REPLICA, ops1=OPS, ops2=OPS, fork2=st.booleans(), retry=st.booleans())
+    @precondition(lambda self: any(a.kind != "snapshot" for a in self.acked))
+    @rule(data=st.data(), r=REPLICA)
+    def resend_altered(self, data: st.DataObject, r: int) -> None:
+        """An acknowledged event's identity with other content: refused on every replica, nothing runs."""
+        first = data.draw(st.sampled_from([a for a in self.acked if a.kind != "snapshot"]), label="event")
+        self.expect(self.call(r, altered(first.ev)).reply, 409, "idempotency_conflict")
+
+    @rule(target=sandboxes, sb=sandboxes, r1=REPLICA, r2=REPLICA, ops1=OPS, ops2=OPS, fork2=st.booleans(),
+          retry=st.booleans())
     def race(self, sb: Sandbox, r1: int, r2: int, ops1: list[list[Any]], ops2: list[list[Any]],
-             fork2: bool = False, retry: bool = False) -> list[Sandbox]:
-        """Two steps on one sandbox at once through two replicas (or one): an exec, and an exec or a fork."""
+             fork2: bool = False, retry: bool = False) -> Any:
+        """Two steps on one sandbox at once through two replicas (or one): an exec, and an exec or a fork.
+        (Not on a sandbox with a short lifetime: one step in the race would see it expired, the other not.)"""
+        if sb.lifetime_s is not None and sb.ended is None:
+            self.step(sb, r1, ops1)
+            return multiple()
         ev1, full1 = exec_event(sb, ops1, sleep_s=0.25)
         if fork2:
             ev2, full2 = event(FORK, {"sandbox_id": sb.sid, "count": 1}, source=SOURCE), []
         else:
             ev2, full2 = exec_event(sb, ops2, sleep_s=0.25)
-        f1, f2 = self.w.submit(r1, ev1), self.w.submit(r2, ev2)
-        rep1, rep2 = f1.result(), f2.result()
-        if sb.destroyed:
-            self.gone(rep1)
-            self.gone(rep2)
-            return multiple()  # type: ignore[no-any-return]
+        f1, f2 = self.call_soon(r1, ev1), self.call_soon(r2, ev2)
+        c1, c2 = f1.result(), f2.result()
+        if sb.ended is not None:
+            assert self.ended(sb, c1) and self.ended(sb, c2)
+            return multiple()
+        rep1, rep2 = c1.reply, c2.reply
         for rep in (rep1, rep2):
             assert rep is not None and rep.status in (200, 409), rep and (rep.status, rep.data)
             if rep.status == 409:
                 assert rep.data["code"] == "sandbox_busy" and rep.headers.get("retry-after"), rep.data
-        assert 200 in (rep1.status, rep2.status), (rep1.data, rep2.data)  # type: ignore[union-attr]
         assert rep1 is not None and rep2 is not None
+        assert 200 in (rep1.status, rep2.status), (rep1.data, rep2.data)
         children: list[Sandbox] = []
 
-        def apply2(reply: Reply) -> None:
+        def apply2(call: Call) -> None:
             if fork2:
-                children.extend(self.forked(sb, reply))
+                children.extend(self.fork_done(sb, ev2, 1, r2, call))
             else:
-                self.check_exec(sb, reply, full2)
-            self.ack(ev2, reply, "fork" if fork2 else "exec")
+                self.exec_done(sb, ev2, full2, call)
 
         if rep1.status == rep2.status == 200:  # they did not overlap: one ran after the other, either
             l1 = self.listing(rep1)
             if fork2:  # the children have the files from before the exec, or from after it
                 before = sb.trees
                 self.check_exec(sb, rep1, full1)
-                apply2(rep2)
+                apply2(c2)
                 for child in children:
                     child.trees = copies(before) + copies(sb.trees)
             else:
@@ -585,78 +711,43 @@ class DurableModel(RuleBasedStateMachine):
                 self.ack(ev2, rep2, "exec")
             self.ack(ev1, rep1, "exec")
         elif rep1.status == 200:
-            self.check_exec(sb, rep1, full1)
-            self.ack(ev1, rep1, "exec")
+            self.exec_done(sb, ev1, full1, c1)
             if retry:  # as its 409 asks: the same event again
-                apply2(self.expect(self.until_acknowledged(r2, ev2), 200))
+                apply2(self.until_answered(r2, ev2, self.call(r2, ev2)))
         else:
-            apply2(rep2)
+            apply2(c2)
             if retry:
-                rep = self.expect(self.until_acknowledged(r1, ev1), 200)
-                self.check_exec(sb, rep, full1)
-                self.ack(ev1, rep, "exec")
-        return multiple(*children)  # type: ignore[no-any-return]
+                self.exec_done(sb, ev1, full1, self.until_answered(r1, ev1, self.call(r1, ev1)))
+        return multiple(*children)
 
-    def forked(self, parent: Sandbox, reply: Reply) -> list[Sandbox]:
-        children = []
-        for info in reply.data["sandboxes"]:
-            assert info["forked_from"] == parent.sid, info
-            child = Sandbox(info["sandbox_id"], copies(parent.trees))
-            self.sbs[child.sid] = child
-            children.append(child)
-        return children
-
-    @precondition(lambda self: len(self.live_ones()) < MAX_SANDBOXES)
+    @precondition(lambda self: len(self.open_ones()) < MAX_SANDBOXES)
     @rule(target=sandboxes, sb=sandboxes, r=REPLICA, count=st.integers(1, 2))
-    def fork(self, sb: Sandbox, r: int, count: int) -> list[Sandbox]:
+    def fork(self, sb: Sandbox, r: int, count: int) -> Any:
         ev = event(FORK, {"sandbox_id": sb.sid, "count": count}, source=SOURCE)
-        reply = self.w.send(r, ev)
-        if sb.destroyed:
-            self.gone(reply)
-            return multiple()  # type: ignore[no-any-return]
-        if count + 1 > MAX_LIVE[r]:  # the children and their parent cannot all be live on that replica
-            self.expect(reply, 429, "overloaded")
-            return multiple()  # type: ignore[no-any-return]
-        reply = self.expect(reply, 200)
-        assert len(reply.data["sandboxes"]) == count, reply.data
-        self.ack(ev, reply, "fork")
-        return multiple(*self.forked(sb, reply))  # type: ignore[no-any-return]
+        return multiple(*self.fork_done(sb, ev, count, r, self.call(r, ev)))
 
     @rule(target=snapshots, sb=sandboxes, r=REPLICA)
-    def snapshot(self, sb: Sandbox, r: int) -> Snap:
+    def snapshot(self, sb: Sandbox, r: int) -> Any:
         ev = event(SNAPSHOT, {"sandbox_id": sb.sid}, source=SOURCE)
-        reply = self.w.send(r, ev)
-        if sb.destroyed:
-            self.gone(reply)
-            return multiple()  # type: ignore[no-any-return]
-        reply = self.expect(reply, 200)
+        call = self.call(r, ev)
+        if self.ended(sb, call):
+            return multiple()
+        reply = self.expect(call.reply, 200)
         self.ack(ev, reply, "snapshot")
         return Snap(reply.data["snapshot_id"], copies(sb.trees))
 
-    @precondition(lambda self: len(self.live_ones()) < MAX_SANDBOXES)
+    @precondition(lambda self: len(self.open_ones()) < MAX_SANDBOXES)
     @rule(target=sandboxes, snap=snapshots, r=REPLICA)
     def create_from(self, snap: Snap, r: int) -> Sandbox:
         ev = event(CREATE, {"snapshot": snap.snapshot_id}, source=SOURCE)
-        reply = self.expect(self.w.send(r, ev), 200)
-        assert reply.data["snapshot_id"] == snap.snapshot_id, reply.data
-        sb = Sandbox(reply.data["sandbox_id"], copies(snap.trees, lower=True))
-        self.sbs[sb.sid] = sb
-        self.ack(ev, reply, "create")
+        sb = self.create_done(ev, self.call(r, ev), copies(snap.trees, lower=True))
+        assert self.acked[-1].data["snapshot_id"] == snap.snapshot_id, self.acked[-1].data
         return sb
 
     @rule(sb=sandboxes, r=REPLICA)
     def destroy(self, sb: Sandbox, r: int) -> None:
         ev = event(DESTROY, {"sandbox_id": sb.sid}, source=SOURCE)
-        reply = self.expect(self.w.send(r, ev), 200)
-        if sb.destroyed:  # repeating a destroy (a new event) returns the same record
-            assert reply.data == sb.destroy_reply, (reply.data, sb.destroy_reply)
-            return
-        assert (reply.data["sandbox_id"], reply.data["execs"], reply.data["reason"]) == \
-            (sb.sid, sb.execs, "destroyed"), (reply.data, sb.execs)
-        assert reply.data["billed_s"] >= 1, reply.data
-        sb.destroyed = True
-        sb.destroy_reply = reply.data
-        self.ack(ev, reply, "destroy")
+        self.destroy_done(sb, ev, self.call(r, ev))
 
     # -- the world misbehaving (expensive: a few per sequence) ---------------------------------------
 
@@ -674,24 +765,38 @@ class DurableModel(RuleBasedStateMachine):
         self.w.replicas[r].kill9()
         self.w.replicas[r].launch()
 
-    @precondition(may_spend)
-    @rule(sb=sandboxes, r=REPLICA, other=REPLICA, ops=OPS, delay=st.sampled_from([0.0, 0.03, 0.1, 0.3]))
-    def kill9_in_flight(self, sb: Sandbox, r: int, other: int, ops: list[list[Any]], delay: float) -> None:
-        """kill -9 while a step is in flight: its client gets no reply and sends it again (to another
-        replica, or this one restarted). Whether the first attempt committed or not, it counts once."""
+    @precondition(lambda self: self.may_spend() and len(self.open_ones()) < MAX_SANDBOXES)
+    @rule(target=sandboxes, sb=sandboxes, kind=KILL_KINDS, r=REPLICA, other=REPLICA, ops=OPS,
+          delay=st.sampled_from([0.0, 0.03, 0.1, 0.3]))
+    def kill9_in_flight(self, sb: Sandbox, kind: str, r: int, other: int, ops: list[list[Any]], delay: float) -> Any:
+        """kill -9 while an event is in flight (an exec, a fork, a create, a destroy): its client gets no
+        reply and sends it again (to another replica, or this one restarted) until answered. Whether
+        the first attempt committed or not, it counts once."""
         self.spend()
-        ev, full = exec_event(sb, ops, sleep_s=0.1)
-        fut = self.w.submit(r, ev)
+        full: list[list[Any]] = []
+        if kind == "exec":
+            ev, full = exec_event(sb, ops, sleep_s=0.1)
+        elif kind == "create":
+            ev = event(CREATE, {}, source=SOURCE)
+        else:
+            ev = event(FORK if kind == "fork" else DESTROY, {"sandbox_id": sb.sid, "count": 1}
+                       if kind == "fork" else {"sandbox_id": sb.sid}, source=SOURCE)
+        fut = self.call_soon(r, ev)
         time.sleep(delay)
         self.w.replicas[r].kill9()
         self.w.replicas[r].launch()
-        reply = fut.result()
-        if reply is None:
-            reply = self.until_acknowledged(other, ev)
-        if sb.destroyed:
-            return self.gone(reply)
-        self.check_exec(sb, self.expect(reply, 200), full)
-        self.ack(ev, reply, "exec")
+        call = fut.result()
+        if call.reply is None:
+            call = self.until_answered(other, ev, call)
+        if kind == "exec":
+            self.exec_done(sb, ev, full, call)
+        elif kind == "create":
+            return self.create_done(ev, call, [Tree()])
+        elif kind == "fork":
+            return multiple(*self.fork_done(sb, ev, 1, other, call))
+        else:
+            self.destroy_done(sb, ev, call)
+        return multiple()
 
     @precondition(may_spend)
     @rule(sb=sandboxes, r=REPLICA, other=REPLICA, ops=OPS, fresh=st.booleans())
@@ -700,20 +805,17 @@ class DurableModel(RuleBasedStateMachine):
         the replica exits 0 and a new one starts (on a fresh home: scaled from zero; or the same)."""
         self.spend()
         ev, full = exec_event(sb, ops, sleep_s=0.2)
-        fut = self.w.submit(r, ev)
+        fut = self.call_soon(r, ev)
         time.sleep(0.08)
         replica = self.w.replicas[r]
         assert replica.drain() == 0, replica.srv and replica.srv.log_path.read_text()[-3000:]
         replica.launch(fresh_home=fresh)
-        reply = fut.result()
-        if reply is None or reply.status == 503:
-            if reply is not None:
-                assert reply.data["code"] == "shutting_down", reply.data
-            reply = self.until_acknowledged(other, ev)
-        if sb.destroyed:
-            return self.gone(reply)
-        self.check_exec(sb, self.expect(reply, 200), full)
-        self.ack(ev, reply, "exec")
+        call = fut.result()
+        if call.reply is None or call.reply.status == 503:
+            if call.reply is not None:
+                assert call.reply.data["code"] == "shutting_down", call.reply.data
+            call = self.until_answered(other, ev, call)
+        self.exec_done(sb, ev, full, call)
 
     @precondition(may_spend)
     @rule()
@@ -727,14 +829,10 @@ class DurableModel(RuleBasedStateMachine):
     def store_hiccup(self, sb: Sandbox, r: int, ops: list[list[Any]], pause: float) -> None:
         """The store stops answering for a moment (less than the store deadline) during a step."""
         ev, full = exec_event(sb, ops, sleep_s=0.05)
-        fut = self.w.submit(r, ev)
+        fut = self.call_soon(r, ev)
         with self.w.store_paused():
             time.sleep(pause)
-        reply = fut.result()
-        if sb.destroyed:
-            return self.gone(reply)
-        self.check_exec(sb, self.expect(reply, 200), full)
-        self.ack(ev, reply, "exec")
+        self.exec_done(sb, ev, full, fut.result())
 
     @precondition(lambda self: OUTAGES and self.may_spend())
     @rule(sb=sandboxes, r=REPLICA, other=REPLICA, ops=OPS, at=st.sampled_from([0.0, 0.1]))
@@ -745,30 +843,26 @@ class DurableModel(RuleBasedStateMachine):
         ev, full = exec_event(sb, ops, sleep_s=0.05)
         with self.w.store_paused():
             time.sleep(at)
-            fut = self.w.submit(r, ev)
-            reply = fut.result()
-        if sb.destroyed and reply is not None and reply.status == 410:
-            return None
-        assert reply is not None and reply.status == 503, reply and (reply.status, reply.data)
-        assert reply.data["code"] == "store_unavailable" and reply.headers["retry-after"], reply.data
-        reply = self.until_acknowledged(other, ev)
-        if sb.destroyed:
-            return self.gone(reply)
-        self.check_exec(sb, self.expect(reply, 200), full)
-        self.ack(ev, reply, "exec")
+            call = self.call_soon(r, ev).result()
+        if sb.ended is None and (call.reply is None or call.reply.status != 410):
+            assert call.reply is not None and call.reply.status == 503, call.reply and call.reply.data
+            assert call.reply.data["code"] == "store_unavailable" and call.reply.headers["retry-after"], \
+                call.reply.data
+        self.exec_done(sb, ev, full, self.until_answered(other, ev, call))
 
     # -- the end of a sequence ---------------------------------------------------------------------
 
     def teardown(self) -> None:
-        """Every sandbox left is read back and destroyed; every destroyed one is 410 on every replica."""
+        """Every sandbox left is read back and destroyed; every one is then 410 on every replica."""
         for sb in list(self.sbs.values()):
-            if not sb.destroyed:
+            if sb.ended is None:
                 self.step(sb, 0, [])
+            if sb.destroy_reply is None:
                 self.destroy(sb, 0)
         for sb in self.sbs.values():
             for r in range(len(self.w.replicas)):
                 ev, _ = exec_event(sb, [])
-                self.gone(self.w.send(r, ev))
+                assert self.ended(sb, self.call(r, ev))
         self.no_errors_logged()
 
 
@@ -829,11 +923,8 @@ def test_issue_25_1_a_duplicate_on_the_other_replica_then_kill_and_race(model: D
         model.step(sb, a, [])
         model.step(sb, b, [])
     ev, full = exec_event(sb, [["append", "c", "once\n"]])
-    first = model.expect(model.w.send(a, ev), 200)
-    model.check_exec(sb, first, full)
-    model.ack(ev, first, "exec")
-    again = model.expect(model.w.send(b, ev), 200)
-    assert again.data == first.data
+    model.exec_done(sb, ev, full, model.call(a, ev))
+    model.resend_one(model.acked[-1], b)  # B answers A's reply
     model.step(sb, b, [["append", "c", "b\n"]])
     model.step(sb, a, [["append", "c", "a\n"]])
     model.w.replicas[a].kill9()
@@ -886,10 +977,24 @@ def test_a_fork_that_lost_its_race_can_be_retried(model: DurableModel) -> None:
     model.step(sb, a, [["append", "b", "2"]])  # commits first: the fork's commit of the parent loses
     lost = model.expect(slow.result(), 409, "sandbox_busy")
     assert lost.headers["retry-after"]
-    reply = model.expect(model.w.send(b, fork), 200)  # the retry its 409 asks for
-    (child,) = model.forked(sb, reply)
-    model.ack(fork, reply, "fork")
+    (child,) = model.fork_done(sb, fork, 1, b, model.call(b, fork))  # the retry its 409 asks for
     model.step(child, 2, [["append", "b", "child"]])
     for r in (a, b, 2):
         model.resend_one(model.acked[-2], r)
     assert model.w.children_in_store(sb.sid) == [child.sid]
+
+
+def test_a_lifetime_counts_from_the_create_not_from_a_resume(model: DurableModel) -> None:
+    """A sandbox's lifetime holds across replicas: a copy resumed on another replica got the whole
+    lifetime again from its resume, and ran steps after the sandbox had expired."""
+    a, b = 0, 1
+    sb = model.create(a, lifetime=3.0)
+    model.step(sb, a, [["write", "a", "1"]])
+    time.sleep(max(0.0, sb.born[1] + 2.0 - time.monotonic()))
+    model.step(sb, b, [["write", "a", "2"]])  # resumed on B, 2 s into its 3 s
+    time.sleep(max(0.0, sb.born[1] + 3.0 + LIFETIME_SLACK_S - time.monotonic()) + 0.1)
+    ev, _ = exec_event(sb, [])
+    call = model.call(b, ev)
+    assert sb.state(call) == "gone"
+    assert model.ended(sb, call)
+    assert call.reply is not None and call.reply.data["details"]["reason"] == "lifetime", call.reply.data
