@@ -28,19 +28,8 @@ import rollbox.runtime
 from rollbox.runtime import owners
 from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import IsolationError
-from rollbox.runtime.snapshot import SnapshotView
-
-_BOOT = """
-import importlib.util, sys, types
-rt = sys.argv[2]
-pkg = types.ModuleType('rollbox'); pkg.__path__ = []; sys.modules['rollbox'] = pkg
-spec = importlib.util.spec_from_file_location('rollbox.runtime', rt + '/__init__.py',
-                                              submodule_search_locations=[rt])
-mod = importlib.util.module_from_spec(spec); sys.modules['rollbox.runtime'] = mod
-spec.loader.exec_module(mod)
-from importlib import import_module
-import_module('rollbox.runtime.inside.' + sys.argv[3]).main(int(sys.argv[1]), *sys.argv[4:])
-"""
+from rollbox.runtime.inside.boot import BOOT as _BOOT
+from rollbox.runtime.snapshot import SnapshotView, host_python
 
 RUNTIME_DIR = str(Path(rollbox.runtime.__file__).resolve().parent)
 BASE_ENV = {
@@ -120,9 +109,14 @@ class Zygote:
     async def start(self, timeout_s: float = 300.0) -> None:
         self.staging.mkdir(parents=True, exist_ok=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        view = self.view
+        # A snapshot with a root of its own (dir, oci, debian bases: no host binds) names an interpreter
+        # inside that root: the host's Python makes the view, then the zygote re-executes itself as
+        # the snapshot's own interpreter there (zygote.main), so it never depends on what the host has.
+        inside = view.warm.python if view.warm_layers and not view.host_binds else None
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *boot_args(self.view.warm.python, theirs.fileno(), "zygote"),
+                *boot_args(host_python() if inside else view.warm.python, theirs.fileno(), "zygote"),
                 pass_fds=[theirs.fileno()], env={"LANG": "C.UTF-8"}, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd="/", start_new_session=True,
             )
@@ -130,7 +124,6 @@ class Zygote:
             theirs.close()
         self._stderr_task = asyncio.create_task(self._drain_stderr())
         self.chan = Channel(ours)
-        view = self.view
         warm_layers = list(view.layers[len(view.layers) - view.warm_layers :]) if view.warm_layers else []
         await self.chan.send({
             "rootless": self.rootless,
@@ -145,6 +138,8 @@ class Zygote:
             "imports": list(view.warm.imports),
             "env": self.env,
             "seccomp": base64.b64encode(self.seccomp_bpf).decode(),
+            "runtime_dir": RUNTIME_DIR,
+            "reexec": inside,
         })
         try:
             msg = await asyncio.wait_for(self.chan.recv(), timeout_s)

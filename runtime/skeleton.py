@@ -29,7 +29,7 @@ ETC_COPIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "loca
 
 
 def build(state_dir: Path, host_binds: tuple[str, ...], rootless: bool) -> Path:
-    recipe = {"v": 5, "binds": host_binds, "uid": SANDBOX_UID, "rootless": rootless,
+    recipe = {"v": 6, "binds": host_binds, "uid": SANDBOX_UID, "rootless": rootless,
               "etc": [os.path.exists(f"/etc/{n}") for n in ETC_COPIES]}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     skel = state_dir / f"skel-{key}"
@@ -54,7 +54,7 @@ def build(state_dir: Path, host_binds: tuple[str, ...], rootless: bool) -> Path:
             (tmp / top).mkdir()
     for bind in host_binds:
         (tmp / bind.lstrip("/")).mkdir(parents=True, exist_ok=True)
-    for sub in ("layers", "skel", "dev", "proc", "sb"):
+    for sub in ("layers", "skel", "dev", "proc", "sb", "rt"):
         (tmp / mounts.RB.lstrip("/") / sub).mkdir(parents=True, exist_ok=True)
     if not rootless:  # /dev's nodes live here as root (the sandbox root overlay allows devices then)
         for name in mounts.DEVICES:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import gc
 import importlib
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import sys
 from typing import Any
 
 from rollbox.runtime.inside import agent, probe, proto
+from rollbox.runtime.inside.boot import BOOT
 from rollbox.runtime.isolation import libc, mounts, rlimits, seccomp, users
 
 
@@ -64,9 +66,39 @@ def _sandbox_main(cfg: dict[str, Any], req: dict[str, Any], sock: socket.socket,
         os._exit(71)
 
 
-def main(ctl_fd: int) -> None:
+def _reexec(ctl: socket.socket, cfg: dict[str, Any], pidns: int) -> None:
+    """Become the snapshot's own interpreter (``cfg["reexec"]``, a path inside the view just pivoted
+    into), loading this code from ``mounts.RUNTIME``; the configuration goes along in a memfd, the
+    control socket and the pid namespace fd stay open across the exec. Never returns."""
+    python = cfg["reexec"]
+    fd = os.memfd_create("rollbox-zygote-cfg", 0)  # inherited: no MFD_CLOEXEC
+    with open(fd, "wb", closefd=False) as f:
+        f.write(json.dumps(cfg).encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.set_inheritable(ctl.fileno(), True)
+    os.set_inheritable(pidns, True)
+    sys.stdout.flush()
+    try:
+        os.execve(python, [python, "-I", "-S", "-c", BOOT, str(ctl.fileno()), mounts.RUNTIME, "zygote",
+                           f"{fd},{pidns}"], {"LANG": "C.UTF-8"})
+    except OSError as exc:
+        sys.stderr.write(f"the snapshot's interpreter {python} cannot run inside its root: {exc}\n")
+        sys.stderr.flush()
+        os._exit(70)
+
+
+def main(ctl_fd: int, resume: str = "") -> None:
     ctl = socket.socket(fileno=ctl_fd)
     reader = proto.Reader()
+    if resume:  # re-executed as the snapshot's interpreter inside its view (see _reexec)
+        cfg_fd, pidns = (int(x) for x in resume.split(","))
+        with open(cfg_fd, "rb") as f:
+            cfg = json.loads(f.read())
+        os.set_inheritable(ctl_fd, False)
+        os.set_inheritable(pidns, False)
+        libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
+        _serve(ctl, reader, cfg, pidns)
+        return
     cfg = proto.recv(ctl, reader)
     if cfg is None:
         return
@@ -87,8 +119,15 @@ def main(ctl_fd: int) -> None:
     pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     mounts.prepare_zygote_view(
         cfg["staging"], cfg["skel"], cfg["layer_root"], cfg["warm_layers"], cfg["host_binds"],
-        cfg["host_masks"],
+        cfg["host_masks"], cfg["runtime_dir"] if cfg.get("reexec") else None,
     )
+    if cfg.get("reexec"):
+        _reexec(ctl, cfg, pidns)
+    _serve(ctl, reader, cfg, pidns)
+
+
+def _serve(ctl: socket.socket, reader: proto.Reader, cfg: dict[str, Any], pidns: int) -> None:
+    """In the snapshot's view: warm up, then fork a sandbox per spawn request until the socket closes."""
     cfg["seccomp"] = libc.SeccompProgram(base64.b64decode(cfg["seccomp"]))
     os.environ.clear()
     os.environ.update(cfg["env"])

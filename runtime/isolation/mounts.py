@@ -33,6 +33,7 @@ SKEL = RB + "/skel"
 HOSTDEV = RB + "/dev"
 HOSTPROC = RB + "/proc"
 SANDBOX = RB + "/sb"
+RUNTIME = RB + "/rt"  # the runtime's own files, for a zygote that re-executes as the snapshot's Python
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
@@ -46,8 +47,10 @@ def _mask(dst: str) -> None:
 
 
 def prepare_zygote_view(staging: str, skel: str, layer_root: str, warm_layers: list[str],
-                        host_binds: list[str], host_masks: list[str]) -> None:
-    """In a fresh mount namespace: build the snapshot's read-only view in ``staging`` and pivot into it."""
+                        host_binds: list[str], host_masks: list[str], runtime_dir: str | None = None) -> None:
+    """In a fresh mount namespace: build the snapshot's read-only view in ``staging`` and pivot into it.
+    ``runtime_dir``: bound read-only at ``RUNTIME`` (a zygote that re-executes inside the view loads
+    its code from there; sandboxes never see it)."""
     mount("none", "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", staging, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
     root = os.path.join(staging, "root")
@@ -62,6 +65,8 @@ def prepare_zygote_view(staging: str, skel: str, layer_root: str, warm_layers: l
     mount("/dev", root + HOSTDEV, None, MS_BIND | MS_REC)  # recursive: a userns may not split locked submounts
     # A user namespace may mount a new proc only where a proc is already fully visible.
     mount("/proc", root + HOSTPROC, None, MS_BIND | MS_REC)
+    if runtime_dir:
+        _bind_ro(runtime_dir, root + RUNTIME)
     for path in host_binds:
         _bind_ro(path, root + path)
     for path in host_masks:
