@@ -2,7 +2,9 @@
 
 1. base   ``host``: no layer (the runtime binds the host's /usr etc. read-only);
           ``dir``:  the directory as one layer (owners kept);
-          ``oci``:  one layer per image layer, OCI whiteouts turned into overlay whiteouts.
+          ``oci``:  one layer per image layer, OCI whiteouts turned into overlay whiteouts;
+          ``debian``: a root built from Debian's packages (snapshots/debian.py): the shared layer of
+                  the template named by ``over`` (if any), then one with what this template's packages add.
 2. packages  ``pip install --target`` into ``/opt/rollbox/site-packages`` (wheels only by default,
           ``--no-compile``), then byte-compiled with ``unchecked-hash`` pycs, which do not depend
           on mtimes; versions read from the installed ``*.dist-info``.
@@ -21,15 +23,27 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rollbox.runtime.errors import InvalidRequest, StoreError
 from rollbox.runtime.snapshot import ROLLBOX_VERSION
+from rollbox.snapshots import debian
 from rollbox.snapshots.layers import remove_tree, unpack_oci
 from rollbox.snapshots.manifest import LayerRef, Manifest, Version, Warm
 from rollbox.snapshots.oci import read_image
 from rollbox.snapshots.store_local import LocalStore
-from rollbox.snapshots.template import PACKAGES_PREFIX, DirBase, OciBase, PipOptions, Template
+from rollbox.snapshots.template import (
+    PACKAGES_PREFIX,
+    DebianBase,
+    DebianSpec,
+    DirBase,
+    FileSpec,
+    OciBase,
+    PipOptions,
+    Template,
+    load_template,
+)
 
 Step = Callable[[str], None]
 """Told what the build is doing now (drives a progress display)."""
@@ -41,6 +55,16 @@ def build(template: Template, template_dir: Path, store: LocalStore, *, pip_extr
     step = on_step or (lambda _msg: None)
     layers: list[LayerRef] = []
     env: dict[str, str] = {}
+    packages_deb: dict[str, str] = {}
+    python_deb: str | None = None
+    files = dict(template.files)
+    warm_path: tuple[str, ...] = template.warm.sys_path
+    warm_imports = template.warm.imports
+    if isinstance(template.base, DebianBase):
+        warm_path = (debian.DIST_PACKAGES, *warm_path)
+    if template.warm.preload:
+        files[f"{WARM_DIR}/{PRELOAD_MODULE}.py"] = FileSpec(content=preload_module(template.warm.preload))
+        warm_path, warm_imports = (*warm_path, WARM_DIR), (PRELOAD_MODULE, *warm_imports)
     work = Path(store.tmp_dir())
     try:
         # 1. base
@@ -55,6 +79,15 @@ def build(template: Template, template_dir: Path, store: LocalStore, *, pip_extr
             ref = store.add_layer_dir(src, owner=None)
             layers.append(ref)
             base_label = f"dir:{ref.id}"
+        elif isinstance(base, DebianBase):
+            built = _debian_layers(base.debian, template_dir, store, step)
+            layers.extend(b.layer for b in built)
+            base_label = f"debian:{base.debian.suite}:{built[0].layer.id}"
+            deb_versions = built[-1].versions
+            named = [*debian.BASE_PACKAGES, *(p for b in built for p in b.named)]
+            packages_deb = {f"deb:{n}": deb_versions[n] for n in dict.fromkeys(_pkg_name(p) for p in named)
+                            if n in deb_versions}
+            python_deb = deb_versions.get("python3", "unknown").split(":")[-1].split("-")[0]
         else:
             assert isinstance(base, OciBase)
             image = read_image(_path(template_dir, base.oci), base.image)
@@ -86,11 +119,11 @@ def build(template: Template, template_dir: Path, store: LocalStore, *, pip_extr
             sys_path = (PACKAGES_PREFIX,)
 
         # 3. files
-        if template.files:
-            step(f"files: {len(template.files)}")
+        if files:
+            step(f"files: {len(files)}")
             layer_dir = work / "files"
             layer_dir.mkdir()
-            for path, spec in sorted(template.files.items()):
+            for path, spec in sorted(files.items()):
                 dest = layer_dir / path.lstrip("/")
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 if spec.content is not None:
@@ -111,20 +144,89 @@ def build(template: Template, template_dir: Path, store: LocalStore, *, pip_extr
     env.update(template.env)
     # a non-host base's Python cannot be asked here; official images say it in PYTHON_VERSION
     here = sys.version.split()[0]
-    python_version = here if template.base == "host" else env.get("PYTHON_VERSION", "unknown")
+    python_version = here if template.base == "host" else python_deb or env.get("PYTHON_VERSION", "unknown")
+    python = template.python or (debian.PYTHON if isinstance(template.base, DebianBase) else None)
     manifest = Manifest(
         base=base_label,
         layers=tuple(layers),
         warm_layers=len(layers),
-        warm=Warm(python=template.python, sys_path=sys_path, imports=template.warm.imports),
+        warm=Warm(python=python, sys_path=(*warm_path, *sys_path), imports=warm_imports),
         env=env,
         limits=template.limits,
-        version=Version(base=base_label, python=python_version, packages=packages, rollbox=ROLLBOX_VERSION),
+        version=Version(base=base_label, python=python_version, packages={**packages_deb, **packages},
+                        rollbox=ROLLBOX_VERSION),
     )
     store.put_manifest(manifest)
     store.set_name(template.name, manifest.id)
     step(f"snapshot {template.name} = {manifest.id}")
     return manifest
+
+
+WARM_DIR = "/opt/rollbox/warm"
+PRELOAD_MODULE = "rollbox_preload"
+
+
+def preload_module(globs: tuple[str, ...]) -> str:
+    """The module a zygote imports to read ``globs`` once (into the page cache shared by every run);
+    its ``__version__`` (the warm report's) is the number of bytes read."""
+    return (
+        '"""Made by rollbox snapshot build (warm.preload): reads these files once, when the zygote warms."""\n'
+        "import glob\n\n"
+        f"PATHS = {list(globs)!r}\n\n\n"
+        "def _read() -> int:\n"
+        "    n = 0\n"
+        "    for pattern in PATHS:\n"
+        "        for path in sorted(glob.glob(pattern, recursive=True)):\n"
+        "            try:\n"
+        "                with open(path, 'rb') as f:\n"
+        "                    while chunk := f.read(1 << 20):\n"
+        "                        n += len(chunk)\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "    return n\n\n\n"
+        "__version__ = str(_read())\n"
+    )
+
+
+@dataclass
+class _DebianLayer:
+    layer: LayerRef
+    versions: dict[str, str]
+    named: tuple[str, ...]
+
+
+def _debian_layers(spec: DebianSpec, template_dir: Path, store: LocalStore, step: Step) -> list[_DebianLayer]:
+    """The Debian layers of a template, bottom first: those of the template it is built ``over`` (and
+    so on down), each shared with every template over the same one, then its own."""
+    chain: list[tuple[str, DebianSpec]] = [("", spec)]
+    where = template_dir
+    seen: set[Path] = set()
+    while chain[-1][1].over is not None:
+        over = chain[-1][1].over
+        assert over is not None
+        path = _path(where, over)
+        if path in seen or len(chain) > 8:
+            raise InvalidRequest(f"base.debian.over: {over} leads back to itself (templates built over each other "
+                                 "must end in one without 'over')")
+        seen.add(path)
+        tpl, where = load_template(path)
+        if not isinstance(tpl.base, DebianBase):
+            raise InvalidRequest(f"base.debian.over: {over} is not a template with a debian base")
+        if tpl.base.debian.suite != spec.suite:
+            raise InvalidRequest(f"base.debian.suite: {spec.suite!r} differs from {over}'s {tpl.base.debian.suite!r}")
+        chain.append((tpl.name, tpl.base.debian))
+    out: list[_DebianLayer] = []
+    for name, s in reversed(chain):
+        below = tuple(x.layer.id for x in out)
+        label = f"layer {name}" if name else ("toolchain" if below else "base")
+        built = debian.build_layer(store, debian.Recipe(s.suite, s.packages, s.run, below=below),
+                                   step=step, label=label)
+        out.append(_DebianLayer(built.layer, built.versions, s.packages))
+    return out
+
+
+def _pkg_name(p: str) -> str:
+    return p.split("=")[0].split(":")[0]
 
 
 def _path(template_dir: Path, p: str) -> Path:

@@ -2,7 +2,8 @@
 
     name: python-sci                  # [a-z0-9._-], the name the snapshot gets in the store
     base: host                        # host | {dir: ./rootfs} | {oci: ./image-layout, image: ref}
-    python: /usr/local/bin/python3    # the interpreter inside a dir/oci base (host: the host's)
+                                      # | {debian: {suite: bookworm, packages: [g++], run: [...], over: base.yaml}}
+    python: /usr/local/bin/python3    # the interpreter inside a dir/oci base (debian: /usr/bin/python3)
     packages: [numpy==2.4.6]          # pip requirements, installed into a layer of their own
     pip: {find_links: [./wheels], no_index: true}
     files:                            # absolute paths inside the sandbox
@@ -10,6 +11,7 @@
       /srv/task.py: {source: ./task.py, mode: 0o755}
     env: {OMP_NUM_THREADS: "1"}
     warm: {imports: [numpy]}          # imported by the zygote before any sandbox forks
+                                      # (also sys_path: [dirs], preload: [files read once, globs])
     limits: {memory_max_bytes: 1073741824}
 
 Relative paths are relative to the template file. Errors name the file and the field.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -47,6 +50,31 @@ class OciBase(_Frozen):
 
     oci: str
     image: str | None = None
+
+
+class DebianSpec(_Frozen):
+    """A root filesystem built from Debian's packages (snapshots/debian.py)."""
+
+    suite: str = Field(default="bookworm", pattern=r"^[a-z][a-z0-9-]*$")
+    packages: tuple[str, ...] = ()
+    run: tuple[str, ...] = Field(default=(), description="shell commands run as root inside the root after the "
+                                 "packages are in (package registries are reachable then; nothing is at run time)")
+    over: str | None = Field(default=None, description="a template (a path) whose Debian base this one is built "
+                           "over: its layer is shared, this one's layer holds only what these packages changed")
+
+    @field_validator("packages")
+    @classmethod
+    def _packages(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for pkg in v:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]*(:[a-z0-9]+)?(=[A-Za-z0-9.+~:-]+)?", pkg):
+                raise ValueError(f"{pkg!r} is not a Debian package name (name, name:arch or name=version)")
+        return v
+
+
+class DebianBase(_Frozen):
+    """``base: {debian: {suite, packages, run, over}}`` (``on`` would be a YAML boolean)."""
+
+    debian: DebianSpec
 
 
 class PipOptions(_Frozen):
@@ -82,6 +110,17 @@ class FileSpec(_Frozen):
 
 class WarmSpec(_Frozen):
     imports: tuple[str, ...] = ()
+    sys_path: tuple[str, ...] = Field(default=(), description="directories the zygote adds to sys.path")
+    preload: tuple[str, ...] = Field(default=(), description="files (globs) the zygote reads once when it starts, "
+                                     "so the first run does not wait for the disk (a compiler, a JDK's modules)")
+
+    @field_validator("sys_path", "preload")
+    @classmethod
+    def _absolute(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for path in v:
+            if not path.startswith("/") or ".." in path.split("/"):
+                raise ValueError(f"{path!r} must be an absolute path inside the sandbox, without '..'")
+        return v
 
     @field_validator("imports")
     @classmethod
@@ -94,7 +133,7 @@ class WarmSpec(_Frozen):
 
 class Template(_Frozen):
     name: str
-    base: Literal["host"] | DirBase | OciBase = "host"
+    base: Literal["host"] | DirBase | OciBase | DebianBase = "host"
     python: str | None = None
     packages: tuple[str, ...] = ()
     pip: PipOptions = PipOptions()
@@ -111,11 +150,12 @@ class Template(_Frozen):
     @field_validator("base", mode="before")
     @classmethod
     def _base(cls, v: object) -> object:
-        if v == "host" or isinstance(v, DirBase | OciBase):
+        if v == "host" or isinstance(v, DirBase | OciBase | DebianBase):
             return v
-        if isinstance(v, dict) and set(v) in ({"dir"}, {"oci"}, {"oci", "image"}):
+        if isinstance(v, dict) and set(v) in ({"dir"}, {"oci"}, {"oci", "image"}, {"debian"}):
             return v
-        raise ValueError(f"{v!r}: expected 'host', {{dir: PATH}} or {{oci: PATH, image: REF}}")
+        raise ValueError(f"{v!r}: expected 'host', {{dir: PATH}}, {{oci: PATH, image: REF}} or "
+                         "{debian: {suite: bookworm, packages: [...]}}")
 
     @field_validator("python")
     @classmethod
@@ -150,8 +190,8 @@ class Template(_Frozen):
     @model_validator(mode="after")
     def _python_for_base(self) -> Template:
         if self.base == "host" and self.python is not None:
-            raise ValueError("'python' is only for dir/oci bases: base 'host' uses the host's Python")
-        if self.base != "host" and self.python is None:
+            raise ValueError("'python' is only for dir/oci bases (and debian ones): base 'host' uses the host's Python")
+        if isinstance(self.base, DirBase | OciBase) and self.python is None:
             raise ValueError("a dir/oci base needs 'python': the interpreter's path inside the image")
         return self
 
@@ -177,11 +217,14 @@ def load_template(path: str | os.PathLike[str]) -> tuple[Template, Path]:
         raise InvalidRequest(f"template {p} is invalid:\n{describe(exc)}") from None
 
 
+_UNION_TAGS = ("DirBase", "OciBase", "DebianBase", "literal['host']")
+
+
 def describe(exc: ValidationError) -> str:
     """One line per problem, each naming the field: ``packages.1: Value error, ...``."""
     lines = []
     for err in exc.errors():
         loc = ".".join(str(part) for part in err["loc"]
-                       if not (isinstance(part, str) and part in ("DirBase", "OciBase", "literal['host']")))
+                       if not (isinstance(part, str) and part in _UNION_TAGS))
         lines.append(f"  {loc or '(top level)'}: {err['msg']}")
     return "\n".join(dict.fromkeys(lines))

@@ -1,0 +1,204 @@
+"""The runner model: how each of SandboxFusion's languages is compiled and run in a rollbox sandbox.
+
+One row per language SandboxFusion's ``/run_code`` names (sandbox/runners/major.py, minor.py, cuda.py):
+the snapshot whose toolchain runs it (built from ``snapshots/templates/<template>``), the file the
+code is written to, the compile command (its own step, with the request's ``compile_timeout``;
+``artifacts`` are what it leaves for the run, and what a compile cache keeps), and the run command
+(the request's ``run_timeout`` and ``stdin``). Commands are ``sh -c`` strings run in the sandbox's home
+(``/home/sandbox``), where the source and the request's ``files`` are written; they hold no
+user input (only the fixed file names, and the class or object name the code declares, matched to
+``\\w+``). The commands follow SandboxFusion's own (same compilers' flags, same test runners), with
+Debian 12's toolchains; where Debian has another tool the row says so in ``note``.
+
+Languages Debian 12 does not package have ``snapshot=None`` and ``unsupported`` saying why:
+``plan()`` refuses them with an error naming the language.
+
+    plan = languages.plan("cpp", code)
+    plan.snapshot, plan.files, plan.compile, plan.run, plan.artifacts
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rollbox.runtime.errors import InvalidRequest
+
+WORKDIR = "/home/sandbox"
+JAVA = "java -XX:+UseSerialGC"  # one GC thread pair instead of one per core: a sandbox has ~1 core
+JAVATUPLES = "/usr/share/java/javatuples.jar"
+JUNIT = "/usr/share/java/junit-platform-console-standalone.jar"
+TestRunner = Literal["pytest", "junit", "go test", "jest", "d unittest"]
+
+
+@dataclass(frozen=True)
+class Language:
+    """One row of the table (see the module's docstring)."""
+
+    name: str
+    snapshot: str | None
+    source: str = ""
+    compile: str | None = None
+    run: str = ""
+    artifacts: tuple[str, ...] = ()
+    tests: TestRunner | None = None  # the run step runs the code's tests with this runner: exit 0 = all passed
+    template: str | None = None  # snapshots/templates/<template>
+    # named transforms of the code, done by plan(): the PHP open tag; the file/class name from the code
+    php_tag: bool = False
+    name_from: Literal["java_public_class", "scala_object"] | None = None
+    extra_files: dict[str, str] = field(default_factory=dict)
+    python_inline: bool = False  # the code may run in the warm interpreter itself (a `code` exec)
+    note: str = ""
+    unsupported: str = ""
+
+
+BABEL_CONFIG = """module.exports = {
+  presets: [['@babel/preset-env', {targets: {node: 'current'}}], '@babel/preset-typescript'],
+};
+"""
+
+JEST_PACKAGE = '{"name": "coderunner", "version": "1.0.0", "jest": {"maxWorkers": 1}}\n'
+
+_ROWS = (
+    Language("python", "python3", "main.py", run="python3 main.py", template="python3.yaml", python_inline=True,
+             note="Debian's Python 3.11 with numpy (SandboxFusion's image has a conda env with many more)"),
+    Language("pytest", "pytest", "test_main.py", run="python3 -m pytest test_main.py", tests="pytest",
+             template="pytest.yaml"),
+    Language("cpp", "cpp", "main.cpp", compile="g++ -std=c++17 main.cpp -o main -lcrypto -lssl -lpthread",
+             run="./main", artifacts=("main",), template="cpp.yaml",
+             note="g++ 12; bits/stdc++.h precompiled for these flags (used when it is the first include)"),
+    Language("java", "java", "Main.java", compile=f"javac -cp .:{JAVATUPLES} Main.java",
+             run=f"{JAVA} -cp .:{JAVATUPLES} -ea Main", artifacts=("*.class",), template="java.yaml",
+             note="OpenJDK 17; javatuples on the class path as in SandboxFusion"),
+    Language("junit", "junit", "{name}.java", compile=f"javac -cp .:{JUNIT} *.java",
+             run=f"{JAVA} -jar {JUNIT} --class-path . --scan-class-path", artifacts=("*.class",), tests="junit",
+             template="junit.yaml", name_from="java_public_class",
+             note="JUnit 5.9 console launcher (Debian's junit5); SandboxFusion has 1.8.2's"),
+    Language("go", "go", "main.go", compile="go build -o main main.go", run="./main", artifacts=("main",),
+             template="go.yaml", note="Go 1.19, GOPATH mode with testify (no module downloads at run time)"),
+    Language("go_test", "go_test", "main_test.go", run="go test main_test.go", tests="go test",
+             template="go_test.yaml", note="Go 1.19, GOPATH mode with testify"),
+    Language("nodejs", "nodejs", "main.js", run="node main.js", template="nodejs.yaml", note="Node.js 18"),
+    Language("typescript", "typescript", "main.ts",
+             compile="esbuild main.ts --outfile=main.js --format=cjs --platform=node --log-level=warning",
+             run="node main.js", artifacts=("main.js",), template="typescript.yaml",
+             note="esbuild strips the types (no type check, as SandboxFusion's tsx), node 18 runs it"),
+    Language("jest", "jest", "main.test.ts", run="FORCE_COLOR=0 jest --ci main.test.ts", tests="jest",
+             template="jest.yaml", extra_files={"babel.config.js": BABEL_CONFIG, "package.json": JEST_PACKAGE},
+             note="Jest 29 with babel's TypeScript preset, all from Debian"),
+    Language("rust", "rust", "main.rs", compile="rustc main.rs -o main", run="./main", artifacts=("main",),
+             template="rust.yaml", note="rustc 1.63 (no crates)"),
+    Language("bash", "bash", "main.sh", run="bash main.sh", template="bash.yaml"),
+    Language("php", "php", "main.php", run="php -f main.php", template="php.yaml", php_tag=True, note="PHP 8.2"),
+    Language("ruby", "ruby", "main.rb", run="ruby main.rb", template="ruby.yaml", note="Ruby 3.1"),
+    Language("lua", "lua", "main.lua", run="lua main.lua", template="lua.yaml", note="Lua 5.4"),
+    Language("perl", "perl", "main.pl", run="perl main.pl", template="perl.yaml", note="Perl 5.36"),
+    Language("R", "r", "main.R", run="Rscript main.R", template="R.yaml", note="R 4.2 (base packages)"),
+    Language("scala", "scala", "main.scala", compile="scalac main.scala", run="scala {name}",
+             artifacts=("*.class",), template="scala.yaml", name_from="scala_object", note="Scala 2.11"),
+    Language("kotlin_script", "kotlin_script", "main.kts", run="kotlinc -script main.kts",
+             template="kotlin_script.yaml", note="Kotlin 1.3 (Debian's kotlin)"),
+    Language("csharp", "csharp", "main.cs", compile="mcs -out:main.exe main.cs", run="mono main.exe",
+             artifacts=("main.exe",), template="csharp.yaml",
+             note="Mono 6.8's mcs (C# 7; SandboxFusion runs .NET, which Debian does not package)"),
+    Language("racket", "racket", "main.rkt", run="racket main.rkt", template="racket.yaml", note="Racket 8.7"),
+    Language("sql", "sql", "main.sql", run="sqlite3 -batch -bail :memory: < main.sql", template="sql.yaml",
+             note="SQLite 3.40 on an in-memory database (SandboxFusion lists sql but has no runner for it)"),
+    Language("verilog", "verilog", "main.sv",
+             compile="iverilog -Wall -Winfloop -Wno-timescale -g2012 -s tb -o test.vvp main.sv",
+             run="vvp -n test.vvp", artifacts=("test.vvp",), template="verilog.yaml", note="Icarus Verilog 11"),
+    Language("D_ut", "d_ut", "main.d", compile="ldmd2 main.d -unittest -of=main", run="./main",
+             artifacts=("main",), tests="d unittest", template="D_ut.yaml",
+             note="LDC 1.30 through ldmd2, which takes dmd's flags (Debian has no dmd)"),
+    Language("julia", None, unsupported="Debian 12 does not package Julia (it left Debian after bullseye)"),
+    Language("lean", None, unsupported="Debian 12 does not package Lean 4 (SandboxFusion downloads it with elan "
+                                       "and its Mathlib with lake)"),
+    Language("swift", None, unsupported="Debian 12 does not package the Swift compiler (its 'swift' package is "
+                                        "OpenStack's object store)"),
+    Language("cuda", None, unsupported="needs NVIDIA's CUDA toolkit (non-free, not in Debian 12's main) and a GPU"),
+    Language("python_gpu", None, unsupported="needs a GPU and CUDA builds of PyTorch, which Debian 12 does not "
+                                             "package"),
+)
+
+LANGUAGES: dict[str, Language] = {row.name: row for row in _ROWS}
+SUPPORTED = tuple(name for name, row in LANGUAGES.items() if row.snapshot is not None)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request's steps: write ``files`` (path under WORKDIR -> text), run ``compile`` (if any),
+    then ``run``. ``compile_error``: the code cannot be compiled at all (SandboxFusion answers these
+    as a failed compile: return code 1, this message on stderr)."""
+
+    language: str
+    snapshot: str
+    files: dict[str, str]
+    compile: str | None
+    run: str
+    artifacts: tuple[str, ...]
+    tests: TestRunner | None = None
+    python_inline: bool = False
+    compile_error: str | None = None
+
+
+class UnsupportedLanguage(InvalidRequest):
+    """A language this runner model does not run (unknown, or without a toolchain in Debian 12)."""
+
+
+def language(name: str) -> Language:
+    """The row of a language that runs here; UnsupportedLanguage, naming it and why, otherwise."""
+    row = LANGUAGES.get(name)
+    if row is None:
+        raise UnsupportedLanguage(f"unknown language {name!r}; supported: {', '.join(SUPPORTED)}")
+    if row.snapshot is None:
+        raise UnsupportedLanguage(f"language {name!r} is not supported: {row.unsupported}")
+    return row
+
+
+def plan(name: str, code: str) -> Plan:
+    """What to write and run for ``code`` in language ``name`` (see Plan)."""
+    row = language(name)
+    assert row.snapshot is not None
+    source, run, error = row.source, row.run, None
+    if row.php_tag:
+        code = php_with_tag(code)
+    if row.name_from == "java_public_class":
+        source = source.format(name=java_public_class(code) or "Main")
+    elif row.name_from == "scala_object":
+        obj = scala_object(code)
+        if obj is None:
+            error = "Object name not found."
+        run = run.format(name=obj or "Main")
+    files = {**row.extra_files, source: code}
+    return Plan(language=name, snapshot=row.snapshot, files=files, compile=row.compile, run=run,
+                artifacts=row.artifacts, tests=row.tests, python_inline=row.python_inline, compile_error=error)
+
+
+def missing_snapshot(name: str) -> str:
+    """What to say when a language's snapshot is not in the store: the template that builds it."""
+    row = language(name)
+    return (f"language {name!r} runs in the snapshot {row.snapshot!r}, which is not built: "
+            f"rollbox snapshot build snapshots/templates/{row.template} (as root; Debian's packages)")
+
+
+def php_with_tag(code: str) -> str:
+    """SandboxFusion's ensure_php_tag_in_string: leading whitespace dropped, ``<?php`` added if missing."""
+    code = code.lstrip()
+    return code if code.startswith("<?php") else "<?php\n" + code
+
+
+def java_public_class(code: str) -> str | None:
+    """SandboxFusion's find_java_public_class_name."""
+    m = re.search(r"\bpublic\s+(abstract\s+|final\s+)?class\s+(\w+)", code)
+    return m.group(2) if m else None
+
+
+def scala_object(code: str) -> str | None:
+    """SandboxFusion's find_scala_classname (the first ``object NAME``)."""
+    m = re.findall(r"object\s+(\w+)(\s*)|(\s+extends\s+\w+\s*){", code, re.DOTALL | re.MULTILINE)
+    return m[0][0] or None if m else None
+
+
+__all__ = ["LANGUAGES", "SUPPORTED", "WORKDIR", "Language", "Plan", "UnsupportedLanguage", "java_public_class",
+           "language", "missing_snapshot", "php_with_tag", "plan", "scala_object"]

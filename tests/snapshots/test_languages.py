@@ -1,0 +1,182 @@
+"""Language snapshots: the runner model's table, the Debian layer diff, and a real build from Debian's
+packages (mmdebstrap, as root) run in sandboxes.
+
+The build test keeps its store in ROLLBOX_TEST_LANGUAGES_HOME (default /var/tmp/rollbox-test-languages),
+reused across runs: its first run on a machine builds the shared Debian layer and Lua's (~1.5 min
+here), later runs reuse both from the build records (a few seconds). Remove the directory to build
+from scratch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+from rollbox.runtime.isolation import libc
+from rollbox.runtime.runtime import Runtime, RuntimeConfig
+from rollbox.runtime.spec import ExecRequest, Limits
+from rollbox.snapshots import languages
+from rollbox.snapshots.build import build
+from rollbox.snapshots.debian import diff_trees
+from rollbox.snapshots.resolver import StoreResolver
+from rollbox.snapshots.store_local import LocalStore
+from rollbox.snapshots.template import load_template
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "snapshots" / "templates"
+# SandboxFusion's Language literal (sandbox/runners/types.py)
+SANDBOXFUSION = ("python", "cpp", "nodejs", "go", "go_test", "java", "php", "csharp", "bash", "typescript", "sql",
+                 "rust", "cuda", "lua", "R", "perl", "D_ut", "ruby", "scala", "julia", "pytest", "junit",
+                 "kotlin_script", "jest", "verilog", "python_gpu", "lean", "swift", "racket")
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="Debian roots are built as root (mmdebstrap --mode=root)")
+
+
+def test_every_sandboxfusion_language_has_a_row_and_each_row_a_template_of_its_snapshot() -> None:
+    assert sorted(languages.LANGUAGES) == sorted(SANDBOXFUSION)
+    for name in languages.SUPPORTED:
+        row = languages.language(name)
+        assert row.template and row.source and row.run, name
+        tpl, _ = load_template(TEMPLATES / row.template)
+        assert tpl.name == row.snapshot, name
+    assert {"julia", "lean", "swift", "cuda", "python_gpu"}.isdisjoint(languages.SUPPORTED)
+
+
+@pytest.mark.parametrize("name", ["julia", "swift", "cuda"])
+def test_a_language_without_a_toolchain_is_refused_naming_it_and_why(name: str) -> None:
+    with pytest.raises(languages.UnsupportedLanguage, match=rf"language '{name}' is not supported: .*Debian 12|"
+                                                          rf"language '{name}' is not supported: needs"):
+        languages.plan(name, "print(1)")
+    with pytest.raises(languages.UnsupportedLanguage, match=r"unknown language 'cobol'; supported: python, "):
+        languages.plan("cobol", "DISPLAY 'HI'.")
+
+
+def test_plans_follow_sandboxfusion_naming_rules() -> None:
+    p = languages.plan("php", "  echo 1;")
+    assert p.files == {"main.php": "<?php\necho 1;"} and p.run == "php -f main.php"
+    p = languages.plan("junit", "import x;\npublic final class CalcTest { }")
+    assert list(p.files) == ["CalcTest.java"] and p.tests == "junit"
+    assert languages.plan("junit", "class T {}").files.keys() == {"Main.java"}
+    p = languages.plan("scala", "object Hello extends App { println(1) }")
+    assert p.run == "scala Hello" and p.compile == "scalac main.scala" and p.compile_error is None
+    assert languages.plan("scala", "class X").compile_error == "Object name not found."
+    p = languages.plan("cpp", "int main(){}")
+    assert p.compile is not None and p.compile.startswith("g++ -std=c++17 main.cpp -o main") and p.run == "./main"
+    assert p.artifacts == ("main",)
+    assert "babel.config.js" in languages.plan("jest", "test('x', () => {})").files
+    assert languages.missing_snapshot("cpp").endswith("rollbox snapshot build snapshots/templates/cpp.yaml "
+                                                      "(as root; Debian's packages)")
+
+
+@as_root
+def test_diff_trees_stacked_over_the_lower_tree_shows_the_full_one(tmp_path: Path) -> None:
+    """What a toolchain layer holds: new and changed entries, whiteouts for removals, nothing unchanged;
+    mounted over the lower tree it shows exactly the full tree."""
+    lower, full = tmp_path / "lower", tmp_path / "full"
+    for d in (lower, full):
+        (d / "etc" / "keep").mkdir(parents=True)
+        (d / "etc" / "keep" / "same").write_text("same\n")
+        (d / "usr" / "lib").mkdir(parents=True)
+    (lower / "etc" / "changed").write_text("old\n")
+    (full / "etc" / "changed").write_text("new\n")
+    (lower / "etc" / "gone").write_text("bye\n")
+    (lower / "etc" / "gone-dir" / "sub").mkdir(parents=True)
+    (lower / "etc" / "mode").write_text("x\n")
+    (full / "etc" / "mode").write_text("x\n")
+    os.chmod(full / "etc" / "mode", 0o600)
+    (lower / "was-dir").mkdir()
+    (lower / "was-dir" / "f").write_text("f\n")
+    (full / "was-dir").write_text("now a file\n")
+    (full / "usr" / "lib" / "new.so").write_bytes(b"\x7fELF")
+    os.symlink("new.so", full / "usr" / "lib" / "link.so")
+    want = _tree(full)
+
+    out = tmp_path / "diff"
+    assert diff_trees(str(lower), str(full), str(out)) == 7
+    got = _tree(out)
+    assert "etc/keep/same" not in got and "etc/keep" not in got
+    assert got["etc/changed"] == ("f", 0o644, b"new\n")
+    assert got["etc/gone"] == ("whiteout",) and got["etc/gone-dir"] == ("whiteout",)
+    assert got["etc/mode"][1] == 0o600 and got["was-dir"][0] == "f" and got["usr/lib/link.so"] == ("l", "new.so")
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    libc.mount("overlay", str(mnt), "overlay", libc.MS_RDONLY, f"lowerdir={out}:{lower}")
+    try:
+        assert _tree(mnt) == want
+    finally:
+        libc.umount2(str(mnt), libc.MNT_DETACH)
+
+
+def _tree(root: Path) -> dict[str, tuple[object, ...]]:
+    out: dict[str, tuple[object, ...]] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            rel, st = os.path.relpath(p, root), os.lstat(p)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                out[rel] = ("whiteout",)
+            elif stat.S_ISLNK(st.st_mode):
+                out[rel] = ("l", os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("d", stat.S_IMODE(st.st_mode))
+            else:
+                out[rel] = ("f", stat.S_IMODE(st.st_mode), Path(p).read_bytes())
+    return out
+
+
+LANG_HOME = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
+IMAGE_ONLY_PYTHON = """
+python: /opt/rollbox-test/python3
+files:
+  /opt/rollbox-test/python3: {content: "#!/bin/sh\\nexec /usr/bin/python3 \\"$@\\"\\n", mode: 0o755}
+"""
+
+
+@as_root
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_lua_and_bash_built_from_debian_share_the_base_layer_and_run_in_sandboxes(tmp_path: Path,
+                                                                                       monkeypatch: pytest.MonkeyPatch
+                                                                                       ) -> None:
+    if shutil.which("mmdebstrap") is None:
+        pytest.skip("mmdebstrap is not installed (scripts/bootstrap installs it as root)")
+    monkeypatch.setenv("ROLLBOX_DEBIAN_MAX_AGE_DAYS", "3650")  # the cached layers serve every later run
+    store = LocalStore(LANG_HOME)
+    steps: list[str] = []
+    lua_tpl, lua_dir = load_template(TEMPLATES / "lua.yaml")
+    lua = build(lua_tpl, lua_dir, store, on_step=steps.append)
+    bash_tpl, bash_dir = load_template(TEMPLATES / "bash.yaml")
+    bash = build(bash_tpl, bash_dir, store, on_step=steps.append)
+    assert any("mmdebstrap" in s or "reusing layer" in s for s in steps), steps  # progress was told
+    # the shared base: one layer id under both; Lua adds only its own small layer
+    assert bash.layers[0].id == lua.layers[0].id and lua.base == f"debian:bookworm:{bash.layers[0].id}"
+    assert lua.layers[1].size_bytes < 5_000_000 < lua.layers[0].size_bytes
+    assert lua.version.packages["deb:lua5.4"].startswith("5.4.") and lua.version.python.startswith("3.11")
+    assert lua.warm.python == "/usr/bin/python3" and "/usr/lib/python3/dist-packages" in lua.warm.sys_path
+
+    # a zygote whose interpreter exists only inside the image (the host has no /opt/rollbox-test)
+    spec = tmp_path / "image-python.yaml"  # lua's recipe (its layers reused) with another interpreter
+    spec.write_text((TEMPLATES / "lua.yaml").read_text().replace("name: lua", "name: lua-image-python")
+                    .replace("over: debian.yaml", f"over: {TEMPLATES}/debian.yaml") + IMAGE_ONLY_PYTHON)
+    assert not Path("/opt/rollbox-test/python3").exists()
+    img_tpl, img_dir = load_template(spec)
+    build(img_tpl, img_dir, store)
+
+    state = tmp_path / "state"
+    async with Runtime(RuntimeConfig(state_dir=state, layer_root=Path(store.layer_root)),
+                       resolver=StoreResolver(store)) as rt:
+        plan = languages.plan("lua", 'local n = io.read("n"); print(("hello %d from " .. _VERSION):format(n * 2))')
+        res = await rt.run(ExecRequest(command=plan.run, files=plan.files, stdin="21\n"), snapshot=plan.snapshot)
+        assert (res.exit_code, res.stdout) == (0, "hello 42 from Lua 5.4\n"), res.stderr
+        res = await rt.run(ExecRequest(command="id -un; echo \"$HOME\"; test -w /tmp && echo tmp-ok; "
+                                               "ls /etc/ssl/certs/ca-certificates.crt"), snapshot="bash")
+        assert res.stdout == "sandbox\n/home/sandbox\ntmp-ok\n/etc/ssl/certs/ca-certificates.crt\n", res.stderr
+        res = await rt.run(ExecRequest(code="import sys; print(sys.executable)"), snapshot="lua-image-python")
+        assert (res.exit_code, res.stdout) == (0, "/usr/bin/python3.11\n"), res.stderr
+        # memory is the cgroup's to limit: no address-space cap that would stop a JVM or V8 reserving
+        res = await rt.run(ExecRequest(command="grep '^Max address space' /proc/self/limits"), snapshot="lua",
+                           limits=Limits(memory_max_bytes=256 << 20))
+        if rt.cgroup_backend is not None:
+            assert res.stdout.split()[3:5] == ["unlimited", "unlimited"], res.stdout
