@@ -9,6 +9,7 @@ removed). Each toolchain is built from Debian's archive, never from what the hos
 
     root    mmdebstrap --mode=root (the build runs as root; without root it says so and stops)
     mirror  deb.debian.org: SUITE, SUITE-updates and SUITE-security, component main
+    pycs    Debian's timestamp pycs made unchecked-hash (a layer keeps no mtimes)
     slim    no man pages, docs (copyright files kept), locales or info; no apt lists or caches,
             logs, /dev nodes (the runtime's skeleton gives /dev), machine-id, hostname, resolv.conf
     users   /etc/passwd and /etc/group carry the sandbox user (uid 1000), /etc/hosts the sandbox's
@@ -44,7 +45,7 @@ from rollbox.snapshots.layers import remove_tree
 from rollbox.snapshots.manifest import LayerRef
 from rollbox.snapshots.store_local import LocalStore
 
-BUILDER_VERSION = 1  # part of every build record's key: a change of what a build does rebuilds
+BUILDER_VERSION = 3  # part of every build record's key: a change of what a build does rebuilds
 MIRROR = "http://deb.debian.org/debian"
 SECURITY_MIRROR = "http://deb.debian.org/debian-security"
 BASE_PACKAGES = ("python3", "ca-certificates")
@@ -67,6 +68,32 @@ DROP = (
     "var/lib/apt/lists/*", "var/log/*", "var/cache/debconf/*-old", "var/lib/dpkg/*-old", "etc/hostname",
     "etc/resolv.conf", "var/cache/ldconfig/aux-cache", "root/.npm", "root/.cache", "etc/apt/apt.conf.d/99mmdebstrap",
 )
+
+# Debian byte-compiles Python modules into timestamp pycs (which record their source's mtime: a layer
+# keeps none, so every import would compile again in memory, as a sandbox cannot write the pyc) or,
+# with SOURCE_DATE_EPOCH set, checked-hash ones (which hash the source at every import). Each layer
+# turns the pycs it brought into unchecked-hash ones: valid whatever the mtimes, nothing to check.
+PYC_UNCHECKED = """
+import glob, importlib.util, py_compile, sys
+n = 0
+for pyc in glob.glob('/usr/lib/python3*/**/__pycache__/*.pyc', recursive=True):
+    with open(pyc, 'rb') as f:
+        head = f.read(8)
+    if head[:4] != importlib.util.MAGIC_NUMBER or head[4] & 1 and not head[4] & 2:
+        continue  # another Python's, or unchecked-hash already
+    try:
+        src = importlib.util.source_from_cache(pyc)
+    except ValueError:
+        continue
+    opt = 2 if '.opt-2.' in pyc else 1 if '.opt-1.' in pyc else 0
+    try:
+        py_compile.compile(src, cfile=pyc, dfile=src, optimize=opt, doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+        n += 1
+    except (OSError, py_compile.PyCompileError):
+        pass
+print(f'{n} pycs made unchecked-hash')
+"""
 
 Step = Callable[[str], None]
 
@@ -217,6 +244,8 @@ def _mmdebstrap(tool: str, recipe: Recipe, root: Path, below: Path | None, *, st
                        "Dpkg::Use-Pty=0 " + " ".join(_quote(p) for p in recipe.packages))
     for command in recipe.run:
         cmd.append("--customize-hook=" + inside + "/bin/sh -ec " + _quote(command))
+    cmd.append("--customize-hook=" + inside + "PYTHONHASHSEED=0 /bin/sh -c "
+               + _quote("[ ! -x /usr/bin/python3 ] || exec /usr/bin/python3 -c " + _quote(PYC_UNCHECKED)))
     cmd += [recipe.suite, str(root), *mirrors(recipe.suite)]
     step(f"{label}: mmdebstrap {recipe.suite} " + " ".join(recipe.packages or BASE_PACKAGES))
     tail: collections.deque[str] = collections.deque(maxlen=40)

@@ -310,6 +310,8 @@ class _Extractor:
                 if self.chown:
                     os.fchown(fd, m.uid, m.gid)
                 os.fchmod(fd, mode)
+                out.flush()
+                os.utime(fd, (m.mtime, m.mtime))  # as the tar says (0): no file looks newer than another
             return
         if m.issym():
             target = m.linkname
@@ -323,6 +325,7 @@ class _Extractor:
             os.symlink(target, leaf, dir_fd=pfd)
             if self.chown:
                 os.chown(leaf, m.uid, m.gid, dir_fd=pfd, follow_symlinks=False)
+            os.utime(leaf, (m.mtime, m.mtime), dir_fd=pfd, follow_symlinks=False)
             return
         if m.islnk():
             tparts = _member_parts(m.linkname)
@@ -365,8 +368,10 @@ class _Extractor:
         self.opaque.append(parts)
 
     def finish(self) -> None:
-        """Directory modes, owners and opaque marks last (deepest first), so a read-only directory
-        does not stop its own contents from being written."""
+        """Directory modes, owners, mtimes and opaque marks last (deepest first), so a read-only
+        directory does not stop its own contents from being written. Every entry gets the tar's mtime
+        (0): tools that use a compiled file only when it is not older than its source (Racket's .zo)
+        would otherwise see sources unpacked after their compiled files as newer, and recompile."""
         for parts in self.opaque:
             fd = self._open_dir(parts, create=False)
             try:
@@ -381,8 +386,10 @@ class _Extractor:
                 if self.chown:
                     os.fchown(fd, m.uid, m.gid)
                 os.fchmod(fd, m.mode & 0o7777)
+                os.utime(fd, (m.mtime, m.mtime))
             finally:
                 os.close(fd)
+        os.utime(self.root_fd, (0, 0))  # the layer root is in no tar: its mtime is every entry's
 
 
 def unpack(src: Readable, dest: str | os.PathLike[str], *, expected_id: str | None,

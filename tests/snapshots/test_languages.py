@@ -126,6 +126,21 @@ def _tree(root: Path) -> dict[str, tuple[object, ...]]:
     return out
 
 
+def test_unpacked_layers_give_every_entry_the_tars_mtime(tmp_path: Path) -> None:
+    """Racket uses a compiled .zo only when it is not older than its source: with unpack-time mtimes a
+    source unpacked after its .zo looked newer and every `racket` run compiled racket/base (3-6 s)."""
+    src = tmp_path / "src"
+    (src / "collects" / "compiled").mkdir(parents=True)
+    (src / "collects" / "compiled" / "base_rkt.zo").write_bytes(b"zo")
+    (src / "collects" / "base.rkt").write_text("#lang racket/base\n")
+    os.symlink("base.rkt", src / "collects" / "link.rkt")
+    store = LocalStore(tmp_path / "store")
+    ref = store.add_layer_dir(src)
+    root = store.layer_path(ref.id)
+    mtimes = {str(p.relative_to(root)): p.lstat().st_mtime for p in [root, *root.rglob("*")]}
+    assert set(mtimes.values()) == {0}, mtimes
+
+
 LANG_HOME = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
 IMAGE_ONLY_PYTHON = """
 python: /opt/rollbox-test/python3
@@ -173,6 +188,11 @@ async def test_lua_and_bash_built_from_debian_share_the_base_layer_and_run_in_sa
         res = await rt.run(ExecRequest(command="id -un; echo \"$HOME\"; test -w /tmp && echo tmp-ok; "
                                                "ls /etc/ssl/certs/ca-certificates.crt"), snapshot="bash")
         assert res.stdout == "sandbox\n/home/sandbox\ntmp-ok\n/etc/ssl/certs/ca-certificates.crt\n", res.stderr
+        # Debian's pycs are unchecked-hash (flags 1): valid although the layer keeps no mtimes
+        res = await rt.run(ExecRequest(command="python3 -c \"import importlib.util as u, json; "
+                                               "print(open(u.cache_from_source(json.__file__), 'rb').read(8)[4])\""),
+                           snapshot="bash")
+        assert res.stdout == "1\n", res.stderr
         res = await rt.run(ExecRequest(code="import sys; print(sys.executable)"), snapshot="lua-image-python")
         assert (res.exit_code, res.stdout) == (0, "/usr/bin/python3.11\n"), res.stderr
         # memory is the cgroup's to limit: no address-space cap that would stop a JVM or V8 reserving
