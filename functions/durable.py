@@ -285,7 +285,11 @@ class DurableRuntime:
                 return replay
             if head.state == "destroyed":  # repeating a destroy returns the same record
                 self._note_replay()
-                return Usage.model_validate(head.reply)
+                usage = Usage.model_validate(head.reply)
+                if ev is not None:  # noted as any event is: sent again anywhere (other content: a 409), the same
+                    await self._commit(_Live(record=head), usage, ev, scan=False, state="destroyed",
+                                       reason=head.reason, journal=False)
+                return usage
             if live is not None:
                 local = await self.rt.destroy(sandbox_id, reason="destroyed")
                 self._account(live, local.cpu_s, local.peak_memory_bytes)
@@ -599,15 +603,17 @@ class DurableRuntime:
                      billed_s=max(1, math.ceil(u.live_s)), execs=u.execs, reason=reason)
 
     async def _commit(self, live: _Live, reply: BaseModel | None, ev: EventRef | None, *, scan: bool = True,
-                      state: str = "live", reason: str | None = None) -> None:
+                      state: str = "live", reason: str | None = None, journal: bool = True) -> None:
         """Write the sandbox's next generation (create-only). Any failure drops the live copy: its
-        files may hold a step that was not acknowledged, so the next step resumes from the store."""
+        files may hold a step that was not acknowledged, so the next step resumes from the store.
+        ``journal``: spool the step's row and usage (off for a record that only notes an event)."""
         prev = live.record
         sid = prev.sandbox_id
         gen = prev.generation + 1
         t0 = time.perf_counter()
         token = None
         writing = False
+        steps = self.journal if journal else None
         try:
             sb = self.rt.sandboxes.get(sid)
             if sb is not None and state == "live":
@@ -626,20 +632,20 @@ class DurableRuntime:
                 "generation": gen, "state": state, "reason": reason, "files": files if state == "live" else Files(),
                 "inline": inline, "events": events, "last_used": time.time(), "usage": usage_now,
                 "reply": None if reply is None else reply.model_dump(mode="json"), "writer": self.replica})
-            if self.journal is not None:  # spooled beside the write; the reply waits for both
-                token = await self.journal.before_commit(record, reply, ev is not None)
+            if steps is not None:  # spooled beside the write; the reply waits for both
+                token = await steps.before_commit(record, reply, ev is not None)
             writing = True
             ok = await self._put_record(record_key(sid, gen), record.to_bytes())
         except BaseException as exc:
-            if self.journal is not None:  # a write past its deadline may still land: the flush asks the store
-                self.journal.settle(token, None if writing and isinstance(exc, StoreDeadline) else False)
+            if steps is not None:  # a write past its deadline may still land: the flush asks the store
+                steps.settle(token, None if writing and isinstance(exc, StoreDeadline) else False)
             if state == "live":
                 self._drop(sid, "commit failed")
             raise
         finally:
             self.metrics.store_write_seconds.observe(time.perf_counter() - t0)
-        if self.journal is not None:
-            self.journal.settle(token, ok)
+        if steps is not None:
+            steps.settle(token, ok)
         if not ok:
             self.metrics.conflicts.inc()
             self._drop(sid, "conflict")

@@ -7,9 +7,9 @@ random sequences over three real `rollbox serve` replicas on a SeaweedFS of its 
 CI runs the same state machine derandomized, ~15 sequences of up to 20 rules. Here every round draws
 ``--examples`` new random sequences of up to ``--steps`` rules, with up to
 ``--expensive`` costly rules per sequence (kill -9, drain, idling past hibernation; with
-``--outages`` also store pauses past the store deadline, 8 s each). A failure is shrunk by
-Hypothesis (slow: real replicas), printed with its sequence and ``@reproduce_failure`` blob, and the
-run goes on with new replicas. At the end (or on Ctrl-C): sequences and rules checked, failures.
+``--outages`` also store pauses past the store deadline, 8 s each). A failure is printed with the
+sequence as it ran (and shrunk by Hypothesis with ``--shrink``: slow, real replicas), and the run goes
+on with new replicas. At the end (or on Ctrl-C): sequences and rules checked, failures.
 Exit status 1 if any sequence failed.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -39,24 +40,32 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="rules per sequence, at most")
     ap.add_argument("--expensive", type=int, default=2, help="restarts/drains/idling per sequence, at most")
     ap.add_argument("--outages", action="store_true", help="also pause the store past its deadline (503)")
-    ap.add_argument("--no-shrink", action="store_true", help="report a failure as found, without shrinking")
+    ap.add_argument("--shrink", action="store_true",
+                    help="let Hypothesis shrink a failure (slow, and timing may make its replays take other paths; "
+                         "without it the failing sequence is printed as it ran)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (replica logs) at the end")
     args = ap.parse_args()
     m.EXPENSIVE_PER_SEQUENCE = args.expensive
     m.OUTAGES = args.outages
 
+    def interrupted(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # (SIGTERM too: the replicas and SeaweedFS are stopped on the way out)
+
+    signal.signal(signal.SIGTERM, interrupted)
     work = Path(tempfile.mkdtemp(prefix="rollbox-durable-model-"))
     weed = SeaweedS3(work / "weed")
-    weed.start()
     failures: list[str] = []
     rounds = 0
     t0 = time.monotonic()
-    cluster = m.Cluster(weed, work / "cluster-0")
-    m.DurableModel.cluster = cluster
+    cluster: m.Cluster | None = None
+    rcs: list[int | None] = []
     try:
+        weed.start()
+        cluster = m.Cluster(weed, work / "cluster-0")
+        m.DurableModel.cluster = cluster
         while time.monotonic() - t0 < args.minutes * 60:
             rounds += 1
-            settings = m.model_settings(args.examples, args.steps, derandomize=False, shrink=not args.no_shrink)
+            settings = m.model_settings(args.examples, args.steps, derandomize=False, shrink=args.shrink)
             before = m.DurableModel.sequences, m.DurableModel.rules_run
             try:  # not derandomized, no example database: new random sequences every round
                 run_state_machine_as_test(m.DurableModel, settings=settings)
@@ -75,7 +84,8 @@ def main() -> int:
     except KeyboardInterrupt:
         print("interrupted", flush=True)
     finally:
-        rcs = cluster.close()
+        if cluster is not None:
+            rcs = cluster.close()
         weed.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

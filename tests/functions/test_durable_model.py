@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,8 +74,10 @@ pytestmark = pytest.mark.slow
 CREATE, EXEC, DESTROY, FORK, SNAPSHOT = (f"dev.rollbox.sandbox.{t}"
                                          for t in ("create", "exec", "destroy", "fork", "snapshot"))
 SOURCE = "/tests/durable-model"
-# replica i's flags: 1 hibernates under pressure (two live sandboxes), 2 after a second idle
-REPLICA_ARGS: tuple[tuple[str, ...], ...] = ((), ("--max-live", "2"), ("--hibernate-after-s", "1"))
+# replica i's flags: 0 sweeps the store every 2 s (expiring sandboxes as steps run), 1 hibernates under
+# pressure (two live sandboxes), 2 after a second idle
+REPLICA_ARGS: tuple[tuple[str, ...], ...] = (("--sweep-interval-s", "2"), ("--max-live", "2"),
+                                             ("--hibernate-after-s", "1"))
 MAX_LIVE = (256, 2, 256)
 
 # ------------------------------------------------------------------------------------------ the world
@@ -253,6 +257,14 @@ for op in json.loads(OPS):
             os.symlink(op[2], op[1])
     elif k == "rmtree":
         shutil.rmtree("s", ignore_errors=True)
+    elif k == "rename":
+        s, d = op[1], op[2]
+        if os.path.lexists(s) and not (os.path.lexists(d) and os.path.samestat(os.lstat(s), os.lstat(d))):
+            parent(d)
+            os.replace(s, d)
+    elif k == "chmod":
+        if os.path.lexists(op[1]) and not os.path.islink(op[1]):
+            os.chmod(op[1], op[2])
 out = {}
 for dp, dns, fns in os.walk("."):
     for n in dns + fns:
@@ -264,7 +276,8 @@ for dp, dns, fns in os.walk("."):
         else:
             data = open(p, encoding="utf-8").read()
             short = data if len(data) <= 200 else "sha256:" + hashlib.sha256(data.encode()).hexdigest()
-            out[p] = ["f", short, os.lstat(p).st_ino]
+            st = os.lstat(p)
+            out[p] = ["f", short, st.st_ino, oct(st.st_mode & 0o777)]
 first = {}
 for p in sorted(out):
     if out[p][0] == "f":
@@ -280,6 +293,8 @@ OP = st.one_of(
     st.tuples(st.just("link"), st.sampled_from(PATHS), st.sampled_from(PATHS)),
     st.tuples(st.just("symlink"), st.sampled_from(PATHS), st.sampled_from(PATHS)),
     st.just(("rmtree",)),
+    st.tuples(st.just("rename"), st.sampled_from(PATHS), st.sampled_from(PATHS)),
+    st.tuples(st.just("chmod"), st.sampled_from(PATHS), st.sampled_from([0o600, 0o640, 0o755])),
     st.tuples(st.just("big"), st.sampled_from(PATHS), st.text(alphabet="xyz", min_size=1, max_size=3)),
 ).map(list)
 OPS = st.lists(OP, max_size=4)
@@ -295,9 +310,10 @@ class Node:
     """A file's content, shared by its hard links. ``lower``: in a snapshot layer under the sandbox;
     overlayfs copies it up on the first write through one name, which then no longer shares it."""
 
-    def __init__(self, content: str, lower: bool = False):
+    def __init__(self, content: str, lower: bool = False, mode: int = 0o644):
         self.content = content
         self.lower = lower
+        self.mode = mode
 
 
 @dataclass
@@ -322,7 +338,7 @@ class Tree:
     def _own(self, p: str) -> Node:
         node = self.files[p]
         if node.lower:  # copied up
-            node = self.files[p] = Node(node.content)
+            node = self.files[p] = Node(node.content, mode=node.mode)
         return node
 
     def apply(self, op: list[Any]) -> None:
@@ -350,6 +366,21 @@ class Tree:
             if op[1] not in self.files and op[1] not in self.links:
                 self._parent(op[1])
                 self.links[op[1]] = op[2]
+        elif k == "rename":
+            s, d = op[1], op[2]
+            if (s in self.files or s in self.links) and not (s in self.files and self.files.get(d) is self.files[s]):
+                self._parent(d)
+                if s in self.files:
+                    node = self._own(s)  # (overlayfs copies a lower file up to rename it)
+                    del self.files[s]
+                    self.links.pop(d, None)
+                    self.files[d] = node
+                else:
+                    self.files.pop(d, None)
+                    self.links[d] = self.links.pop(s)
+        elif k == "chmod":
+            if op[1] in self.files:
+                self._own(op[1]).mode = op[2]
         elif k == "rmtree":
             self.files = {p: n for p, n in self.files.items() if not p.startswith("s/")}
             self.links = {p: t for p, t in self.links.items() if not p.startswith("s/")}
@@ -361,7 +392,7 @@ class Tree:
         first: dict[int, str] = {}
         for p in sorted(self.files):
             first.setdefault(id(self.files[p]), p)
-        out.update({p: ["f", short(n.content), first[id(n)]] for p, n in self.files.items()})
+        out.update({p: ["f", short(n.content), first[id(n)], oct(n.mode)] for p, n in self.files.items()})
         return out
 
 
@@ -466,9 +497,29 @@ def altered(ev: CloudEvent) -> CloudEvent:
 
 # ------------------------------------------------------------------------------------------ the machine
 
+
+def traced(f: Callable[..., Any]) -> Callable[..., Any]:
+    """A rule that notes itself in the sequence's trail, and prints the trail with the first failure as
+    it happened: real replicas are not deterministic, so Hypothesis' replay of a failing sequence (to
+    shrink or report it) may take another path or call its data generation flaky."""
+    @functools.wraps(f)
+    def rule_(self: DurableModel, *args: Any, **kwargs: Any) -> Any:
+        shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        self.trail.append("  " * self.depth + f"{f.__name__}({shown})")  # (indented: a rule a rule calls)
+        self.depth += 1
+        try:
+            return f(self, *args, **kwargs)
+        except BaseException as exc:
+            self.report(exc)
+            raise
+        finally:
+            self.depth -= 1
+    return rule_
+
+
 EXPENSIVE_PER_SEQUENCE = int(os.environ.get("ROLLBOX_MODEL_EXPENSIVE", "1"))  # restarts, idling, long pauses
 OUTAGES = os.environ.get("ROLLBOX_MODEL_OUTAGES") == "1"  # store pauses past the deadline (8 s each)
-MAX_SANDBOXES = 5
+MAX_SANDBOXES = 8  # made in one sequence (a precondition must not depend on timing: not open ones)
 KILL_KINDS = st.sampled_from(["exec", "exec", "fork", "create", "destroy"])
 
 
@@ -486,7 +537,17 @@ class DurableModel(RuleBasedStateMachine):
         self.sbs: dict[str, Sandbox] = {}
         self.acked: list[Acked] = []
         self.expensive = 0
+        self.trail: list[str] = []  # the rules run so far, for a failure's report (``traced``)
+        self.depth = 0
         DurableModel.sequences += 1
+
+    def report(self, exc: BaseException) -> None:
+        """Print the sequence as run with its first failure (once: rules call rules)."""
+        if not getattr(exc, "_rollbox_reported", False):
+            exc._rollbox_reported = True  # type: ignore[attr-defined]
+            print("\n=== durable model: a sequence failed; as it ran:\n  " +
+                  "\n  ".join(self.trail) + f"\n{type(exc).__name__}: {str(exc)[:6000]}\n", file=sys.stderr,
+                  flush=True)
 
     # -- the client ----------------------------------------------------------------------------------
 
@@ -578,7 +639,10 @@ class DurableModel(RuleBasedStateMachine):
                 if rec.get("status") in (500, 502) or "Traceback" in str(rec.get("raw", "")) or (
                         rec.get("level") in ("error", "critical") and rec.get("msg") not in ("event", "runtime error")):
                     bad.append(rec)
-        assert not bad, "errors in the replicas' logs:\n" + "\n".join(json.dumps(b)[:3000] for b in bad)
+        if bad:
+            exc = AssertionError("errors in the replicas' logs:\n" + "\n".join(json.dumps(b)[:3000] for b in bad))
+            self.report(exc)
+            raise exc
 
     # -- what each kind of reply means for the model --------------------------------------------------
 
@@ -627,22 +691,25 @@ class DurableModel(RuleBasedStateMachine):
     # -- rules -------------------------------------------------------------------------------------
 
     @initialize(target=sandboxes, r=REPLICA)
+    @traced
     def first(self, r: int) -> Sandbox:
         return self.create(r)
 
-    @precondition(lambda self: len(self.open_ones()) < MAX_SANDBOXES)
+    @precondition(lambda self: len(self.sbs) < MAX_SANDBOXES)
     @rule(target=sandboxes, r=REPLICA, lifetime=LIFETIMES)
+    @traced
     def create(self, r: int, lifetime: float | None = None) -> Sandbox:
         ev = event(CREATE, {} if lifetime is None else {"timeout_s": lifetime}, source=SOURCE)
         return self.create_done(ev, self.call(r, ev), [Tree()])
 
     @rule(sb=sandboxes, r=REPLICA, ops=OPS, mode=MODES)
+    @traced
     def step(self, sb: Sandbox, r: int, ops: list[list[Any]], mode: str = "binary") -> None:
         ev, full = exec_event(sb, ops)
         self.exec_done(sb, ev, full, self.call(r, ev, mode))
 
-    @precondition(lambda self: self.acked)
-    @rule(data=st.data(), r=REPLICA, mode=MODES)
+    @rule(data=st.data(), r=REPLICA, mode=MODES)  # (the first create is always acknowledged)
+    @traced
     def resend(self, data: st.DataObject, r: int, mode: str) -> None:
         self.resend_one(data.draw(st.sampled_from(self.acked), label="event"), r, mode)
 
@@ -651,57 +718,68 @@ class DurableModel(RuleBasedStateMachine):
         assert reply.data == first.data, f"a re-sent {first.kind} event got another reply:\n" \
                                          f" first {first.data}\n again {reply.data}"
 
-    @precondition(lambda self: any(a.kind != "snapshot" for a in self.acked))
     @rule(data=st.data(), r=REPLICA)
+    @traced
     def resend_altered(self, data: st.DataObject, r: int) -> None:
         """An acknowledged event's identity with other content: refused on every replica, nothing runs."""
         first = data.draw(st.sampled_from([a for a in self.acked if a.kind != "snapshot"]), label="event")
         self.expect(self.call(r, altered(first.ev)).reply, 409, "idempotency_conflict")
 
-    @rule(target=sandboxes, sb=sandboxes, r1=REPLICA, r2=REPLICA, ops1=OPS, ops2=OPS, fork2=st.booleans(),
-          retry=st.booleans())
+    @rule(target=sandboxes, sb=sandboxes, r1=REPLICA, r2=REPLICA, ops1=OPS, ops2=OPS,
+          second=st.sampled_from(["exec", "fork", "destroy"]), retry=st.booleans())
+    @traced
     def race(self, sb: Sandbox, r1: int, r2: int, ops1: list[list[Any]], ops2: list[list[Any]],
-             fork2: bool = False, retry: bool = False) -> Any:
-        """Two steps on one sandbox at once through two replicas (or one): an exec, and an exec or a fork.
-        (Not on a sandbox with a short lifetime: one step in the race would see it expired, the other not.)"""
+             second: str = "exec", retry: bool = False) -> Any:
+        """Two events on one sandbox at once through two replicas (or one): an exec, and an exec, a fork
+        or a destroy. The loser is 409 sandbox_busy and changed nothing; with ``retry`` it is sent again,
+        as its 409 asks. (Not on a sandbox with a short lifetime: one of them could see it expired.)"""
         if sb.lifetime_s is not None and sb.ended is None:
             self.step(sb, r1, ops1)
             return multiple()
         ev1, full1 = exec_event(sb, ops1, sleep_s=0.25)
-        if fork2:
-            ev2, full2 = event(FORK, {"sandbox_id": sb.sid, "count": 1}, source=SOURCE), []
-        else:
+        full2: list[list[Any]] = []
+        if second == "exec":
             ev2, full2 = exec_event(sb, ops2, sleep_s=0.25)
+        else:
+            ev2 = event(FORK if second == "fork" else DESTROY,
+                        {"sandbox_id": sb.sid, **({"count": 1} if second == "fork" else {})}, source=SOURCE)
         f1, f2 = self.call_soon(r1, ev1), self.call_soon(r2, ev2)
         c1, c2 = f1.result(), f2.result()
         if sb.ended is not None:
-            assert self.ended(sb, c1) and self.ended(sb, c2)
+            assert self.ended(sb, c1)
+            if second == "destroy":  # a destroy of a destroyed sandbox returns its record
+                self.destroy_done(sb, ev2, c2)
+            else:
+                assert self.ended(sb, c2)
             return multiple()
         rep1, rep2 = c1.reply, c2.reply
+        assert rep1 is not None and rep2 is not None
         for rep in (rep1, rep2):
-            assert rep is not None and rep.status in (200, 409), rep and (rep.status, rep.data)
+            assert rep.status in (200, 409, 410), (rep.status, rep.data)
             if rep.status == 409:
                 assert rep.data["code"] == "sandbox_busy" and rep.headers.get("retry-after"), rep.data
-        assert rep1 is not None and rep2 is not None
         assert 200 in (rep1.status, rep2.status), (rep1.data, rep2.data)
+        assert rep2.status != 410, rep2.data
         children: list[Sandbox] = []
 
+        def again(r: int, ev: CloudEvent) -> Call:
+            return self.until_answered(r, ev, self.call(r, ev))
+
         def apply2(call: Call) -> None:
-            if fork2:
+            if second == "fork":
                 children.extend(self.fork_done(sb, ev2, 1, r2, call))
+            elif second == "destroy":
+                self.destroy_done(sb, ev2, call)
             else:
                 self.exec_done(sb, ev2, full2, call)
 
-        if rep1.status == rep2.status == 200:  # they did not overlap: one ran after the other, either
-            l1 = self.listing(rep1)
-            if fork2:  # the children have the files from before the exec, or from after it
-                before = sb.trees
-                self.check_exec(sb, rep1, full1)
-                apply2(c2)
-                for child in children:
-                    child.trees = copies(before) + copies(sb.trees)
-            else:
-                l2 = self.listing(rep2)
+        if second == "destroy" and rep2.status == 200 and rep1.status != 200:
+            apply2(c2)  # destroyed first: the exec lost (409) or came after it (410)
+            if rep1.status == 410 or retry:
+                self.exec_done(sb, ev1, full1, c1 if rep1.status == 410 else again(r1, ev1))
+        elif rep1.status == rep2.status == 200:  # they did not overlap: one ran after the other
+            if second == "exec":
+                l1, l2 = self.listing(rep1), self.listing(rep2)
                 one_two = ran(ran(sb.trees, full1, l1), full2, l2)
                 two_one = ran(ran(sb.trees, full2, l2), full1, l1)
                 assert one_two or two_one, f"racing steps on {sb.sid} listed {l1} and {l2}: in no order " \
@@ -709,24 +787,71 @@ class DurableModel(RuleBasedStateMachine):
                 sb.trees = one_two + two_one
                 sb.execs += 2
                 self.ack(ev2, rep2, "exec")
-            self.ack(ev1, rep1, "exec")
+                self.ack(ev1, rep1, "exec")
+            else:  # (a destroy after the exec; a fork before or after it: its children hold either)
+                before = sb.trees
+                self.exec_done(sb, ev1, full1, c1)
+                apply2(c2)
+                for child in children:
+                    child.trees = copies(before) + copies(sb.trees)
         elif rep1.status == 200:
+            assert rep2.status == 409, rep2.data
             self.exec_done(sb, ev1, full1, c1)
-            if retry:  # as its 409 asks: the same event again
-                apply2(self.until_answered(r2, ev2, self.call(r2, ev2)))
+            if retry:
+                apply2(again(r2, ev2))
         else:
+            assert rep1.status == 409, rep1.data
             apply2(c2)
             if retry:
-                self.exec_done(sb, ev1, full1, self.until_answered(r1, ev1, self.call(r1, ev1)))
+                self.exec_done(sb, ev1, full1, again(r1, ev1))
         return multiple(*children)
 
-    @precondition(lambda self: len(self.open_ones()) < MAX_SANDBOXES)
+    @rule(target=sandboxes, sb=sandboxes, kind=st.sampled_from(["exec", "create", "fork", "destroy"]),
+          r1=REPLICA, r2=REPLICA, ops=OPS)
+    @traced
+    def duplicate_at_once(self, sb: Sandbox, kind: str, r1: int, r2: int, ops: list[list[Any]]) -> Any:
+        """One event delivered twice at once (a broker's redelivery racing the first, a client's retry
+        racing its first try), to two replicas or one: it takes effect once, and both are answered with
+        the one reply (one may be 409 sandbox_busy first, as a lost race is: its retry gets the reply)."""
+        if kind != "create" and sb.lifetime_s is not None and sb.ended is None:
+            self.step(sb, r1, ops)
+            return multiple()
+        full: list[list[Any]] = []
+        if kind == "exec":
+            ev, full = exec_event(sb, ops, sleep_s=0.1)
+        elif kind == "create":
+            ev = event(CREATE, {}, source=SOURCE)
+        else:
+            ev = event(FORK if kind == "fork" else DESTROY,
+                       {"sandbox_id": sb.sid, **({"count": 1} if kind == "fork" else {})}, source=SOURCE)
+        f1, f2 = self.call_soon(r1, ev), self.call_soon(r2, ev)
+        c1, c2 = f1.result(), f2.result()
+        if kind in ("exec", "fork") and sb.ended is not None:
+            assert self.ended(sb, c1) and self.ended(sb, c2)
+            return multiple()
+        c1, c2 = self.until_answered(r1, ev, c1), self.until_answered(r2, ev, c2)
+        assert c1.reply is not None and c2.reply is not None
+        assert (c1.reply.status, c1.reply.data) == (c2.reply.status, c2.reply.data), \
+            f"one {kind} event, two replies:\n {c1.reply.status} {c1.reply.data}\n {c2.reply.status} {c2.reply.data}"
+        if kind == "exec":
+            self.exec_done(sb, ev, full, c1)
+        elif kind == "create":
+            return self.create_done(ev, c1, [Tree()])
+        elif kind == "fork":
+            return multiple(*self.fork_done(sb, ev, 1, r1, c1))
+        else:
+            self.destroy_done(sb, ev, c1)
+        return multiple()
+
+    @precondition(lambda self: len(self.sbs) < MAX_SANDBOXES)
     @rule(target=sandboxes, sb=sandboxes, r=REPLICA, count=st.integers(1, 2))
+    @traced
     def fork(self, sb: Sandbox, r: int, count: int) -> Any:
         ev = event(FORK, {"sandbox_id": sb.sid, "count": count}, source=SOURCE)
         return multiple(*self.fork_done(sb, ev, count, r, self.call(r, ev)))
 
     @rule(target=snapshots, sb=sandboxes, r=REPLICA)
+    @traced
     def snapshot(self, sb: Sandbox, r: int) -> Any:
         ev = event(SNAPSHOT, {"sandbox_id": sb.sid}, source=SOURCE)
         call = self.call(r, ev)
@@ -736,8 +861,9 @@ class DurableModel(RuleBasedStateMachine):
         self.ack(ev, reply, "snapshot")
         return Snap(reply.data["snapshot_id"], copies(sb.trees))
 
-    @precondition(lambda self: len(self.open_ones()) < MAX_SANDBOXES)
+    @precondition(lambda self: len(self.sbs) < MAX_SANDBOXES)
     @rule(target=sandboxes, snap=snapshots, r=REPLICA)
+    @traced
     def create_from(self, snap: Snap, r: int) -> Sandbox:
         ev = event(CREATE, {"snapshot": snap.snapshot_id}, source=SOURCE)
         sb = self.create_done(ev, self.call(r, ev), copies(snap.trees, lower=True))
@@ -745,6 +871,7 @@ class DurableModel(RuleBasedStateMachine):
         return sb
 
     @rule(sb=sandboxes, r=REPLICA)
+    @traced
     def destroy(self, sb: Sandbox, r: int) -> None:
         ev = event(DESTROY, {"sandbox_id": sb.sid}, source=SOURCE)
         self.destroy_done(sb, ev, self.call(r, ev))
@@ -759,15 +886,17 @@ class DurableModel(RuleBasedStateMachine):
 
     @precondition(may_spend)
     @rule(r=REPLICA)
+    @traced
     def kill9(self, r: int) -> None:
         """kill -9 of an idle replica; it restarts on the same home (its dead self's leftovers swept)."""
         self.spend()
         self.w.replicas[r].kill9()
         self.w.replicas[r].launch()
 
-    @precondition(lambda self: self.may_spend() and len(self.open_ones()) < MAX_SANDBOXES)
+    @precondition(lambda self: self.may_spend() and len(self.sbs) < MAX_SANDBOXES)
     @rule(target=sandboxes, sb=sandboxes, kind=KILL_KINDS, r=REPLICA, other=REPLICA, ops=OPS,
           delay=st.sampled_from([0.0, 0.03, 0.1, 0.3]))
+    @traced
     def kill9_in_flight(self, sb: Sandbox, kind: str, r: int, other: int, ops: list[list[Any]], delay: float) -> Any:
         """kill -9 while an event is in flight (an exec, a fork, a create, a destroy): its client gets no
         reply and sends it again (to another replica, or this one restarted) until answered. Whether
@@ -800,6 +929,7 @@ class DurableModel(RuleBasedStateMachine):
 
     @precondition(may_spend)
     @rule(sb=sandboxes, r=REPLICA, other=REPLICA, ops=OPS, fresh=st.booleans())
+    @traced
     def drain(self, sb: Sandbox, r: int, other: int, ops: list[list[Any]], fresh: bool) -> None:
         """SIGTERM with a step in flight: the step is answered (or refused with 503 and sent elsewhere),
         the replica exits 0 and a new one starts (on a fresh home: scaled from zero; or the same)."""
@@ -819,6 +949,7 @@ class DurableModel(RuleBasedStateMachine):
 
     @precondition(may_spend)
     @rule()
+    @traced
     def idle(self) -> None:
         """Nothing happens for longer than replica 2 keeps an idle live copy: its copies hibernate, and
         its next step on each passes through (runs as the resumed sandbox's init)."""
@@ -826,6 +957,7 @@ class DurableModel(RuleBasedStateMachine):
         time.sleep(1.6)
 
     @rule(sb=sandboxes, r=REPLICA, ops=OPS, pause=st.sampled_from([0.05, 0.3, 1.0]))
+    @traced
     def store_hiccup(self, sb: Sandbox, r: int, ops: list[list[Any]], pause: float) -> None:
         """The store stops answering for a moment (less than the store deadline) during a step."""
         ev, full = exec_event(sb, ops, sleep_s=0.05)
@@ -836,6 +968,7 @@ class DurableModel(RuleBasedStateMachine):
 
     @precondition(lambda self: OUTAGES and self.may_spend())
     @rule(sb=sandboxes, r=REPLICA, other=REPLICA, ops=OPS, at=st.sampled_from([0.0, 0.1]))
+    @traced
     def store_outage(self, sb: Sandbox, r: int, other: int, ops: list[list[Any]], at: float) -> None:
         """The store stops answering past the deadline during a step: 503, and whatever the step had
         written may still land. The client retries until it is answered: the step counts once."""
@@ -852,6 +985,7 @@ class DurableModel(RuleBasedStateMachine):
 
     # -- the end of a sequence ---------------------------------------------------------------------
 
+    @traced
     def teardown(self) -> None:
         """Every sandbox left is read back and destroyed; every one is then 410 on every replica."""
         for sb in list(self.sbs.values()):
@@ -998,3 +1132,20 @@ def test_a_lifetime_counts_from_the_create_not_from_a_resume(model: DurableModel
     assert sb.state(call) == "gone"
     assert model.ended(sb, call)
     assert call.reply is not None and call.reply.data["details"]["reason"] == "lifetime", call.reply.data
+
+
+def test_a_destroy_of_an_expired_sandbox_is_recorded_as_any_event(model: DurableModel) -> None:
+    """A destroy that found the sandbox ended already (its lifetime passed) answered with the record of
+    that end without noting its event: sent again with other content to another replica, it was
+    answered 200 (the replica that first saw it: 409 idempotency_conflict)."""
+    sb = model.create(0, lifetime=2.0)
+    model.step(sb, 0, [["write", "a", "1"]])
+    time.sleep(max(0.0, sb.born[1] + 2.0 + LIFETIME_SLACK_S - time.monotonic()) + 0.1)
+    model.step(sb, 1, [])  # 410: expired
+    assert sb.ended == "lifetime"
+    model.destroy(sb, 1)
+    first = model.acked[-1]
+    assert first.kind == "destroy" and first.data["reason"] == "lifetime", first
+    for r in (0, 2, 1):  # (the others first: the replica that answered has the event in its own cache)
+        model.expect(model.call(r, altered(first.ev)).reply, 409, "idempotency_conflict")
+        model.resend_one(first, r)
