@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from rollbox.functions.aiosync import AsyncFsync
 from rollbox.functions.idempotency import Conflict
 from rollbox.functions.routing import EventRef, current_event
@@ -105,6 +106,30 @@ PRESSURE_MEMORY_S = 10.0
 # a step to end before it gets 429: steps end within moments, a retry after Retry-After takes a second
 ROOM_WAIT_S = 5.0
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def _recorded(model: type[M], record: SandboxRecord) -> M:
+    """The reply ``record`` holds, as this version's ``model``. Fields it does not know (a newer
+    replica wrote the record: a rolling upgrade) are left out, at any depth, rather than refused; a
+    reply that does not fit otherwise is corrupt state (502), not a crash."""
+    data: Any = copy.deepcopy(record.reply)
+    for _ in range(16):
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False, include_input=False)
+            if not errors or any(e["type"] != "extra_forbidden" for e in errors):
+                raise IntegrityError(f"sandbox {record.sandbox_id}: the reply recorded in generation "
+                                     f"{record.generation} is not a {model.__name__}: {str(exc)[:300]}",
+                                     sandbox_id=record.sandbox_id) from None
+            for e in errors:  # each names the path of a field this version does not have
+                *path, name = e["loc"]
+                parent = data
+                for part in path:
+                    parent = parent[part]
+                parent.pop(name, None)
+    raise IntegrityError(f"sandbox {record.sandbox_id}: the reply recorded in generation {record.generation} "
+                         f"does not fit {model.__name__}", sandbox_id=record.sandbox_id)
 
 
 class _Metrics:
@@ -242,7 +267,7 @@ class DurableRuntime:
                 first = await self._read(sid, 0)
                 if first is not None:  # a redelivered create: the sandbox it made, as it replied then
                     self._note_replay()
-                    return await self._replayed(first, ev, SandboxInfo) or SandboxInfo.model_validate(first.reply)
+                    return await self._replayed(first, ev, SandboxInfo) or _recorded(SandboxInfo, first)
             deferred = self._defers_create()
             if deferred:
                 info = await self._deferred(snapshot, limits, metadata, sid)
@@ -258,7 +283,7 @@ class DurableRuntime:
                 if first is None or first.reply is None:
                     raise
                 self._note_replay()
-                return SandboxInfo.model_validate(first.reply)
+                return _recorded(SandboxInfo, first)
             if deferred:
                 self.metrics.hibernations.labels("create").inc()
             return info
@@ -285,7 +310,7 @@ class DurableRuntime:
                 return replay
             if head.state == "destroyed":  # repeating a destroy returns the same record
                 self._note_replay()
-                usage = Usage.model_validate(head.reply)
+                usage = _recorded(Usage, head)
                 if ev is not None:  # noted as any event is: sent again anywhere (other content: a 409), the same
                     await self._commit(_Live(record=head), usage, ev, scan=False, state="destroyed",
                                        reason=head.reason, journal=False)
@@ -565,7 +590,7 @@ class DurableRuntime:
             raise IntegrityError(f"sandbox {head.sandbox_id}: the record holding the reply of event "
                                  f"{ev.id!r} (generation {gen}) is missing", sandbox_id=head.sandbox_id)
         self._note_replay()
-        return model.model_validate(rec.reply)
+        return _recorded(model, rec)
 
     def _note_replay(self) -> None:
         if self.journal is not None:  # answered from the store: the step was recorded when it ran

@@ -1149,3 +1149,23 @@ def test_a_destroy_of_an_expired_sandbox_is_recorded_as_any_event(model: Durable
     for r in (0, 2, 1):  # (the others first: the replica that answered has the event in its own cache)
         model.expect(model.call(r, altered(first.ev)).reply, 409, "idempotency_conflict")
         model.resend_one(first, r)
+
+
+def test_a_reply_recorded_by_a_newer_replica_is_replayed(model: DurableModel) -> None:
+    """Replicas of two versions share the store during a rolling upgrade. A reply a newer one recorded,
+    with a field this version does not know, was a 500 when the event came again to an older one (its
+    reply models refuse unknown fields). (The record is rewritten here as a newer replica would write
+    it; records are otherwise never rewritten.) Found by this test's own run while another change
+    added ``isolation_summary`` to create replies and restarted replicas ran the newer code."""
+    sb = model.create(0)
+    first = model.acked[-1]
+    s3, key = model.w.seaweed.client(), f"rb/sandboxes/{sb.sid}/0000000000.json"
+    raw = s3.get_object(Bucket=model.w.bucket, Key=key)["Body"].read()
+    head, rest = raw.split(b"\n", 1)
+    record = json.loads(head)
+    record["reply"]["added_by_a_newer_version"] = {"nested": True}
+    record["reply"]["limits"]["added_too"] = 1
+    s3.put_object(Bucket=model.w.bucket, Key=key, Body=json.dumps(record).encode() + b"\n" + rest)
+    for r in (1, 2):  # (replica 0 answers from its own cache)
+        model.resend_one(first, r)  # this version's fields of it: the first reply
+    model.step(sb, 1, [["write", "a", "1"]])
