@@ -286,6 +286,7 @@ print(json.dumps(out, sort_keys=True))
 '''
 
 PATHS = ("a", "b", "c", "s/x", "s/y")
+HOME = "/home/sandbox/m"  # where PROGRAM works
 WORDS = st.text(alphabet="ab é\n", max_size=6)
 OP = st.one_of(
     st.tuples(st.sampled_from(["write", "append"]), st.sampled_from(PATHS), WORDS),
@@ -458,13 +459,23 @@ class Call:
     answered: float
 
 
-def exec_event(sb: Sandbox, ops: list[list[Any]], *, sleep_s: float = 0.0) -> tuple[CloudEvent, list[list[Any]]]:
-    """An exec that appends its own token to the journal ``j``, then applies ``ops``; and those ops."""
+def exec_event(sb: Sandbox, ops: list[list[Any]], *, sleep_s: float = 0.0, pre: tuple[str, str] | None = None,
+               read: list[str] | None = None, timeout_s: float | None = None,
+               hang_s: float = 0.0) -> tuple[CloudEvent, list[list[Any]]]:
+    """An exec that appends its own token to the journal ``j``, then applies ``ops`` and lists every file;
+    and the ops the model applies for it. ``sleep_s`` first; ``pre``: (path, text) written through the
+    exec's ``files`` before it runs; ``read``: paths read back through ``read_files``; ``hang_s`` last
+    (past ``timeout_s``: killed before it lists anything)."""
     eid = uuid.uuid4().hex
-    full = ([["sleep", sleep_s]] if sleep_s else []) + [["append", "j", eid[:8] + "\n"], *ops]
-    code = f"OPS = {json.dumps(full)!r}\n{PROGRAM}"
-    data = {"sandbox_id": sb.sid, "code": code, "timeout_s": sb.exec_timeout_s}
-    return event(EXEC, data, id=eid, source=SOURCE), full
+    run = ([["sleep", sleep_s]] if sleep_s else []) + [["append", "j", eid[:8] + "\n"], *ops] + \
+        ([["sleep", hang_s]] if hang_s else [])
+    data: dict[str, Any] = {"sandbox_id": sb.sid, "code": f"OPS = {json.dumps(run)!r}\n{PROGRAM}",
+                            "timeout_s": timeout_s or sb.exec_timeout_s}
+    if pre is not None:
+        data["files"] = {f"{HOME}/{pre[0]}": pre[1]}
+    if read:
+        data["read_files"] = [f"{HOME}/{p}" for p in read]
+    return event(EXEC, data, id=eid, source=SOURCE), ([["write", *pre]] if pre else []) + run
 
 
 def after(tree: Tree, ops: list[list[Any]]) -> Tree:
@@ -602,11 +613,16 @@ class DurableModel(RuleBasedStateMachine):
         return True
 
     def check_exec(self, sb: Sandbox, reply: Reply, ops: list[list[Any]]) -> None:
-        """A 200 exec: it ran, and what it listed is the model after its ops; the model moves on."""
+        """A 200 exec: it ran, and what it listed (and read back) is the model after its ops; the model
+        moves on."""
         got = self.listing(reply)
         want = ran(sb.trees, ops, got)
         assert want, f"files of {sb.sid}:\n got  {got}\n want " + \
             "\n   or ".join(str(after(t, ops).listing()) for t in sb.trees)
+        read = {p.removeprefix(HOME + "/"): text for p, text in reply.data["files"].items()}
+        want = [t for t in want if all(text == (t.files[p].content if p in t.files else None)
+                                       for p, text in read.items())]
+        assert want, f"files of {sb.sid} read back: {read}"
         sb.trees = want
         sb.execs += 1
 
@@ -702,11 +718,38 @@ class DurableModel(RuleBasedStateMachine):
         ev = event(CREATE, {} if lifetime is None else {"timeout_s": lifetime}, source=SOURCE)
         return self.create_done(ev, self.call(r, ev), [Tree()])
 
-    @rule(sb=sandboxes, r=REPLICA, ops=OPS, mode=MODES)
+    @rule(sb=sandboxes, r=REPLICA, ops=OPS, mode=MODES,
+          pre=st.none() | st.tuples(st.sampled_from(PATHS), WORDS), read=st.booleans())
     @traced
-    def step(self, sb: Sandbox, r: int, ops: list[list[Any]], mode: str = "binary") -> None:
-        ev, full = exec_event(sb, ops)
+    def step(self, sb: Sandbox, r: int, ops: list[list[Any]], mode: str = "binary",
+             pre: tuple[str, str] | None = None, read: bool = False) -> None:
+        """An exec; with ``pre`` one file is written through its ``files`` first, with ``read`` the
+        regular files are read back through its ``read_files`` too (a step that cannot pass through)."""
+        if pre is not None and any(pre[0] in t.links for t in sb.trees):
+            pre = None  # (``files`` writes through a symlink, to its target: not modelled)
+        paths = None
+        if read:
+            ends = [after(t, ([["write", *pre]] if pre else []) + ops) for t in sb.trees]
+            paths = [p for p in PATHS if not any(p in t.links for t in ends)]
+        ev, full = exec_event(sb, ops, pre=pre, read=paths)
         self.exec_done(sb, ev, full, self.call(r, ev, mode))
+
+    @precondition(lambda self: self.may_spend())
+    @rule(sb=sandboxes, r=REPLICA, ops=OPS)
+    @traced
+    def step_timing_out(self, sb: Sandbox, r: int, ops: list[list[Any]]) -> None:
+        """An exec killed at its timeout after its ops: acknowledged (timed_out, 137), and what it wrote
+        before is kept (the next step lists it)."""
+        self.spend()
+        ev, full = exec_event(sb, ops, timeout_s=min(1.0, sb.exec_timeout_s), hang_s=30)
+        call = self.call(r, ev)
+        if self.ended(sb, call):
+            return
+        reply = self.expect(call.reply, 200)
+        assert (reply.data["timed_out"], reply.data["exit_code"]) == (True, 137), reply.data
+        sb.trees = [after(t, full) for t in sb.trees]
+        sb.execs += 1
+        self.ack(ev, reply, "exec")
 
     @rule(data=st.data(), r=REPLICA, mode=MODES)  # (the first create is always acknowledged)
     @traced
