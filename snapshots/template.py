@@ -26,7 +26,16 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from rollbox.runtime.errors import InvalidRequest
 from rollbox.runtime.spec import Limits, check_env
 from rollbox.snapshots.manifest import check_name
@@ -131,9 +140,22 @@ class WarmSpec(_Frozen):
         return v
 
 
+def _base_kind(v: object) -> str:
+    """Which kind of base ``v`` is, so a bad one is reported against that kind alone."""
+    if isinstance(v, BaseModel):
+        return type(v).__name__
+    if isinstance(v, dict):
+        return "DebianBase" if "debian" in v else "OciBase" if "oci" in v else "DirBase"
+    return "literal['host']"
+
+
 class Template(_Frozen):
     name: str
-    base: Literal["host"] | DirBase | OciBase | DebianBase = "host"
+    base: Annotated[
+        Annotated[Literal["host"], Tag("literal['host']")] | Annotated[DirBase, Tag("DirBase")]
+        | Annotated[OciBase, Tag("OciBase")] | Annotated[DebianBase, Tag("DebianBase")],
+        Discriminator(_base_kind),
+    ] = "host"
     python: str | None = None
     packages: tuple[str, ...] = ()
     pip: PipOptions = PipOptions()

@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from rollbox.runtime.errors import InvalidRequest
 from rollbox.runtime.isolation import libc
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.spec import ExecRequest, Limits
@@ -67,6 +68,24 @@ def test_plans_follow_sandboxfusion_naming_rules() -> None:
     assert "babel.config.js" in languages.plan("jest", "test('x', () => {})").files
     assert languages.missing_snapshot("cpp").endswith("rollbox snapshot build snapshots/templates/cpp.yaml "
                                                       "(as root; Debian's packages)")
+
+
+def test_debian_templates_are_checked_before_anything_is_built(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nbase: {debian: {packages: [g++, 'rm -rf /']}}\n")
+    with pytest.raises(InvalidRequest, match=r"is invalid:\n  base\.debian\.packages: Value error, 'rm -rf /' is not a Debian"):
+        load_template(bad)
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("name: loop\nbase: {debian: {over: loop.yaml, packages: [lua5.4]}}\n")
+    tpl, where = load_template(loop)
+    with pytest.raises(InvalidRequest, match=r"base\.debian\.over: loop\.yaml leads back to itself"):
+        build(tpl, where, LocalStore(tmp_path / "store"))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    lua, lua_dir = load_template(TEMPLATES / "lua.yaml")
+    monkeypatch.setenv("ROLLBOX_DEBIAN_MAX_AGE_DAYS", "0")  # no build record may serve it
+    with pytest.raises(InvalidRequest, match=r"Debian roots are built as root .*run `rollbox snapshot build` as root"):
+        build(lua, lua_dir, LocalStore(tmp_path / "store"))
 
 
 @as_root
