@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import errno
+import linecache
 import os
 import resource
 import shutil
@@ -32,6 +34,27 @@ def _noop(_sig: int, _frame: Any) -> None:
     return None
 
 
+CODE_NAME = "<string>"  # the file name of a step's code, as python -c names its code
+
+
+def _uncaught(exc: BaseException) -> None:
+    """Print an exception the user's code did not catch as python does, without this module's
+    frames: the user sees their code's frames only. Through ``sys.excepthook`` if the code set one;
+    python's own is the traceback module's printing (which, unlike the built-in hook of pythons
+    before 3.13, shows the lines of "<string>")."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    exc.__traceback__ = tb  # (the built-in hook prints the exception's own traceback, not its argument)
+    try:
+        if sys.excepthook is sys.__excepthook__:
+            traceback.print_exception(type(exc), exc, tb)
+        else:
+            sys.excepthook(type(exc), exc, tb)
+    except BaseException:
+        traceback.print_exception(type(exc), exc, tb)
+
+
 def _run_code(src: str, env: dict[str, str]) -> int:
     os.environ.clear()
     os.environ.update(env)
@@ -46,9 +69,12 @@ def _run_code(src: str, env: dict[str, str]) -> int:
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
+    # As ``python -c``: the code is "<string>", its lines shown in tracebacks (as python 3.13 does)
+    linecache.cache[CODE_NAME] = (len(src), None, src.splitlines(True), CODE_NAME)
+    sys.unraisablehook = _unraisable  # (an exception in __del__ or at exit shows those lines too)
     rc = 0
     try:
-        exec(compile(src, "<code>", "exec"), main.__dict__)
+        exec(compile(src, CODE_NAME, "exec"), main.__dict__)
     except SystemExit as e:
         if e.code is None:
             rc = 0
@@ -57,14 +83,14 @@ def _run_code(src: str, env: dict[str, str]) -> int:
         else:
             print(e.code, file=sys.stderr)
             rc = 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        _uncaught(exc)
         rc = 1
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # wait for non-daemon threads, as python does
         atexit._run_exitfuncs()
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        _uncaught(exc)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -87,6 +113,17 @@ def _end_like_default(sig: int, _frame: Any) -> None:
         os.kill(os.getpid(), sig)
         return
     os._exit(128 + sig)
+
+
+def _unraisable(u: Any) -> None:
+    """python's default ``sys.unraisablehook`` (an exception raised in ``__del__`` or an atexit
+    callback), printed by the traceback module, which shows the lines of "<string>"."""
+    if u.object is not None:
+        print(f"{u.err_msg or 'Exception ignored in'}: {u.object!r}", file=sys.stderr)
+    elif u.err_msg:
+        print(u.err_msg, file=sys.stderr)
+    traceback.print_exception(u.exc_type, u.exc_value, u.exc_traceback)
+    sys.stderr.flush()
 
 
 def _worker(msg: dict[str, Any], fds: list[int], env: dict[str, str]) -> None:
@@ -123,12 +160,34 @@ def _worker(msg: dict[str, Any], fds: list[int], env: dict[str, str]) -> None:
             os._exit(127)
 
 
+class FileNotWritten(Exception):
+    """A file of an exec's ``files`` could not be written: the message names it and says why."""
+
+
 def _write_files(files: dict[str, str]) -> None:
+    """Write an exec's files in order (a relative path is under HOME), making missing parent
+    directories; the first one that cannot be written stops the step (FileNotWritten)."""
     for path, content in files.items():
         full = path if path.startswith("/") else os.path.join(HOME, path)
-        os.makedirs(os.path.dirname(full) or "/", exist_ok=True)
-        with open(full, "w", encoding="utf-8") as f:
-            f.write(content)
+        try:
+            os.makedirs(os.path.dirname(full) or "/", exist_ok=True)
+            with open(full, "w", encoding="utf-8") as f:
+                f.write(content)
+        except OSError as exc:
+            raise FileNotWritten(f"files[{path!r}]: cannot write {full}: {_why_not(full, exc)}") from exc
+
+
+def _why_not(full: str, exc: OSError) -> str:
+    """Why a file could not be written, naming the path in the way (a file where a directory must be)."""
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        parent = os.path.dirname(full)
+        while parent not in ("", "/"):
+            if os.path.lexists(parent) and not os.path.isdir(parent):
+                return f"{parent} is a file, not a directory"
+            parent = os.path.dirname(parent)
+    if exc.errno == errno.EISDIR:
+        return "a directory is there"
+    return exc.strerror or str(exc)
 
 
 def _read_files(paths: list[str]) -> dict[str, str | None]:
@@ -336,7 +395,11 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
                 if pid == 0:
                     _worker(msg, fds, env)
         except Exception as exc:  # files that cannot be written, no process to fork: the step is refused
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, FileNotWritten):
+                why = f"{exc}; the program did not run"
+            else:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+                why = f"could not start the process: {why}"
             proto.send(sock, {"op": "exit", "error": why, "status": 126 << 8,
                               "cpu_s": 0.0, "maxrss_bytes": 0, "files": {}})
             return

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from pathlib import Path
 
 import pytest
 from rollbox.runtime.errors import InvalidRequest, SandboxNotFound
 from rollbox.runtime.runtime import Runtime
-from rollbox.runtime.spec import ExecRequest
+from rollbox.runtime.spec import ExecRequest, Limits
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -33,12 +34,74 @@ async def test_code_runs_as_main_with_fd_level_capture(rt: Runtime) -> None:
 async def test_exceptions_give_a_traceback_and_exit_1(rt: Runtime) -> None:
     r = await rt.run(ExecRequest(code="def f():\n    raise ValueError('boom')\nf()"))
     assert r.exit_code == 1
-    assert "ValueError: boom" in r.stderr and 'File "<code>", line 2' in r.stderr
+    assert "ValueError: boom" in r.stderr and 'File "<string>", line 2' in r.stderr
 
 
-async def test_syntax_error_is_reported(rt: Runtime) -> None:
-    r = await rt.run(ExecRequest(code="def (:"))
-    assert r.exit_code == 1 and "SyntaxError" in r.stderr
+TRACEBACKS = {
+    "raised": "import json\n\ndef parse(s):\n    return json.loads(s)\n\nparse('{')\n",
+    "chained": "try:\n    {}['k']\nexcept KeyError as e:\n    raise RuntimeError('wrapped') from e\n",
+    "in atexit": "import atexit\natexit.register(lambda: 1 / 0)\nprint('ran')\n",
+    "excepthook": "import sys\nsys.excepthook = lambda t, v, tb: print('hooked', t.__name__, tb.tb_frame.f_code.co_filename)"
+                  "\nraise ValueError(3)\n",
+}
+
+
+@pytest.mark.parametrize("case", list(TRACEBACKS))
+async def test_a_traceback_shows_the_users_code_as_python_does(rt: Runtime, case: str) -> None:
+    """What a step's code prints on an uncaught exception is what ``python file.py`` prints for the
+    same code in the same sandbox (its file named "<string>", as ``python -c`` names it), nothing of
+    rollbox's own frames or host paths (issue 26)."""
+    code = TRACEBACKS[case]
+    info = await rt.create()
+    try:
+        as_code = await rt.exec(info.sandbox_id, ExecRequest(code=code))
+        as_file = await rt.exec(info.sandbox_id, ExecRequest(command="python3 prog.py", files={"prog.py": code}))
+    finally:
+        await rt.destroy(info.sandbox_id)
+    def same(text: str) -> str:  # the file's name as the code's, object addresses left out
+        return re.sub("0x[0-9a-f]+", "0x", text.replace("/home/sandbox/prog.py", "<string>"))
+
+    assert as_code.exit_code == as_file.exit_code, (as_code, as_file)
+    assert (same(as_code.stdout), same(as_code.stderr)) == (same(as_file.stdout), same(as_file.stderr)), as_code
+    assert "rollbox" not in as_code.stderr and "agent.py" not in as_code.stderr
+
+
+async def test_syntax_error_is_reported_as_python_c_does(rt: Runtime) -> None:
+    code = "x = 1\ndef (:\n"
+    r = await rt.run(ExecRequest(code=code))
+    c = await rt.run(ExecRequest(command=f"python3 -c '{code}'"))
+    assert (r.exit_code, r.stderr) == (c.exit_code, c.stderr) and "SyntaxError" in r.stderr, (r.stderr, c.stderr)
+    assert r.exit_code == 1 and "rollbox" not in r.stderr
+
+
+@pytest.mark.parametrize("one_shot", [False, True])
+async def test_a_file_that_cannot_be_written_is_named_and_nothing_runs(rt: Runtime, one_shot: bool) -> None:
+    """Files an exec writes first, where the sandbox's own state is in the way (a file where a
+    directory must be, a directory where the file goes, a read-only path): the
+    step's result is exit 126 and a stderr naming the file and why; the program did not run (issue 26:
+    it said only "could not start the process: File exists")."""
+    cases = {  # files -> what stderr says
+        (("a", "x"), ("a/b", "y")): "files['a/b']: cannot write /home/sandbox/a/b: /home/sandbox/a is a file, "
+                                    "not a directory; the program did not run",
+        (("d/e", "x"), ("d", "y")): "files['d']: cannot write /home/sandbox/d: a directory is there; the "
+                                    "program did not run",
+        (("/usr/rollbox-test", "x"),): "files['/usr/rollbox-test']: cannot write /usr/rollbox-test: Read-only "
+                                       "file system; the program did not run",  # (a read-only bind)
+    }
+    for files, said in cases.items():
+        req = ExecRequest(command="echo ran > ran.txt", files=dict(files))
+        if one_shot:
+            r = await rt.run(req)
+        else:
+            info = await rt.create()
+            try:
+                r = await rt.exec(info.sandbox_id, req)
+                after = await rt.exec(info.sandbox_id, ExecRequest(command="ls ran.txt; echo alive"))
+                assert after.stdout == "alive\n", after  # the program did not run, the sandbox lives on
+            finally:
+                await rt.destroy(info.sandbox_id)
+        assert (r.exit_code, r.stdout, r.timed_out) == (126, "", False), r
+        assert r.stderr == f"rollbox: {said}\n", r.stderr
 
 
 async def test_stdin_and_env(rt: Runtime) -> None:
@@ -415,3 +478,26 @@ async def test_a_sandbox_is_frozen_for_a_read_only_while_a_step_left_processes(r
         assert r.exit_code == 0 and not live.alone
     finally:
         await rt.destroy(sid)
+
+
+@pytest.mark.parametrize("one_shot", [False, True])
+async def test_output_far_past_the_cap_is_cut_not_stalled(rt: Runtime, one_shot: bool) -> None:
+    """A program that prints 100 MB (100x the 1 MiB cap) on stdout and on stderr ends as it would:
+    its real exit, both streams cut at the cap and flagged, well before its timeout, not stalled
+    until it and reported as a timeout (issue 26)."""
+    code = ("import os, sys\nblock = b'y' * 65536\nfor _ in range(1600):\n    os.write(1, block)\n"
+            "    os.write(2, block)\nsys.exit(3)\n")
+    req = ExecRequest(code=code, timeout_s=30)
+    if one_shot:
+        r = await rt.run(req)
+    else:
+        info = await rt.create()
+        try:
+            r = await rt.exec(info.sandbox_id, req)
+        finally:
+            await rt.destroy(info.sandbox_id)
+    cap = Limits().output_max_bytes
+    assert (r.exit_code, r.timed_out, r.stdout_truncated, r.stderr_truncated) == (3, False, True, True), \
+        (r.exit_code, r.timed_out, r.wall_s)
+    assert len(r.stdout) == len(r.stderr) == cap and set(r.stdout) == {"y"}
+    assert r.wall_s < 10, r.wall_s
