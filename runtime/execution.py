@@ -41,6 +41,7 @@ KILLED_REPLY_WAIT_S = 0.1
 # second process (its memory halves) and one that hibernates never forked a worker it did not use.
 SPARE_WINDOW_S = 2.0
 DRAIN_AFTER_EXIT_S = 0.2  # how long background holders of stdout may keep it open after the exit
+KILLED_DRAIN_S = 0.05  # ... after a timeout's kill
 # Past the output cap, a stream is still read to its end (the program is not stalled: it ends as it
 # would, with its output cut at the cap), but dropped without copying (spliced to /dev/null) and at
 # most this fast: a program that writes without end costs the supervisor a few wakeups a second.
@@ -304,6 +305,28 @@ def _exit_code(status: int) -> tuple[int, str | None]:
     return 255, None
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def zombie_end(pid: int, pidfd: int) -> dict[str, Any] | None:
+    """How a process that exited and is not reaped yet ended, from its /proc/<pid>/stat: its wait
+    status (field 52) and its CPU with its reaped children's (fields 14-17), as its parent's report
+    has them ("exited"; no peak memory). None if it still runs or was reaped already: ``pidfd``
+    refers to it, and the read counts only if it is still unreaped after it (till then its pid
+    cannot be another process's)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        signal.pidfd_send_signal(pidfd, 0)
+    except OSError:
+        return None
+    fields = raw[raw.rindex(b")") + 2:].split()  # after "pid (comm) " (comm may hold a ")")
+    if len(fields) < 50 or fields[0] != b"Z":
+        return None
+    ticks = sum(int(x) for x in fields[11:15])
+    return {"op": "exited", "status": int(fields[49]), "cpu_s": ticks / _TICKS, "maxrss_bytes": 0}
+
+
 @dataclass
 class Sandbox:
     id: str
@@ -322,8 +345,14 @@ class Sandbox:
     cg_base: CgroupStats | None = None  # the (reused) cgroup's counters when this sandbox joined it
     cg_final: CgroupStats | None = None  # its counters once every process of the sandbox was gone
     release_group: Callable[[Group], None] | None = None
+    # An fd of its mount namespace, held so that its init's exit does not tear that namespace down
+    # (unmounting its overlay and tmpfs waits for expedited RCU grace periods: under load, seconds on
+    # the path of a one-shot run's reply); ``release_fd`` closes it later, off the event loop.
+    mntns_fd: int = -1
+    release_fd: Callable[[int], None] | None = None
     user_slot: Slot | None = None  # its user namespace (owned by a host uid of its own), if any
     release_slot: Callable[[Slot, bool], None] | None = None
+    nproc_first: bool = False  # RLIMIT_NPROC is its pids limit (runtime.rlimit_params): pids.peak tells a hit
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -404,17 +433,21 @@ class Sandbox:
         with contextlib.suppress(OSError):
             await self.chan.send({"op": "spare"})
 
-    async def exec(self, req: ExecRequest, last: bool = False) -> ExecResult:
+    async def exec(self, req: ExecRequest, last: bool = False, since: float | None = None) -> ExecResult:
         """Run one step. ``last`` says no step follows (one-shot runs): unless files are to be read
         back after it, the program runs as the sandbox's init itself (one process fewer to fork and
-        reap; like ``docker run`` without ``--init``), and its end ends the sandbox."""
+        reap; like ``docker run`` without ``--init``), and its end ends the sandbox. The step's
+        ``timeout_s`` counts from ``since`` (monotonic; a one-shot run's start, its sandbox's
+        acquisition included), else from when this sandbox takes the step (the end of a previous
+        timed-out step's wait included): the reply comes at the deadline, whatever came first."""
         async with self.lock:
             if self.dead is not None:
                 raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
             self.busy = True
+            deadline = (time.monotonic() if since is None else since) + req.timeout_s
             try:
                 await self.settle()
-                return await self._exec(req, last)
+                return await self._exec(req, last, deadline)
             except asyncio.CancelledError:
                 # The caller gave up mid-step: the agent's reply would be read by the next step and
                 # every result after it would be one step late. The sandbox cannot be trusted on.
@@ -442,7 +475,7 @@ class Sandbox:
             raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
         return msg
 
-    async def _exec(self, req: ExecRequest, last: bool) -> ExecResult:
+    async def _exec(self, req: ExecRequest, last: bool, deadline: float) -> ExecResult:
         cap = self.limits.output_max_bytes
         if self._stats_fresh:  # nothing ran since the sandbox joined its group: counters (and peak) as then
             before = self.cg_base
@@ -490,15 +523,16 @@ class Sandbox:
                 for fd in (in_r, out_w, err_w):
                     os.close(fd)
             if inline:
-                reply, timed_out = await self._await_inline(req.timeout_s)
+                reply, timed_out = await self._await_inline(max(0.0, deadline - time.monotonic()))
             else:
                 try:
-                    reply = await self.expect("exit", timeout_s=req.timeout_s)
+                    reply = await self.expect("exit", timeout_s=max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     timed_out = True
                     reply = await self._kill_step()
             wall = time.monotonic() - t0
-            await asyncio.wait(readers, timeout=DRAIN_AFTER_EXIT_S)
+            # what a killed step's processes wrote is in the pipes: their ends close as they exit
+            await asyncio.wait(readers, timeout=KILLED_DRAIN_S if timed_out else DRAIN_AFTER_EXIT_S)
         finally:
             for t in tasks:
                 if not t.done():
@@ -533,7 +567,8 @@ class Sandbox:
             cpu = after.cpu_s - before.cpu_s
             peak = after.peak_memory_bytes
             oom = after.oom_kills > before.oom_kills
-            pids_hit = after.pids_max_hits > before.pids_max_hits
+            pids_hit = after.pids_max_hits > before.pids_max_hits or (
+                self.nproc_first and before.pids_peak < self.limits.pids_max <= after.pids_peak)
         self.cpu_s += max(cpu, 0.0)
         self.peak_memory_bytes = max(self.peak_memory_bytes, peak)
         return ExecResult(
@@ -559,15 +594,19 @@ class Sandbox:
     async def _await_inline(self, timeout_s: float) -> tuple[dict[str, Any] | None, bool]:
         """The end of a step run by the sandbox's init: its exit as its parent reaped it. The agent
         answers on the channel first — "exit" if it refused the step (files it could not write), else
-        "started" (with its own CPU so far) — then hangs up and becomes the program. Timeout: the init
-        is killed, which ends every process of the sandbox. An init that ended without "started" never
-        ran the program (a pooled sandbox whose zygote just died, say): SandboxDied with ran=False, so
-        a one-shot run takes another sandbox."""
+        "started" (with its own CPU so far) — then hangs up and becomes the program. The end is the
+        zygote's report of its wait4, or, when the init's pidfd says it exited first (the zygote is
+        busy forking: under load a fork waits seconds for the kernel's cgroup lock), its zombie's
+        status read from /proc: the reply never waits for the zygote. Timeout: the init is killed,
+        which ends every process of the sandbox; the reply does not wait for that teardown. An init
+        that ended without "started" never ran the program (a pooled sandbox whose zygote just died,
+        say): SandboxDied with ran=False, so a one-shot run takes another sandbox."""
         assert self.ended is not None
         ended = self.ended
         deadline = time.monotonic() + timeout_s
         started: dict[str, Any] | None = None
         answer: asyncio.Future[dict[str, Any] | None] = asyncio.ensure_future(self.expect("exit", "started"))
+        exited: asyncio.Future[Any] = asyncio.ensure_future(self.exited.wait())
 
         def take_answer() -> dict[str, Any] | None:
             if not answer.done() or answer.cancelled() or answer.exception() is not None:
@@ -575,37 +614,51 @@ class Sandbox:
             return answer.result()
 
         try:
-            waiting: set[asyncio.Future[Any]] = {answer, ended}
-            await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            if ended.done() and not answer.done():  # the report came first: the peer is gone, its
-                await asyncio.wait({answer}, timeout=KILL_GRACE_S)  # last frames are there to read
+            first: set[asyncio.Future[Any]] = {answer, ended, exited}
+            await asyncio.wait(first, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if (ended.done() or exited.done()) and not answer.done():  # the peer is gone: its last
+                await asyncio.wait({answer}, timeout=KILL_GRACE_S)  # frames are there to read
             msg = take_answer()
             if msg is not None and msg["op"] == "exit":
                 return msg, False  # refused before it ran; the sandbox lives on
             started = msg
-            if not ended.done():  # the program runs: its end (reported by the zygote), or the deadline
-                await asyncio.wait({ended}, timeout=max(0.0, deadline - time.monotonic()))
-            if not ended.done() and self.exited.is_set():  # the init is gone: its report is on its way
-                await asyncio.wait({ended}, timeout=KILL_GRACE_S)
-            timed_out = not ended.done() and not self.exited.is_set()
+            if not ended.done() and not exited.done():  # the program runs: its end, or the deadline
+                end: set[asyncio.Future[Any]] = {ended, exited}
+                await asyncio.wait(end, timeout=max(0.0, deadline - time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            timed_out = not ended.done() and not exited.done()
             if timed_out:
                 self.kill()
+                if self.group is not None:  # its processes' exits are all that runs in it now
+                    self.group.boost(True)
                 await asyncio.wait({ended}, timeout=KILLED_REPLY_WAIT_S)
             self.dead = self.dead or "finished"
             if started is None and not timed_out:
                 died = SandboxDied(f"sandbox {self.id} ended before its program started", sandbox_id=self.id)
                 died.ran = False
                 raise died
-            if not ended.done() or ended.cancelled() or ended.exception() is not None:
+            report = ended.result() if ended.done() and not ended.cancelled() and ended.exception() is None \
+                else None
+            if report is None and exited.done() and not timed_out:
+                # without a cgroup, the zygote's report is the only one with the peak memory: wait for it
+                report = zombie_end(self.pid, self.pidfd) if self.group is not None else None
+                if report is None:  # reaped already (its report is on its way), or no cgroup
+                    await asyncio.wait({ended}, timeout=KILL_GRACE_S)
+                    report = ended.result() if ended.done() and not ended.cancelled() and \
+                        ended.exception() is None else zombie_end(self.pid, self.pidfd)
+            if report is None:
                 return None, timed_out
-            report = dict(ended.result())
+            report = dict(report)
             base_cpu = float(started.get("cpu_s", 0.0)) if started else 0.0  # the agent's, before the program
             report["cpu_s"] = max(0.0, float(report.get("cpu_s", 0.0)) - base_cpu)
             return report, timed_out
         finally:
-            answer.cancel()
+            for fut in (answer, exited):
+                fut.cancel()
             with contextlib.suppress(asyncio.CancelledError, SandboxDied):
                 await answer
+            with contextlib.suppress(asyncio.CancelledError):
+                await exited
 
     async def inject(self, diff: dict[str, Any]) -> None:
         """Apply a forked parent's filesystem diff (see ``pack_upper``) inside this sandbox."""
@@ -711,6 +764,12 @@ class Sandbox:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.upper_fd = -1  # (read by whoever still holds this Sandbox: its upper directory is gone)
+        if self.mntns_fd >= 0:  # its mounts go now, in the background
+            if self.release_fd is not None:
+                self.release_fd(self.mntns_fd)
+            else:
+                os.close(self.mntns_fd)
+            self.mntns_fd = -1
         wall = time.monotonic() - self.created_at
         self.usage = Usage(
             sandbox_id=self.id,

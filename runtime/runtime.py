@@ -19,6 +19,7 @@ import os
 import resource
 import secrets
 import shutil
+import signal
 import socket
 import time
 import weakref
@@ -52,6 +53,7 @@ log = logging.getLogger("rollbox.runtime")
 # How long a released cgroup's killed processes may take to leave before it is removed rather than
 # reused (a fork bomb's pid namespace tears down in seconds; past it, removal is tried and logged).
 RELEASE_WAIT_S = 30.0
+KILLED_EXIT_WAIT_S = 0.5  # see Runtime._only_init_left
 MiB = 1024 * 1024
 
 
@@ -86,13 +88,35 @@ def effective_limits(view: SnapshotView, limits: LimitsArg) -> Limits:
         raise InvalidRequest(f"limits.{where}: {first['msg']}", snapshot_id=view.id) from None
 
 
-def rlimit_params(limits: Limits, in_cgroup: bool) -> dict[str, int]:
+def _hold_mount_ns(pid: int, pidfd: int) -> int:
+    """An fd of the mount namespace of the sandbox whose init is ``pid`` (``pidfd``), or -1."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    try:
+        signal.pidfd_send_signal(pidfd, 0)  # still that process: its pid was not reused meanwhile
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def rlimit_params(limits: Limits, in_cgroup: bool, nproc_first: bool = False) -> dict[str, int]:
     """The rlimits a sandbox is given (runtime/isolation/rlimits.py). Without a cgroup, pids and memory
     fall back to RLIMIT_NPROC (counted per user namespace) and RLIMIT_AS (with room for the mappings
-    an interpreter has that are not memory use), and CPU to a raised nice value."""
+    an interpreter has that are not memory use), and CPU to a raised nice value.
+
+    ``nproc_first``: RLIMIT_NPROC at the pids limit in a cgroup too, for a sandbox whose processes
+    run as a host uid of its own (where it counts that sandbox alone) in a group that keeps its
+    pids.peak (which then tells that the limit was reached). The kernel checks RLIMIT_NPROC before it
+    copies a forking process, the pids cgroup only after: a fork bomb at its limit then fails each
+    fork at once, instead of copying its whole address space and tearing it down again, forever, under
+    locks it shares with every process mapping the same files (every sandbox of its snapshot)."""
     params = {"nofile": limits.nofile_max, "fsize_bytes": limits.file_size_max_bytes}
-    if not in_cgroup:
+    if not in_cgroup or nproc_first:
         params["nproc"] = limits.pids_max
+    if not in_cgroup:  # in a cgroup memory is the cgroup's: an address-space cap stops JVMs, V8 and lld
         params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
         params["nice"] = rlimits.FALLBACK_NICE
     return params
@@ -355,7 +379,7 @@ class Runtime:
         async with sb.lock:
             if sb.dead is not None:
                 raise SandboxDied(f"sandbox {sandbox_id} is gone ({sb.dead})", sandbox_id=sandbox_id)
-            if sb.alone and not sb.owed_exit:
+            if (sb.alone and not sb.owed_exit) or (sb.owed_exit and await self._only_init_left(sb)):
                 yield sb
                 sb.last_used = time.monotonic()
                 return
@@ -376,6 +400,23 @@ class Runtime:
                     except OSError:
                         sb.abandon("lost while thawing")
                 sb.last_used = time.monotonic()
+
+    @staticmethod
+    async def _only_init_left(sb: Sandbox) -> bool:
+        """After a timed-out step, whose processes the host killed: True once its cgroup holds its init
+        alone (every killed process has exited; none can write any more), waited for up to
+        KILLED_EXIT_WAIT_S. Then its files can be read without its agent's word, which a busy box may
+        take seconds to give (it reaps them first): a durable step's commit after a timeout does not
+        wait for that."""
+        if sb.group is None:
+            return False
+        deadline = time.monotonic() + KILLED_EXIT_WAIT_S
+        while True:
+            if set(sb.group.pids()) <= {sb.pid}:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
 
     async def fork(self, sandbox_id: str, count: int, metadata: dict[str, str] | None = None,
                    sandbox_ids: Sequence[str] | None = None) -> list[SandboxInfo]:
@@ -485,7 +526,7 @@ class Runtime:
     def _report(self, sb: Sandbox) -> dict[str, str]:
         facts = self._probed.get(sb.source) if sb.source is not None else None
         return self._render(facts, limits=sb.limits, group=sb.group, pid=sb.pid,
-                            rlimit_params=rlimit_params(sb.limits, sb.group is not None))
+                            rlimit_params=rlimit_params(sb.limits, sb.group is not None, sb.nproc_first))
 
     def _render(self, facts: dict[str, Any] | None, **sandbox: Any) -> dict[str, str]:
         """``report.render`` with this runtime's side of it; ``sandbox``: one sandbox's own."""
@@ -530,8 +571,14 @@ class Runtime:
         z = zygote or await self.zygote(view)
         sid = "sb-" + secrets.token_hex(8)
         group = None
-        if self.free_groups:
+        while self.free_groups:
             group = self.free_groups.pop()
+            if group.pids_peak() < limits.pids_max:
+                break
+            # (its pids.peak, which is never reset, could not tell this sandbox reached its pids limit)
+            self.drop_group(group)
+            group = None
+        if group is not None:
             try:
                 group.configure(limits.memory_max_bytes, limits.pids_max, limits.cpu_max_cores)
             except OSError:
@@ -543,20 +590,21 @@ class Runtime:
         params: dict[str, Any] = {
             "layers": list(view.layers),
             "disk_bytes": limits.disk_max_bytes,
-            **rlimit_params(limits, group is not None),
         }
         if z not in self._probed:  # the first sandbox(es) of a source read back what is in force
             params["probe"] = True
         self.restoring[sid] = group
         try:
             slot = await self._slot()
+            nproc_first = slot is not None and group is not None and group.pids_peak() >= 0
+            params.update(rlimit_params(limits, group is not None, nproc_first))
             try:
                 sb = await self._contain(view, limits, z, sid, group, params, slot)
             except BaseException:
                 if slot is not None:  # a child of a failed spawn may still be on its way: not reused
                     self.release_slot(slot, False)
                 raise
-            sb.user_slot, sb.release_slot = slot, self.release_slot
+            sb.user_slot, sb.release_slot, sb.nproc_first = slot, self.release_slot, nproc_first
             return sb
         finally:
             self.restoring.pop(sid, None)
@@ -637,9 +685,15 @@ class Runtime:
                 self.drop_group(group)
             raise IsolationError(f"sandbox died during setup: {exc}", snapshot_id=view.id) from exc
         sb = Sandbox(id=sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
-                     upper_fd=fds[0] if fds else -1, cg_base=cg_base, release_group=self.release_group)
+                     upper_fd=fds[0] if fds else -1, cg_base=cg_base, release_group=self.release_group,
+                     mntns_fd=_hold_mount_ns(pid, pidfd), release_fd=self._close_later)
         sb.watch()
         return sb
+
+    def _close_later(self, fd: int) -> None:
+        """Close ``fd`` in a thread (the last fd of a sandbox's mount namespace: its unmounts take
+        a while); ``close`` waits for it."""
+        self._background(asyncio.to_thread(os.close, fd))
 
     def drop_group(self, group: Group) -> None:
         """Remove a cgroup rather than reuse it: a spawn that failed may still have a child on its way
@@ -775,12 +829,14 @@ class Runtime:
             raise SandboxNotFound(f"no live sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
         return sb
 
-    async def exec(self, sandbox_id: str, request: ExecRequest, *, last: bool = False) -> ExecResult:
+    async def exec(self, sandbox_id: str, request: ExecRequest, *, last: bool = False,
+                   since: float | None = None) -> ExecResult:
+        """One step in a live sandbox; ``since``: when its ``timeout_s`` started (``Sandbox.exec``)."""
         sb = self.get(sandbox_id)
         if request.timeout_s > sb.limits.lifetime_s:
             raise InvalidRequest(f"timeout_s {request.timeout_s} exceeds the sandbox lifetime_s {sb.limits.lifetime_s}",
                                  sandbox_id=sandbox_id)
-        return await sb.exec(request, last=last)
+        return await sb.exec(request, last=last, since=since)
 
     async def destroy(self, sandbox_id: str, reason: str = "destroyed") -> Usage:
         if sandbox_id in self.usages:
@@ -824,11 +880,14 @@ class Runtime:
 
     async def run(self, request: ExecRequest, snapshot: str = "python", limits: LimitsArg = None,
                   metadata: dict[str, str] | None = None) -> ExecResult:
+        """create + exec + destroy. Its ``timeout_s`` counts from now: getting the sandbox is part of
+        the run, and the reply comes at the deadline however long that took."""
+        since = time.monotonic()
         for attempt in range(3):
             sb = await self._acquire(snapshot, limits, metadata)
             sb.metered = "run"
             try:
-                result = await self.exec(sb.id, request, last=True)
+                result = await self.exec(sb.id, request, last=True, since=since)
                 return result.model_copy(update={"pooled": sb.pooled, "create_ms": round(sb.create_ms, 3)})
             except SandboxDied as exc:
                 # a pooled sandbox that died before the request reached it (its zygote crashed): take

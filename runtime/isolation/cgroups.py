@@ -92,6 +92,7 @@ class CgroupStats:
     peak_memory_bytes: int
     oom_kills: int
     pids_max_hits: int
+    pids_peak: int = -1  # the most processes it held at once (pids.peak, never reset), -1 if unknown
 
 
 class Group(Protocol):
@@ -111,6 +112,9 @@ class Group(Protocol):
         ...
     def pids(self) -> list[int]:
         """Host pids of every process in the group now (its cgroup.procs)."""
+        ...
+    def pids_peak(self) -> int:
+        """The most processes the group ever held at once (pids.peak), -1 where the kernel has none."""
         ...
     def boost(self, on: bool) -> None:
         """Raise the group's CPU weight CLEANUP_BOOST times (on) or set it back (off); best effort."""
@@ -255,6 +259,14 @@ def mounts_of(fstype: str) -> dict[str, str]:
                 if opt in ("memory", "pids", "cpu", "cpuacct", "freezer"):
                     out.setdefault(opt, point)
     return out
+
+
+def read_peak(kept: KeptFiles, path: str) -> int:
+    """A group's pids.peak (the most processes it held at once; never reset), -1 where the kernel has none."""
+    try:
+        return int(kept.read(path))
+    except (OSError, ValueError):
+        return -1
 
 
 def read_pids(path: Path) -> list[int]:

@@ -25,6 +25,7 @@ from rollbox.runtime.isolation.cgroups import (
     mounts_of,
     open_procs,
     quota_us,
+    read_peak,
     read_pids,
     remove_dirs,
     sandboxes_cores,
@@ -51,7 +52,7 @@ class V1Group:
         mem = dirs["memory"]
         self._stat_paths = (str(mem / "memory.oom_control"), str(mem / "memory.max_usage_in_bytes"),
                             str(dirs["cpuacct"] / "cpuacct.usage") if "cpuacct" in dirs else "",
-                            str(dirs["pids"] / "pids.events"))
+                            str(dirs["pids"] / "pids.events"), str(dirs["pids"] / "pids.peak"))
         # files written or read on every step, as strings (a Path join per call showed in profiles)
         self._peak_file = str(mem / "memory.max_usage_in_bytes")
         self._procs_file = str(dirs["pids"] / "cgroup.procs")
@@ -125,7 +126,7 @@ class V1Group:
             _write(d / "cgroup.procs", str(pid))
 
     def stats(self) -> CgroupStats:
-        oom_control, max_usage, usage, pids_events = self._stat_paths
+        oom_control, max_usage, usage, pids_events, pids_peak = self._stat_paths
         oom = self._kept.read_kv(oom_control).get("oom_kill", 0)
         try:
             peak = int(self._kept.read(max_usage))
@@ -136,7 +137,11 @@ class V1Group:
         except (OSError, ValueError):
             cpu_ns = 0
         pids_max_hits = self._kept.read_kv(pids_events).get("max", 0)
-        return CgroupStats(cpu_s=cpu_ns / 1e9, peak_memory_bytes=peak, oom_kills=oom, pids_max_hits=pids_max_hits)
+        return CgroupStats(cpu_s=cpu_ns / 1e9, peak_memory_bytes=peak, oom_kills=oom, pids_max_hits=pids_max_hits,
+                           pids_peak=read_peak(self._kept, pids_peak))
+
+    def pids_peak(self) -> int:
+        return read_peak(self._kept, str(self.dirs["pids"] / "pids.peak"))
 
     def reset_peak(self) -> None:
         try:

@@ -24,6 +24,7 @@ from rollbox.runtime.isolation.cgroups import (
     mounts_of,
     open_procs,
     quota_us,
+    read_peak,
     read_pids,
     remove_dir,
     sandboxes_cores,
@@ -45,7 +46,8 @@ class V2Group:
         self._peak_fd: list[int] = []  # memory.peak, opened once
         self.boosted = False  # cpu.weight as last written: boosted for a cleanup, or the equal weight
         self._kept = KeptFiles()
-        self._stat_paths = (str(path / "cpu.stat"), str(path / "memory.events"), str(path / "pids.events"))
+        self._stat_paths = (str(path / "cpu.stat"), str(path / "memory.events"), str(path / "pids.events"),
+                            str(path / "pids.peak"))
         self._events_file = str(path / "cgroup.events")  # (read on every release: a string, no Path join)
         self._weight_file = str(path / "cpu.weight")
 
@@ -120,13 +122,17 @@ class V2Group:
             peak = int(os.pread(self._peak(), 64, 0)) if "memory" in self.enabled else 0
         except (OSError, ValueError):
             peak = 0
-        cpu_stat, memory_events, pids_events = self._stat_paths
+        cpu_stat, memory_events, pids_events, pids_peak = self._stat_paths
         return CgroupStats(
             cpu_s=self._kept.read_kv(cpu_stat).get("usage_usec", 0) / 1e6,
             peak_memory_bytes=peak,
             oom_kills=self._kept.read_kv(memory_events).get("oom_kill", 0),
             pids_max_hits=self._kept.read_kv(pids_events).get("max", 0),
+            pids_peak=read_peak(self._kept, pids_peak) if "pids" in self.enabled else -1,
         )
+
+    def pids_peak(self) -> int:
+        return read_peak(self._kept, str(self.path / "pids.peak"))
 
     def reset_peak(self) -> None:
         try:

@@ -112,7 +112,13 @@ async def test_sandbox_report_matches_the_kernel(rt: Runtime) -> None:
                 d = Path(backend.parents["memory"]) / Path(sb.group.paths()[0]).name
                 assert int((d / "memory.limit_in_bytes").read_text()) == mem * MiB
                 assert int((Path(backend.parents["pids"]) / d.name / "pids.max").read_text()) == pids
-            assert "RLIMIT" not in rep["rlimits"] and "nproc" not in rep["rlimits"]
+            assert "RLIMIT" not in rep["rlimits"]
+            if sb.nproc_first:  # a uid of its own and a group with pids.peak: RLIMIT_NPROC fails forks first
+                assert f"nproc {pids} (counted in its own user namespace)" in rep["rlimits"], rep["rlimits"]
+                r = await rt.exec(info.sandbox_id, ExecRequest(command="grep '^Max processes' /proc/self/limits"))
+                assert r.stdout.split()[2:4] == [str(pids), str(pids)], r.stdout
+            else:
+                assert "nproc" not in rep["rlimits"]
         assert rep["limits"].startswith(f"exec timeout per request (at most the lifetime), lifetime "
                                         f"{info.limits.lifetime_s:g} s")
         assert rt.isolation_report(info.sandbox_id)["cgroups"] == rep["cgroups"]

@@ -8,7 +8,9 @@ descendants in /proc).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -158,3 +160,80 @@ async def test_a_timed_out_one_shot_run_replies_at_its_deadline(tmp_path: Path, 
     roots = set(mounts_of("cgroup").values()) | set(mounts_of("cgroup2").values())
     left = [str(Path(r) / parent) for r in roots if (Path(r) / parent).exists()]
     assert not left, f"{kind}: cgroups left after the runtime closed: {left}"
+
+
+async def test_a_timed_out_steps_files_are_read_without_its_agents_word(tmp_path: Path) -> None:
+    """A durable step's commit reads the sandbox's files right after its step timed out. Its processes
+    were killed from the host; once they have exited nothing can write, so the read does not wait for
+    the agent to reap them and report, which on a busy box takes seconds (here it cannot: it is
+    stopped). Its report is read before the next step, which runs as usual."""
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("frozen"), pool_max=0)) as rt:
+        if rt.cgroup_backend is None:
+            pytest.skip("no writable cgroups: the killed processes are not listed apart from the init's zombies")
+        info = await rt.create()
+        sid = info.sandbox_id
+        sb = rt.sandboxes[sid]
+        try:
+            await rt.exec(sid, ExecRequest(command="echo kept > /home/sandbox/f"))
+
+            async def stop_the_agent() -> None:
+                await asyncio.sleep(0.7)
+                os.kill(sb.pid, signal.SIGSTOP)
+
+            stopper = asyncio.create_task(stop_the_agent())
+            r = await rt.exec(sid, ExecRequest(command=BACKGROUND_SPINNERS, timeout_s=1.0))
+            await stopper
+            assert r.timed_out and r.exit_code == 137 and sb.owed_exit, r
+            t0 = time.monotonic()
+            async with rt.frozen(sid) as held:
+                assert Path(held.upper_path, "home/sandbox/f").read_text() == "kept\n"
+            assert time.monotonic() - t0 < 1.0
+            os.kill(sb.pid, signal.SIGCONT)
+            ok = await rt.exec(sid, ExecRequest(command="cat /home/sandbox/f", timeout_s=10))
+            assert (ok.exit_code, ok.stdout, sb.owed_exit) == (0, "kept\n", False), ok
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(sb.pid, signal.SIGCONT)
+            await rt.destroy(sid)
+
+
+async def test_the_pids_limit_is_reported_once_reached_and_only_then(tmp_path: Path) -> None:
+    """With RLIMIT_NPROC at the pids limit (a uid of its own), a fork at the limit fails before the
+    kernel copies the process and the pids cgroup never refuses one: that the limit was reached is
+    read from the group's pids.peak, which is never reset, so a group that reached a sandbox's limit
+    is not handed to the next (which would then be said to have reached its own)."""
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("pids"), pool_max=0)) as rt:
+        lim = Limits(pids_max=16)
+        forks = "for i in 1 2 3; do sleep 0.1 & done; wait; echo done"
+        for _ in range(2):  # the second time in the group the first one released, if it was kept
+            bomb = await rt.run(ExecRequest(code=WILD_FORK_BOMB, timeout_s=1.0), limits=lim)
+            assert bomb.timed_out and bomb.pids_limit_hit, bomb
+            for _ in range(200):  # the bomb's group is released once its processes are gone
+                if not rt.sandboxes and not rt.releasing:
+                    break
+                await asyncio.sleep(0.05)
+            info = await rt.create(limits=lim)
+            try:
+                few = await rt.exec(info.sandbox_id, ExecRequest(command=forks, timeout_s=10))
+                assert (few.stdout, few.pids_limit_hit) == ("done\n", False), few
+                many = await rt.exec(info.sandbox_id, ExecRequest(code=FORK_BOMB.replace("200", "40"), timeout_s=1.0))
+                assert many.pids_limit_hit, many
+            finally:
+                await rt.destroy(info.sandbox_id)
+
+
+async def test_a_run_replies_at_its_deadline_however_long_its_sandbox_took(tmp_path: Path) -> None:
+    """A one-shot run's timeout_s counts from the run's start: getting its sandbox is part of the run
+    (under load it waits for its zygote, here held busy for 1.5 s), and the reply still comes at the
+    deadline instead of a timeout's length after the program started."""
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("since"), pool_max=0)) as rt:
+        await rt.run(ExecRequest(code="pass"))  # its zygote is up
+        view = await rt.resolve("python")
+        lock = rt._zygote_locks[view.zygote_key]
+        await lock.acquire()
+        asyncio.get_running_loop().call_later(1.5, lock.release)
+        t0 = time.monotonic()
+        r = await rt.run(ExecRequest(code=SLEEPER, timeout_s=1.0))
+        wall = time.monotonic() - t0
+        assert r.timed_out and r.exit_code == 137, r
+        assert wall <= 1.0 + OVERSHOOT_S, f"the run replied {wall - 1.0:.2f} s after its deadline"
