@@ -3,32 +3,41 @@ what the world does to real `rollbox serve` replicas sharing one real SeaweedFS,
 rule against a model of what each sandbox must hold.
 
 The world (rules), through HTTP with CloudEvents built by the SDK:
-    step            an exec on any replica that writes, appends, deletes, hard-links and symlinks files
-                    (small ones inline in the records, large ones blobs) and reads them all back
-    resend          an acknowledged event (create, exec, fork, snapshot, destroy) sent again, to any replica
-    race            two steps (an exec or a fork each) on one sandbox through two replicas at once; the
-                    loser is sometimes retried, as its 409 asks
-    kill -9         of a replica, idle or with a step in flight (whose client then sends it elsewhere),
-                    restarted on the same home
+    step            an exec on any replica that writes, appends, deletes, renames, chmods, hard-links and
+                    symlinks files (small ones inline in the records, large ones blobs) and lists them
+                    all; some write a file through the exec's ``files`` or read back with ``read_files``
+    burst           steps on several sandboxes at once, through any replicas
+    resend          an acknowledged event (create, exec, fork, snapshot, destroy) sent again, to any
+                    replica; ``resend_altered``: its identity with other content
+    duplicate       one event delivered twice at once, to two replicas (or one)
+    race            two events on one sandbox at once through two replicas: an exec, and an exec, a fork
+                    or a destroy; the loser is sometimes retried, as its 409 asks
+    kill -9         of a replica, idle or with an exec, fork, create or destroy in flight (whose client
+                    then sends it elsewhere), restarted on the same home
     drain           SIGTERM with a step in flight, exit 0, restarted (on a fresh home or the same)
     hibernate       replica 1 runs with --max-live 2 (pressure), replica 2 with --hibernate-after-s 1
                     (the `idle` rule lets its live copies hibernate; the next step there passes through)
+    lifetimes       sandboxes made with a 2 or 4 s lifetime: 410 once it passed, on every replica
+                    (replica 0 sweeps the store every 2 s)
+    timeouts        a step killed at its timeout (what it wrote before is kept)
     fork, snapshot  and a sandbox created from that snapshot (its files in a lower layer: copy-up,
                     whiteouts and opaque directories over it)
-    destroy         then every replica answers 410 for it, forever
+    destroy         then every replica answers 410 for it; a destroy again returns the same record
     store hiccup    SeaweedFS stopped (SIGSTOP) for a moment while a step is in flight; with
                     ROLLBOX_MODEL_OUTAGES=1 also past the store deadline: 503, the client retries
 
-The model: each sandbox's files (contents, hard-link groups as overlayfs keeps them, symlinks, the
-directory), whether it was destroyed, how many execs it acknowledged; each acknowledged event's first
-reply. Checked after every rule: every acknowledged step's effect is there exactly once (every exec
-appends its own token to a journal file and reads all files back; the listing must equal the model's),
-never a 500 (replies and the replicas' logs), a re-sent event's reply is the first one, racing steps
-give one 200 and 409 sandbox_busy for the other (or two 200 in some order when they did not overlap),
-a destroyed sandbox is 410 on every replica, and its usage counts the model's execs.
+The model: each sandbox's files (contents and modes, hard links as overlayfs keeps them over snapshot
+layers, symlinks, the directory), whether it ended, how many execs it acknowledged; each acknowledged
+event's first reply. Checked after every rule: every acknowledged step's effect is there exactly once
+(every exec appends its own token to a journal file and lists all files; the listing must be the
+model's), never a 500 (replies, and errors in the replicas' logs), a re-sent event's reply is the first
+one, racing steps give one 200 and 409 sandbox_busy for the other (or two 200 in some order when they
+did not overlap), an ended sandbox is 410 on every replica, and its usage counts the model's execs.
 
 CI runs a bounded, derandomized number of sequences (ROLLBOX_MODEL_EXAMPLES, ROLLBOX_MODEL_STEPS);
-loadtest/durable_model_long.py runs many with random seeds.
+loadtest/durable_model_long.py runs many random ones. Rules draw sandboxes by index with fixed bounds
+(and preconditions count rules, not outcomes): real replicas are not deterministic, and Hypothesis
+calls a sequence's data generation flaky if what it may draw depends on what happened.
 """
 
 from __future__ import annotations
@@ -56,11 +65,9 @@ from cloudevents.http import CloudEvent
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    Bundle,
     RuleBasedStateMachine,
     initialize,
     invariant,
-    multiple,
     precondition,
     rule,
     run_state_machine_as_test,
@@ -276,12 +283,7 @@ for dp, dns, fns in os.walk("."):
         else:
             data = open(p, encoding="utf-8").read()
             short = data if len(data) <= 200 else "sha256:" + hashlib.sha256(data.encode()).hexdigest()
-            st = os.lstat(p)
-            out[p] = ["f", short, st.st_ino, oct(st.st_mode & 0o777)]
-first = {}
-for p in sorted(out):
-    if out[p][0] == "f":
-        out[p][2] = first.setdefault(out[p][2], p)
+            out[p] = ["f", short, oct(os.lstat(p).st_mode & 0o777)]
 print(json.dumps(out, sort_keys=True))
 '''
 
@@ -390,10 +392,9 @@ class Tree:
     def listing(self) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {d: ["d"] for d in self.dirs}
         out.update({p: ["l", t] for p, t in self.links.items()})
-        first: dict[int, str] = {}
-        for p in sorted(self.files):
-            first.setdefault(id(self.files[p]), p)
-        out.update({p: ["f", short(n.content), first[id(n)], oct(n.mode)] for p, n in self.files.items()})
+        # (no hard-link groups: overlayfs gives a lower file copied up its lower inode number, and a new
+        # link to it the upper one; that names share a file shows in their contents after a write)
+        out.update({p: ["f", short(n.content), oct(n.mode)] for p, n in self.files.items()})
         return out
 
 
@@ -514,12 +515,19 @@ def traced(f: Callable[..., Any]) -> Callable[..., Any]:
     it happened: real replicas are not deterministic, so Hypothesis' replay of a failing sequence (to
     shrink or report it) may take another path or call its data generation flaky."""
     @functools.wraps(f)
-    def rule_(self: DurableModel, *args: Any, **kwargs: Any) -> Any:
+    def rule_(self: DurableModel, *args: Any, **kwargs: Any) -> None:
+        # drawn as indices (fixed bounds, whatever happened so far: Hypothesis needs that), used as objects
+        if isinstance(kwargs.get("sb"), int):
+            kwargs["sb"] = self.pick(kwargs["sb"])
+        if isinstance(kwargs.get("snap"), int):
+            kwargs["snap"] = self.snaps[kwargs["snap"] % len(self.snaps)] if self.snaps else None
         shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
         self.trail.append("  " * self.depth + f"{f.__name__}({shown})")  # (indented: a rule a rule calls)
+        if self.depth == 0:
+            self.fresh = []
         self.depth += 1
         try:
-            return f(self, *args, **kwargs)
+            f(self, *args, **kwargs)
         except BaseException as exc:
             self.report(exc)
             raise
@@ -530,7 +538,10 @@ def traced(f: Callable[..., Any]) -> Callable[..., Any]:
 
 EXPENSIVE_PER_SEQUENCE = int(os.environ.get("ROLLBOX_MODEL_EXPENSIVE", "1"))  # restarts, idling, long pauses
 OUTAGES = os.environ.get("ROLLBOX_MODEL_OUTAGES") == "1"  # store pauses past the deadline (8 s each)
-MAX_SANDBOXES = 8  # made in one sequence (a precondition must not depend on timing: not open ones)
+MAX_SANDBOXES = 8  # rules that may make one, per sequence (a precondition must not depend on what they made)
+SB = st.integers(0, MAX_SANDBOXES - 1)  # a sandbox of the sequence, by index (modulo how many there are)
+SNAP = st.integers(0, 7)
+ANY = st.integers(0, 10_000)
 KILL_KINDS = st.sampled_from(["exec", "exec", "fork", "create", "destroy"])
 
 
@@ -539,18 +550,27 @@ class DurableModel(RuleBasedStateMachine):
     sequences: ClassVar[int] = 0  # counted for the long run's report
     rules_run: ClassVar[int] = 0
 
-    sandboxes = Bundle("sandboxes")
-    snapshots = Bundle("snapshots")
-
     def __init__(self) -> None:
         super().__init__()
         self.w = self.cluster
-        self.sbs: dict[str, Sandbox] = {}
+        self.sbs: dict[str, Sandbox] = {}  # every sandbox the sequence made, in order
+        self.fresh: list[Sandbox] = []  # those the last rule made
+        self.snaps: list[Snap] = []
         self.acked: list[Acked] = []
+        self.making = 0  # rules run that may make sandboxes
         self.expensive = 0
         self.trail: list[str] = []  # the rules run so far, for a failure's report (``traced``)
         self.depth = 0
         DurableModel.sequences += 1
+
+    def pick(self, i: int) -> Sandbox:
+        sbs = list(self.sbs.values())
+        return sbs[i % len(sbs)]
+
+    def new_sandbox(self, r: int, lifetime: float | None = None) -> Sandbox:
+        """(written-out sequences) ``create``, and the sandbox it made."""
+        self.create(r, lifetime)
+        return self.fresh[-1]
 
     def report(self, exc: BaseException) -> None:
         """Print the sequence as run with its first failure (once: rules call rules)."""
@@ -643,6 +663,7 @@ class DurableModel(RuleBasedStateMachine):
         sb = Sandbox(info["sandbox_id"], trees, lifetime if lifetime < 600 else None, (call.sent, call.answered))
         assert sb.sid not in self.sbs, f"{sb.sid} made twice"
         self.sbs[sb.sid] = sb
+        self.fresh.append(sb)
         return sb
 
     @invariant()
@@ -706,19 +727,20 @@ class DurableModel(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------------------
 
-    @initialize(target=sandboxes, r=REPLICA)
+    @initialize(r=REPLICA)
     @traced
-    def first(self, r: int) -> Sandbox:
-        return self.create(r)
+    def first(self, r: int) -> None:
+        self.create(r)
 
-    @precondition(lambda self: len(self.sbs) < MAX_SANDBOXES)
-    @rule(target=sandboxes, r=REPLICA, lifetime=LIFETIMES)
+    @precondition(lambda self: self.making < MAX_SANDBOXES)
+    @rule(r=REPLICA, lifetime=LIFETIMES)
     @traced
-    def create(self, r: int, lifetime: float | None = None) -> Sandbox:
+    def create(self, r: int, lifetime: float | None = None) -> None:
+        self.making += 1
         ev = event(CREATE, {} if lifetime is None else {"timeout_s": lifetime}, source=SOURCE)
-        return self.create_done(ev, self.call(r, ev), [Tree()])
+        self.create_done(ev, self.call(r, ev), [Tree()])
 
-    @rule(sb=sandboxes, r=REPLICA, ops=OPS, mode=MODES,
+    @rule(sb=SB, r=REPLICA, ops=OPS, mode=MODES,
           pre=st.none() | st.tuples(st.sampled_from(PATHS), WORDS), read=st.booleans())
     @traced
     def step(self, sb: Sandbox, r: int, ops: list[list[Any]], mode: str = "binary",
@@ -734,8 +756,26 @@ class DurableModel(RuleBasedStateMachine):
         ev, full = exec_event(sb, ops, pre=pre, read=paths)
         self.exec_done(sb, ev, full, self.call(r, ev, mode))
 
+    @rule(steps=st.lists(st.tuples(SB, REPLICA, OPS), min_size=2, max_size=4))
+    @traced
+    def burst(self, steps: list[tuple[int, int, list[list[Any]]]]) -> None:
+        """Steps on several sandboxes at once, each through any replica (replica 1 holds two live at most:
+        a step there may wait for room, or be refused with 429 and sent again, as a client does)."""
+        sent: list[tuple[Sandbox, int, CloudEvent, list[list[Any]], Future[Call]]] = []
+        for i, r, ops in steps:
+            sb = self.pick(i)
+            if any(sb is s[0] for s in sent):
+                continue
+            ev, full = exec_event(sb, ops, sleep_s=0.05)
+            sent.append((sb, r, ev, full, self.call_soon(r, ev)))
+        for sb, r, ev, full, fut in sent:
+            call = fut.result()
+            if sb.ended is None and call.reply is not None and call.reply.status == 429:
+                call = self.until_answered(r, ev, call)
+            self.exec_done(sb, ev, full, call)
+
     @precondition(lambda self: self.may_spend())
-    @rule(sb=sandboxes, r=REPLICA, ops=OPS)
+    @rule(sb=SB, r=REPLICA, ops=OPS)
     @traced
     def step_timing_out(self, sb: Sandbox, r: int, ops: list[list[Any]]) -> None:
         """An exec killed at its timeout after its ops: acknowledged (timed_out, 137), and what it wrote
@@ -751,34 +791,36 @@ class DurableModel(RuleBasedStateMachine):
         sb.execs += 1
         self.ack(ev, reply, "exec")
 
-    @rule(data=st.data(), r=REPLICA, mode=MODES)  # (the first create is always acknowledged)
+    @rule(i=ANY, r=REPLICA, mode=MODES)  # (the first create is always acknowledged)
     @traced
-    def resend(self, data: st.DataObject, r: int, mode: str) -> None:
-        self.resend_one(data.draw(st.sampled_from(self.acked), label="event"), r, mode)
+    def resend(self, i: int, r: int, mode: str) -> None:
+        self.resend_one(self.acked[i % len(self.acked)], r, mode)
 
     def resend_one(self, first: Acked, r: int, mode: str = "binary") -> None:
         reply = self.expect(self.call(r, first.ev, mode).reply, first.status)
         assert reply.data == first.data, f"a re-sent {first.kind} event got another reply:\n" \
                                          f" first {first.data}\n again {reply.data}"
 
-    @rule(data=st.data(), r=REPLICA)
+    @rule(i=ANY, r=REPLICA)
     @traced
-    def resend_altered(self, data: st.DataObject, r: int) -> None:
+    def resend_altered(self, i: int, r: int) -> None:
         """An acknowledged event's identity with other content: refused on every replica, nothing runs."""
-        first = data.draw(st.sampled_from([a for a in self.acked if a.kind != "snapshot"]), label="event")
+        events = [a for a in self.acked if a.kind != "snapshot"]
+        first = events[i % len(events)]
         self.expect(self.call(r, altered(first.ev)).reply, 409, "idempotency_conflict")
 
-    @rule(target=sandboxes, sb=sandboxes, r1=REPLICA, r2=REPLICA, ops1=OPS, ops2=OPS,
+    @rule(sb=SB, r1=REPLICA, r2=REPLICA, ops1=OPS, ops2=OPS,
           second=st.sampled_from(["exec", "fork", "destroy"]), retry=st.booleans())
     @traced
     def race(self, sb: Sandbox, r1: int, r2: int, ops1: list[list[Any]], ops2: list[list[Any]],
-             second: str = "exec", retry: bool = False) -> Any:
+             second: str = "exec", retry: bool = False) -> None:
         """Two events on one sandbox at once through two replicas (or one): an exec, and an exec, a fork
         or a destroy. The loser is 409 sandbox_busy and changed nothing; with ``retry`` it is sent again,
         as its 409 asks. (Not on a sandbox with a short lifetime: one of them could see it expired.)"""
+        self.making += 1
         if sb.lifetime_s is not None and sb.ended is None:
             self.step(sb, r1, ops1)
-            return multiple()
+            return None
         ev1, full1 = exec_event(sb, ops1, sleep_s=0.25)
         full2: list[list[Any]] = []
         if second == "exec":
@@ -794,7 +836,7 @@ class DurableModel(RuleBasedStateMachine):
                 self.destroy_done(sb, ev2, c2)
             else:
                 assert self.ended(sb, c2)
-            return multiple()
+            return None
         rep1, rep2 = c1.reply, c2.reply
         assert rep1 is not None and rep2 is not None
         for rep in (rep1, rep2):
@@ -847,18 +889,19 @@ class DurableModel(RuleBasedStateMachine):
             apply2(c2)
             if retry:
                 self.exec_done(sb, ev1, full1, again(r1, ev1))
-        return multiple(*children)
+        return None
 
-    @rule(target=sandboxes, sb=sandboxes, kind=st.sampled_from(["exec", "create", "fork", "destroy"]),
+    @rule(sb=SB, kind=st.sampled_from(["exec", "create", "fork", "destroy"]),
           r1=REPLICA, r2=REPLICA, ops=OPS)
     @traced
-    def duplicate_at_once(self, sb: Sandbox, kind: str, r1: int, r2: int, ops: list[list[Any]]) -> Any:
+    def duplicate_at_once(self, sb: Sandbox, kind: str, r1: int, r2: int, ops: list[list[Any]]) -> None:
         """One event delivered twice at once (a broker's redelivery racing the first, a client's retry
         racing its first try), to two replicas or one: it takes effect once, and both are answered with
         the one reply (one may be 409 sandbox_busy first, as a lost race is: its retry gets the reply)."""
+        self.making += 1
         if kind != "create" and sb.lifetime_s is not None and sb.ended is None:
             self.step(sb, r1, ops)
-            return multiple()
+            return None
         full: list[list[Any]] = []
         if kind == "exec":
             ev, full = exec_event(sb, ops, sleep_s=0.1)
@@ -871,7 +914,7 @@ class DurableModel(RuleBasedStateMachine):
         c1, c2 = f1.result(), f2.result()
         if kind in ("exec", "fork") and sb.ended is not None:
             assert self.ended(sb, c1) and self.ended(sb, c2)
-            return multiple()
+            return None
         c1, c2 = self.until_answered(r1, ev, c1), self.until_answered(r2, ev, c2)
         assert c1.reply is not None and c2.reply is not None
         assert (c1.reply.status, c1.reply.data) == (c2.reply.status, c2.reply.data), \
@@ -879,41 +922,47 @@ class DurableModel(RuleBasedStateMachine):
         if kind == "exec":
             self.exec_done(sb, ev, full, c1)
         elif kind == "create":
-            return self.create_done(ev, c1, [Tree()])
+            self.create_done(ev, c1, [Tree()])
         elif kind == "fork":
-            return multiple(*self.fork_done(sb, ev, 1, r1, c1))
+            self.fork_done(sb, ev, 1, r1, c1)
         else:
             self.destroy_done(sb, ev, c1)
-        return multiple()
+        return None
 
-    @precondition(lambda self: len(self.sbs) < MAX_SANDBOXES)
-    @rule(target=sandboxes, sb=sandboxes, r=REPLICA, count=st.integers(1, 2))
+    @precondition(lambda self: self.making < MAX_SANDBOXES)
+    @rule(sb=SB, r=REPLICA, count=st.integers(1, 2))
     @traced
-    def fork(self, sb: Sandbox, r: int, count: int) -> Any:
+    def fork(self, sb: Sandbox, r: int, count: int) -> None:
+        self.making += 1
         ev = event(FORK, {"sandbox_id": sb.sid, "count": count}, source=SOURCE)
-        return multiple(*self.fork_done(sb, ev, count, r, self.call(r, ev)))
+        self.fork_done(sb, ev, count, r, self.call(r, ev))
 
-    @rule(target=snapshots, sb=sandboxes, r=REPLICA)
+    @rule(sb=SB, r=REPLICA)
     @traced
-    def snapshot(self, sb: Sandbox, r: int) -> Any:
+    def snapshot(self, sb: Sandbox, r: int) -> None:
         ev = event(SNAPSHOT, {"sandbox_id": sb.sid}, source=SOURCE)
         call = self.call(r, ev)
         if self.ended(sb, call):
-            return multiple()
+            return
         reply = self.expect(call.reply, 200)
         self.ack(ev, reply, "snapshot")
-        return Snap(reply.data["snapshot_id"], copies(sb.trees))
+        self.snaps.append(Snap(reply.data["snapshot_id"], copies(sb.trees)))
 
-    @precondition(lambda self: len(self.sbs) < MAX_SANDBOXES)
-    @rule(target=sandboxes, snap=snapshots, r=REPLICA)
+    @precondition(lambda self: self.making < MAX_SANDBOXES)
+    @rule(snap=SNAP, r=REPLICA)
     @traced
-    def create_from(self, snap: Snap, r: int) -> Sandbox:
+    def create_from(self, snap: Snap | None, r: int) -> None:
+        """A sandbox from one of the sequence's snapshots (none yet: from the built-in one)."""
+        self.making += 1
+        if snap is None:
+            ev = event(CREATE, {}, source=SOURCE)
+            self.create_done(ev, self.call(r, ev), [Tree()])
+            return
         ev = event(CREATE, {"snapshot": snap.snapshot_id}, source=SOURCE)
-        sb = self.create_done(ev, self.call(r, ev), copies(snap.trees, lower=True))
+        self.create_done(ev, self.call(r, ev), copies(snap.trees, lower=True))
         assert self.acked[-1].data["snapshot_id"] == snap.snapshot_id, self.acked[-1].data
-        return sb
 
-    @rule(sb=sandboxes, r=REPLICA)
+    @rule(sb=SB, r=REPLICA)
     @traced
     def destroy(self, sb: Sandbox, r: int) -> None:
         ev = event(DESTROY, {"sandbox_id": sb.sid}, source=SOURCE)
@@ -936,15 +985,16 @@ class DurableModel(RuleBasedStateMachine):
         self.w.replicas[r].kill9()
         self.w.replicas[r].launch()
 
-    @precondition(lambda self: self.may_spend() and len(self.sbs) < MAX_SANDBOXES)
-    @rule(target=sandboxes, sb=sandboxes, kind=KILL_KINDS, r=REPLICA, other=REPLICA, ops=OPS,
+    @precondition(lambda self: self.may_spend() and self.making < MAX_SANDBOXES)
+    @rule(sb=SB, kind=KILL_KINDS, r=REPLICA, other=REPLICA, ops=OPS,
           delay=st.sampled_from([0.0, 0.03, 0.1, 0.3]))
     @traced
-    def kill9_in_flight(self, sb: Sandbox, kind: str, r: int, other: int, ops: list[list[Any]], delay: float) -> Any:
+    def kill9_in_flight(self, sb: Sandbox, kind: str, r: int, other: int, ops: list[list[Any]], delay: float) -> None:
         """kill -9 while an event is in flight (an exec, a fork, a create, a destroy): its client gets no
         reply and sends it again (to another replica, or this one restarted) until answered. Whether
         the first attempt committed or not, it counts once."""
         self.spend()
+        self.making += 1
         full: list[list[Any]] = []
         if kind == "exec":
             ev, full = exec_event(sb, ops, sleep_s=0.1)
@@ -963,15 +1013,15 @@ class DurableModel(RuleBasedStateMachine):
         if kind == "exec":
             self.exec_done(sb, ev, full, call)
         elif kind == "create":
-            return self.create_done(ev, call, [Tree()])
+            self.create_done(ev, call, [Tree()])
         elif kind == "fork":
-            return multiple(*self.fork_done(sb, ev, 1, other, call))
+            self.fork_done(sb, ev, 1, other, call)
         else:
             self.destroy_done(sb, ev, call)
-        return multiple()
+        return None
 
     @precondition(may_spend)
-    @rule(sb=sandboxes, r=REPLICA, other=REPLICA, ops=OPS, fresh=st.booleans())
+    @rule(sb=SB, r=REPLICA, other=REPLICA, ops=OPS, fresh=st.booleans())
     @traced
     def drain(self, sb: Sandbox, r: int, other: int, ops: list[list[Any]], fresh: bool) -> None:
         """SIGTERM with a step in flight: the step is answered (or refused with 503 and sent elsewhere),
@@ -999,7 +1049,7 @@ class DurableModel(RuleBasedStateMachine):
         self.spend()
         time.sleep(1.6)
 
-    @rule(sb=sandboxes, r=REPLICA, ops=OPS, pause=st.sampled_from([0.05, 0.3, 1.0]))
+    @rule(sb=SB, r=REPLICA, ops=OPS, pause=st.sampled_from([0.05, 0.3, 1.0]))
     @traced
     def store_hiccup(self, sb: Sandbox, r: int, ops: list[list[Any]], pause: float) -> None:
         """The store stops answering for a moment (less than the store deadline) during a step."""
@@ -1010,7 +1060,7 @@ class DurableModel(RuleBasedStateMachine):
         self.exec_done(sb, ev, full, fut.result())
 
     @precondition(lambda self: OUTAGES and self.may_spend())
-    @rule(sb=sandboxes, r=REPLICA, other=REPLICA, ops=OPS, at=st.sampled_from([0.0, 0.1]))
+    @rule(sb=SB, r=REPLICA, other=REPLICA, ops=OPS, at=st.sampled_from([0.0, 0.1]))
     @traced
     def store_outage(self, sb: Sandbox, r: int, other: int, ops: list[list[Any]], at: float) -> None:
         """The store stops answering past the deadline during a step: 503, and whatever the step had
@@ -1094,7 +1144,7 @@ def test_issue_25_1_a_duplicate_on_the_other_replica_then_kill_and_race(model: D
     answers A's reply); a step on B; the next on A (was 500: inline contents paired with the wrong
     generation); A killed; a step on B; racing steps through both."""
     a, b = 0, 1
-    sb = model.create(a)
+    sb = model.new_sandbox(a)
     for n in range(20):  # each writes a file of its own, read back on both replicas
         model.step(sb, (a, b)[n % 2], [["write", f"f{n}", f"{n}"]])
         model.step(sb, a, [])
@@ -1122,7 +1172,7 @@ def test_a_step_passing_through_commits_its_large_files(model: DurableModel) -> 
     """A step that passes through (replica 2, after its live copy hibernated) ends its sandbox with it;
     its files are read through the dead sandbox's upper directory, whose descriptor was closed before
     the large ones (blobs) were uploaded: FileNotFoundError, 500."""
-    sb = model.create(2)
+    sb = model.new_sandbox(2)
     model.step(sb, 2, [["write", "a", "small"]])
     model.idle()
     model.step(sb, 2, [["big", "b", "x"]])
@@ -1132,10 +1182,11 @@ def test_a_step_passing_through_commits_its_large_files(model: DurableModel) -> 
 def test_a_fork_at_the_live_cap_hibernates_an_idle_sandbox(model: DurableModel) -> None:
     """Replica 1 holds two live sandboxes at most. A fork of one of them while another idles there was
     429 (the runtime's cap), where a create or a resume hibernates the idle one to make room."""
-    a = model.create(1)
+    a = model.new_sandbox(1)
     model.step(a, 1, [["write", "a", "parent"]])
     model.create(1)
-    (child,) = model.fork(a, 1, 1)
+    model.fork(a, 1, 1)
+    (child,) = model.fresh
     model.step(child, 1, [["append", "a", " child"]])
     model.step(a, 1, [["append", "a", " still"]])
 
@@ -1145,7 +1196,7 @@ def test_a_fork_that_lost_its_race_can_be_retried(model: DurableModel) -> None:
     had committed its children already, under ids derived from the event alone: the retry made the same
     ids and was 409 (their records exist) forever. The lost attempt's children are gone, too."""
     a, b = 0, 1
-    sb = model.create(a)
+    sb = model.new_sandbox(a)
     model.step(sb, a, [["big", "a", "x", 40 << 20]])
     model.step(sb, a, [["write", "b", "1"]])  # A holds it live; B must resume it (its 40 MB file) to fork
     fork = event(FORK, {"sandbox_id": sb.sid, "count": 1}, source=SOURCE)
@@ -1165,7 +1216,7 @@ def test_a_lifetime_counts_from_the_create_not_from_a_resume(model: DurableModel
     """A sandbox's lifetime holds across replicas: a copy resumed on another replica got the whole
     lifetime again from its resume, and ran steps after the sandbox had expired."""
     a, b = 0, 1
-    sb = model.create(a, lifetime=3.0)
+    sb = model.new_sandbox(a, lifetime=3.0)
     model.step(sb, a, [["write", "a", "1"]])
     time.sleep(max(0.0, sb.born[1] + 2.0 - time.monotonic()))
     model.step(sb, b, [["write", "a", "2"]])  # resumed on B, 2 s into its 3 s
@@ -1181,7 +1232,7 @@ def test_a_destroy_of_an_expired_sandbox_is_recorded_as_any_event(model: Durable
     """A destroy that found the sandbox ended already (its lifetime passed) answered with the record of
     that end without noting its event: sent again with other content to another replica, it was
     answered 200 (the replica that first saw it: 409 idempotency_conflict)."""
-    sb = model.create(0, lifetime=2.0)
+    sb = model.new_sandbox(0, lifetime=2.0)
     model.step(sb, 0, [["write", "a", "1"]])
     time.sleep(max(0.0, sb.born[1] + 2.0 + LIFETIME_SLACK_S - time.monotonic()) + 0.1)
     model.step(sb, 1, [])  # 410: expired
@@ -1200,7 +1251,7 @@ def test_a_reply_recorded_by_a_newer_replica_is_replayed(model: DurableModel) ->
     reply models refuse unknown fields). (The record is rewritten here as a newer replica would write
     it; records are otherwise never rewritten.) Found by this test's own run while another change
     added ``isolation_summary`` to create replies and restarted replicas ran the newer code."""
-    sb = model.create(0)
+    sb = model.new_sandbox(0)
     first = model.acked[-1]
     s3, key = model.w.seaweed.client(), f"rb/sandboxes/{sb.sid}/0000000000.json"
     raw = s3.get_object(Bucket=model.w.bucket, Key=key)["Body"].read()
