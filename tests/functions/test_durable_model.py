@@ -1060,17 +1060,23 @@ class DurableModel(RuleBasedStateMachine):
         self.exec_done(sb, ev, full, fut.result())
 
     @precondition(lambda self: OUTAGES and self.may_spend())
-    @rule(sb=SB, r=REPLICA, other=REPLICA, ops=OPS, at=st.sampled_from([0.0, 0.1]))
+    @rule(sb=SB, r=REPLICA, other=REPLICA, ops=OPS, at=st.sampled_from([0.0, 0.2, 0.33, 0.4]))
     @traced
     def store_outage(self, sb: Sandbox, r: int, other: int, ops: list[list[Any]], at: float) -> None:
-        """The store stops answering past the deadline during a step: 503, and whatever the step had
-        written may still land. The client retries until it is answered: the step counts once."""
+        """The store stops answering (for longer than the store deadline) ``at`` seconds into a step:
+        503, and what the step had written (its commit) may still land when the store is back. The
+        client retries until it is answered: the step counts once, either way. (The step runs for
+        0.3 s: it commits at about 0.33 s. One answered before the store stopped is a step as any.)"""
         self.spend()
-        ev, full = exec_event(sb, ops, sleep_s=0.05)
+        ev, full = exec_event(sb, ops, sleep_s=0.3)
+        fut = self.call_soon(r, ev)
+        time.sleep(at)
         with self.w.store_paused():
-            time.sleep(at)
-            call = self.call_soon(r, ev).result()
-        if sb.ended is None and (call.reply is None or call.reply.status != 410):
+            stopped = time.monotonic()
+            call = fut.result()
+        if call.answered < stopped or (call.reply is not None and call.reply.status == 410):
+            return self.exec_done(sb, ev, full, call)
+        if sb.ended is None:
             assert call.reply is not None and call.reply.status == 503, call.reply and call.reply.data
             assert call.reply.data["code"] == "store_unavailable" and call.reply.headers["retry-after"], \
                 call.reply.data
@@ -1263,3 +1269,13 @@ def test_a_reply_recorded_by_a_newer_replica_is_replayed(model: DurableModel) ->
     for r in (1, 2):  # (replica 0 answers from its own cache)
         model.resend_one(first, r)  # this version's fields of it: the first reply
     model.step(sb, 1, [["write", "a", "1"]])
+
+
+def test_a_store_outage_past_the_deadline_is_503_and_the_step_counts_once(model: DurableModel) -> None:
+    """The store hangs while a step commits, past the store deadline: 503 store_unavailable with
+    Retry-After; the commit may land once the store is back, and the client's retry (to another
+    replica) is answered from it or runs the step: either way it counts once (~10 s: the deadline)."""
+    sb = model.new_sandbox(0)
+    model.step(sb, 1, [["write", "a", "before"]])
+    model.store_outage(sb, 1, 2, [["append", "a", " during"]], 0.2)
+    model.step(sb, 0, [["append", "a", " after"]])
