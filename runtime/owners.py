@@ -75,24 +75,40 @@ class Sweep:
     removed: int = 0
     failed: int = 0  # leftovers a sweep could not remove (each counted once)
     _reported: set[str] = field(default_factory=set)
+    # other owners whose things the last sweep found and left alone: when one of them dies, sweep again
+    _watched: frozenset[str] = frozenset()
 
     def run(self, cgroups: Iterable[str], dirs: Iterable[Path], trees: Iterable[Path]) -> int:
         """Remove dead owners' ``cgroups`` (paths), empty ``dirs`` and whole ``trees``; returns how
-        many of them remain."""
+        many of them remain. Live owners' are left alone (and watched: ``owner_died``)."""
         left = 0
+        living: set[str] = set()
+
+        def dead(owner: str | None) -> bool:
+            if owner is None or owner in living:
+                return False
+            if alive(owner):
+                living.add(owner)
+                return False
+            return True
+
         for path in cgroups:
-            owner = owner_of(os.path.basename(path))
-            if owner is not None and not alive(owner) and not self._rmdir_cgroup(path):
+            if dead(owner_of(os.path.basename(path))) and not self._rmdir_cgroup(path):
                 left += 1
         for d in dirs:
-            owner = owner_of(d.name)
-            if owner is not None and not alive(owner) and not self._remove(d, d.rmdir):
+            if dead(owner_of(d.name)) and not self._remove(d, d.rmdir):
                 left += 1
         for t in trees:
-            owner = owner_of(t.name)
-            if owner is not None and not alive(owner) and not self._remove(t, functools.partial(_rmtree, t)):
+            if dead(owner_of(t.name)) and not self._remove(t, functools.partial(_rmtree, t)):
                 left += 1
+        self._watched = frozenset(living - {tag()})
         return left
+
+    def owner_died(self) -> bool:
+        """Whether an owner whose things the last sweep left alone has died since (another runtime
+        on the same host or home, killed after this one started): its things are due now, not at the
+        next periodic sweep. One /proc read per such owner."""
+        return any(not alive(owner) for owner in self._watched)
 
     def _rmdir_cgroup(self, path: str) -> bool:
         try:
@@ -135,7 +151,8 @@ def _rmtree(path: Path) -> None:
 
 
 def _kill_all(cgroup: str) -> None:
-    """SIGKILL every process in a dead owner's cgroup (v2: ``cgroup.kill``; v1: thaw, then each pid)."""
+    """SIGKILL every process in a dead owner's cgroup (v2: ``cgroup.kill``; v1: thaw, then each pid,
+    again while new ones appear: a process forked just before its parent was killed)."""
     kill = os.path.join(cgroup, "cgroup.kill")
     if os.path.exists(kill):
         with contextlib.suppress(OSError):
@@ -145,7 +162,15 @@ def _kill_all(cgroup: str) -> None:
     if os.path.exists(freezer):
         with contextlib.suppress(OSError):
             Path(freezer).write_text("THAWED")
-    with contextlib.suppress(OSError):
-        for line in Path(cgroup, "cgroup.procs").read_text().split():
+    seen: set[str] = set()
+    for _ in range(20):
+        try:
+            new = set(Path(cgroup, "cgroup.procs").read_text().split()) - seen
+        except OSError:
+            return
+        if not new:
+            return
+        for pid in new:
             with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                os.kill(int(line), signal.SIGKILL)
+                os.kill(int(pid), signal.SIGKILL)
+        seen |= new

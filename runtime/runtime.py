@@ -922,7 +922,9 @@ class Runtime:
             await asyncio.sleep(self.config.reaper_interval_s)
             self._note_layers()
             now = time.monotonic()
-            if now - self._swept >= (1.0 if self._leftovers else 30.0):  # what dead runtimes left
+            # what dead runtimes left: again soon while some of it stays, at once when a runtime whose
+            # things the last sweep left alone has died since, else every 30 s
+            if now - self._swept >= (1.0 if self._leftovers else 30.0) or self.sweeper.owner_died():
                 self._swept = now
                 try:
                     self._leftovers = await asyncio.to_thread(self._sweep)
