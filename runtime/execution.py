@@ -360,6 +360,7 @@ class Sandbox:
     step_ended: float | None = None  # monotonic time its last step ended (None: none yet)
     alone: bool = False  # its agent said no process but itself (and an idle spare) outlived the last step
     step_kills: int = 0  # processes the supervisor killed on step timeouts
+    killed_step: bool = False  # its last step timed out: the host killed every process but its init
     owed_exit: bool = False  # a timed-out step's "exit" is still to come from the agent (see settle)
     forked_from: str | None = None
     pooled: bool = False
@@ -476,6 +477,7 @@ class Sandbox:
         return msg
 
     async def _exec(self, req: ExecRequest, last: bool, deadline: float) -> ExecResult:
+        self._unboost()  # (raised since a timed-out step, whose killed processes took it to exit)
         cap = self.limits.output_max_bytes
         if self._stats_fresh:  # nothing ran since the sandbox joined its group: counters (and peak) as then
             before = self.cg_base
@@ -547,6 +549,7 @@ class Sandbox:
             self.cg_final = after
         self.execs += 1
         alive = reply is not None and self.dead is None
+        self.killed_step = timed_out
         if reply is None:
             # The agent is gone: the sandbox died under this exec (its init was OOM-killed, say).
             self.dead = self.dead or "died"
@@ -696,9 +699,7 @@ class Sandbox:
             self.group.boost(True)  # the killed processes' exits and the reaping are all that runs
         try:
             await self.chan.send({"op": "kill"})
-            reply = await self.expect("exit", timeout_s=REPORT_WAIT_S)
-            self._unboost()
-            return reply
+            return await self.expect("exit", timeout_s=REPORT_WAIT_S)  # (boosted until its next step)
         except TimeoutError:  # (an OSError too: caught first)
             self.owed_exit = True
             return {"op": "exit", "status": signal.SIGKILL, "files": {}}
@@ -723,7 +724,6 @@ class Sandbox:
             died.ran = False
             raise died
         self.owed_exit = False
-        self._unboost()
 
     def _unboost(self) -> None:
         if self.group is not None:

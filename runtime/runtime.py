@@ -374,12 +374,13 @@ class Runtime:
     async def frozen(self, sandbox_id: str) -> AsyncIterator[Sandbox]:
         """Hold a sandbox still (no exec in flight, every process but its init stopped) while its
         upper directory — its filesystem diff, ``sandbox.upper_path`` — is read. When its agent said
-        that nothing outlived its last step, nothing can write while the lock is held: no signal is sent."""
+        that nothing outlived its last step, or its cgroup holds its init alone, nothing can write
+        while the lock is held: no signal is sent."""
         sb = self.get(sandbox_id)
         async with sb.lock:
             if sb.dead is not None:
                 raise SandboxDied(f"sandbox {sandbox_id} is gone ({sb.dead})", sandbox_id=sandbox_id)
-            if (sb.alone and not sb.owed_exit) or (sb.owed_exit and await self._only_init_left(sb)):
+            if (sb.alone and not sb.owed_exit) or await self._only_init_left(sb):
                 yield sb
                 sb.last_used = time.monotonic()
                 return
@@ -403,14 +404,14 @@ class Runtime:
 
     @staticmethod
     async def _only_init_left(sb: Sandbox) -> bool:
-        """After a timed-out step, whose processes the host killed: True once its cgroup holds its init
-        alone (every killed process has exited; none can write any more), waited for up to
-        KILLED_EXIT_WAIT_S. Then its files can be read without its agent's word, which a busy box may
-        take seconds to give (it reaps them first): a durable step's commit after a timeout does not
-        wait for that."""
+        """Whether the sandbox's cgroup holds its init alone: nothing but the agent can write. After a
+        timed-out step, whose processes the host killed, waited for up to KILLED_EXIT_WAIT_S while they
+        exit. Then its files are read without a word from its agent, which a busy box may take seconds
+        to give (it reaps the killed first, then stops the rest): a durable step's commit after a
+        timeout does not wait for that (the agent's report is read before its next frame)."""
         if sb.group is None:
             return False
-        deadline = time.monotonic() + KILLED_EXIT_WAIT_S
+        deadline = time.monotonic() + (KILLED_EXIT_WAIT_S if sb.killed_step else 0.0)
         while True:
             if set(sb.group.pids()) <= {sb.pid}:
                 return True
