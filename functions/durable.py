@@ -423,9 +423,13 @@ class DurableRuntime:
             try:
                 try:
                     reply = await action(live)
+                except SandboxDied:
+                    self._cut_short(sandbox_id, live)
+                    raise
                 finally:
                     live.last_used = time.monotonic()
                     live.passing = False  # for this step only (one refused before it ran leaves a live copy)
+                self._cut_short(sandbox_id, live)
                 await self._commit(live, reply, ev)
             except SandboxBusy:  # another replica committed this generation: nothing of the step is kept
                 await self._disown(self._adopted.pop(sandbox_id, []))
@@ -437,6 +441,16 @@ class DurableRuntime:
                 self._drop(sandbox_id, "hibernated")
                 self.metrics.hibernations.labels("step").inc()
             return reply
+
+    def _cut_short(self, sandbox_id: str, live: _Live) -> None:
+        """SandboxGone if the sandbox's lifetime passed while this step ran and the runtime's reaper
+        ended it (the step's result is then that of a kill, or SandboxDied): the step is not
+        acknowledged, and the answer is the one every replica gives for the sandbox from now on."""
+        why = live.record.expired(time.time())
+        sb = self.rt.sandboxes.get(sandbox_id)
+        if why is not None and (sb is None or not sb.alive()):
+            raise SandboxGone(f"sandbox {sandbox_id} expired ({why} limit) during this step",
+                              sandbox_id=sandbox_id, reason=why)
 
     async def ensure_live(self, sandbox_id: str) -> None:
         """Resume the sandbox here if it is not live (the snapshot and fork handlers need it live)."""

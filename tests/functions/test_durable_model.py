@@ -623,13 +623,8 @@ class DurableModel(RuleBasedStateMachine):
         reply = call.reply
         if state == "live" or (state == "either" and (reply is None or reply.status != 410)):
             return False
-        self.expect(reply, 410)
+        self.expect(reply, 410, "sandbox_gone")
         assert reply is not None
-        if reply.data["code"] == "sandbox_died":  # its lifetime ended it in the middle of this step
-            assert sb.ended != "destroyed" and "(lifetime)" in reply.data["message"], reply.data
-            sb.ended = sb.ended or "lifetime"
-            return True
-        assert reply.data["code"] == "sandbox_gone", reply.data
         reason = reply.data["details"].get("reason")
         assert reason in ("destroyed", "lifetime") and (sb.ended is None or
                                                          (reason == "destroyed") == (sb.ended == "destroyed")), \
@@ -1284,3 +1279,15 @@ def test_a_store_outage_past_the_deadline_is_503_and_the_step_counts_once(model:
     model.step(sb, 1, [["write", "a", "before"]])
     model.store_outage(sb, 1, 2, [["append", "a", " during"]], 0.2)
     model.step(sb, 0, [["append", "a", " after"]])
+
+
+def test_a_step_its_lifetime_cuts_short_is_410_sandbox_gone(model: DurableModel) -> None:
+    """A step running as its sandbox's lifetime passed was 410 sandbox_died (the runtime's reaper ended
+    the sandbox in use), where every other step on it, on any replica, is 410 sandbox_gone (lifetime)."""
+    sb = model.new_sandbox(0, lifetime=2.0)
+    model.step(sb, 0, [["write", "a", "1"]])
+    time.sleep(max(0.0, sb.born[1] + 1.0 - time.monotonic()))
+    ev, _ = exec_event(sb, [["write", "b", "2"], ["sleep", 1.5]], timeout_s=1.9)
+    call = model.call(0, ev)
+    assert call.answered > sb.born[0] + 2.0 and model.ended(sb, call), call.reply and call.reply.data
+    assert call.reply is not None and call.reply.data["details"]["reason"] == "lifetime", call.reply.data
