@@ -436,6 +436,9 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
                     _prime()
                 elif op == "kill":
                     kill_all()
+                    # no spare worker after a timed-out step: the supervisor reads the sandbox's files as
+                    # soon as its cgroup holds this init alone (Runtime.frozen)
+                    wants_spare = False
                 elif op == "ping":
                     proto.send(sock, {"op": "pong"})
                 elif op == "inject":
