@@ -3,7 +3,7 @@ well-behaved vs with 20 % misbehaving code, side by side in one run, on both pat
 events and the ``exec`` steps of episodes) and both transports (an in-process Runtime, and real
 CloudEvents over HTTP to a real ``rollbox serve``) — issues 9 and 25.
 
-    .venv/bin/python loadtest/bench_fairness.py                   # ~4.5 minutes: 4 combinations
+    .venv/bin/python loadtest/bench_fairness.py                   # ~5 minutes: 4 combinations
     .venv/bin/python loadtest/bench_fairness.py --duration-s 6    # a quick check
     .venv/bin/python loadtest/bench_fairness.py --paths run --transports http --kinds 'fork bomb'
 
@@ -288,6 +288,7 @@ class Combo:
     clean: Phase
     mixed: Phase
     note: str = ""
+    pairs: list[float] = field(default_factory=list)  # each slice's mixed p99 / the clean slice's before it
 
     @property
     def name(self) -> str:
@@ -314,11 +315,16 @@ async def measure(sessions: list[Session], path: str, transport: str, args: argp
     await settle()
     clean, mixed = Phase("well-behaved"), Phase(f"{args.bad_share:.0%} misbehaving")
     part = args.duration_s / args.slices
+    pairs = []
     for _ in range(args.slices):
-        clean.merge(await phase(sessions, path, clean.name, part, 0.0, args.steps, args.timeout_s))
-        mixed.merge(await phase(sessions, path, mixed.name, part, args.bad_share, args.steps, args.timeout_s))
+        a = await phase(sessions, path, clean.name, part, 0.0, args.steps, args.timeout_s)
+        b = await phase(sessions, path, mixed.name, part, args.bad_share, args.steps, args.timeout_s)
         await settle()  # the last misbehavers' teardown is not the next clean slice's
-    return Combo(path, transport, solo, clean, mixed)
+        clean.merge(a)
+        mixed.merge(b)
+        if a.good_s and b.good_s:
+            pairs.append(pct(b.good_s, 99) / pct(a.good_s, 99))
+    return Combo(path, transport, solo, clean, mixed, pairs=pairs)
 
 
 async def in_process(args: argparse.Namespace) -> list[Combo]:
@@ -448,6 +454,9 @@ async def main(args: argparse.Namespace) -> int:
             print(f"{c.name}, {p.name}: by kind (timed out/n, overshoot max s; how the others ended): " + ", ".join(
                 f"{k} {len(v)}/{p.kind_n[k]} {max(v, default=0.0):.3f}" + _ends(p.other_ends.get(k, []))
                 for k, v in p.by_kind.items()))
+        if c.pairs:
+            print(f"{c.name}: well-behaved p99 with / without misbehavers, slice by slice: "
+                  + " ".join(f"{r:.2f}x" for r in c.pairs) + f" (median {statistics.median(c.pairs):.2f}x)")
         errors = c.alone.errors + c.clean.errors + c.mixed.errors
         for e in dict.fromkeys(errors):
             print(f"{c.name}: error x{errors.count(e)}: {e[:200]}")
@@ -460,7 +469,7 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration-s", type=float, default=20.0, help="length of each phase (default 20)")
-    ap.add_argument("--slices", type=int, default=2, help="each phase in this many alternating slices (default 2)")
+    ap.add_argument("--slices", type=int, default=4, help="each phase in this many alternating slices (default 4)")
     ap.add_argument("-c", "--concurrency", type=int, default=32, help="workers at once (default 32)")
     ap.add_argument("--bad-share", type=float, default=0.2, help="share of workers misbehaving (default 0.2)")
     ap.add_argument("--steps", type=int, default=3, help="exec path: steps per episode (default 3)")
