@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -181,6 +182,7 @@ class Runtime:
         self.free_groups: list[Group] = []  # empty cgroups of destroyed sandboxes, reused: no mkdir/rmdir
         self.releasing: set[Group] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._unmounter: concurrent.futures.ThreadPoolExecutor | None = None  # see _close_later
         self.cgroup_reason = ""
         self.user_slots: slots.UserSlots | None = None  # as root: a user namespace per sandbox
         self.seccomp_bpf = b""
@@ -294,6 +296,9 @@ class Runtime:
         for group in self.free_groups:
             await self._remove_group(group)
         self.free_groups.clear()
+        if self._unmounter is not None:
+            self._unmounter.shutdown(wait=True)  # (its closes were awaited above, as tasks)
+            self._unmounter = None
         if self.cgroup_backend:
             self.cgroup_backend.close()
         if self.user_slots is not None:
@@ -692,9 +697,17 @@ class Runtime:
         return sb
 
     def _close_later(self, fd: int) -> None:
-        """Close ``fd`` in a thread (the last fd of a sandbox's mount namespace: its unmounts take
-        a while); ``close`` waits for it."""
-        self._background(asyncio.to_thread(os.close, fd))
+        """Close ``fd`` in a thread of its own pool (the last fd of a sandbox's mount namespace: its
+        unmounts wait for RCU grace periods, seconds on a loaded box, and must not hold up the default
+        executor's work); ``close`` waits for it."""
+        if self._unmounter is None:
+            self._unmounter = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="rollbox-unmount")
+        done = asyncio.get_running_loop().run_in_executor(self._unmounter, os.close, fd)
+
+        async def closed() -> None:
+            await done
+
+        self._background(closed())
 
     def drop_group(self, group: Group) -> None:
         """Remove a cgroup rather than reuse it: a spawn that failed may still have a child on its way
