@@ -431,7 +431,7 @@ class DurableRuntime:
                     live.passing = False  # for this step only (one refused before it ran leaves a live copy)
                 self._cut_short(sandbox_id, live)
                 await self._commit(live, reply, ev)
-            except SandboxBusy:  # another replica committed this generation: nothing of the step is kept
+            except (SandboxBusy, SandboxGone):  # another replica committed this generation: nothing is kept
                 await self._disown(self._adopted.pop(sandbox_id, []))
                 raise
             finally:
@@ -688,6 +688,13 @@ class DurableRuntime:
         if not ok:
             self.metrics.conflicts.inc()
             self._drop(sid, "conflict")
+            if state == "live":  # a step lost to the sandbox's end (a destroy, an expiry elsewhere): that is final
+                with contextlib.suppress(StoreError):
+                    winner = await self._read(sid, gen)
+                    if winner is not None and winner.state == "destroyed":
+                        self._remember(winner)
+                        raise SandboxGone(f"sandbox {sid} ended ({winner.reason}) while this step ran; nothing of "
+                                          "it was kept", sandbox_id=sid, reason=winner.reason or "destroyed")
             raise SandboxBusy(f"sandbox {sid}: another replica committed step {gen} first; nothing of this "
                               "request was kept, retry it", sandbox_id=sid)
         live.record = record

@@ -1291,3 +1291,19 @@ def test_a_step_its_lifetime_cuts_short_is_410_sandbox_gone(model: DurableModel)
     call = model.call(0, ev)
     assert call.answered > sb.born[0] + 2.0 and model.ended(sb, call), call.reply and call.reply.data
     assert call.reply is not None and call.reply.data["details"]["reason"] == "lifetime", call.reply.data
+
+
+def test_a_step_that_loses_to_a_destroy_is_410(model: DurableModel) -> None:
+    """A step that lost its commit to a destroy on another replica (or to an expiry recorded there) was
+    409 sandbox_busy, "retry it", for a sandbox that is gone: its retry could only be 410. Found when
+    a replica's reaper recorded an expiry while another replica ran a step on the sandbox."""
+    sb = model.new_sandbox(0)
+    model.step(sb, 0, [["write", "a", "1"]])
+    model.step(sb, 1, [["write", "a", "2"]])  # both hold it live
+    ev, _ = exec_event(sb, [["write", "a", "3"]], sleep_s=0.6)
+    slow = model.call_soon(0, ev)
+    time.sleep(0.2)
+    model.destroy(sb, 1)
+    call = slow.result()
+    assert model.ended(sb, call) and call.reply is not None, call.reply and call.reply.data
+    assert call.reply.data["details"]["reason"] == "destroyed", call.reply.data
