@@ -48,8 +48,12 @@ def main() -> int:
     m.EXPENSIVE_PER_SEQUENCE = args.expensive
     m.OUTAGES = args.outages
 
+    stopping = False
+
     def interrupted(_sig: int, _frame: object) -> None:
-        raise KeyboardInterrupt  # (SIGTERM too: the replicas and SeaweedFS are stopped on the way out)
+        nonlocal stopping
+        stopping = True  # (Hypothesis may report the interrupt as the sequence's failure: not counted)
+        raise KeyboardInterrupt  # SIGTERM too: the replicas and SeaweedFS are stopped on the way out
 
     signal.signal(signal.SIGTERM, interrupted)
     work = Path(tempfile.mkdtemp(prefix="rollbox-durable-model-"))
@@ -63,13 +67,15 @@ def main() -> int:
         weed.start()
         cluster = m.Cluster(weed, work / "cluster-0")
         m.DurableModel.cluster = cluster
-        while time.monotonic() - t0 < args.minutes * 60:
+        while time.monotonic() - t0 < args.minutes * 60 and not stopping:
             rounds += 1
             settings = m.model_settings(args.examples, args.steps, derandomize=False, shrink=args.shrink)
             before = m.DurableModel.sequences, m.DurableModel.rules_run
             try:  # not derandomized, no example database: new random sequences every round
                 run_state_machine_as_test(m.DurableModel, settings=settings)
             except Exception as exc:
+                if stopping:
+                    break
                 text = "".join(traceback.format_exception(exc))
                 failures.append(text)
                 print(f"\n=== round {rounds} FAILED:\n{text[-20000:]}\n", flush=True)
