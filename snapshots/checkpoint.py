@@ -24,7 +24,12 @@ def checkpoint(store: LocalStore, parent: Manifest, upper_dir: str | os.PathLike
         check_name(name)
     store.put_manifest(parent)  # the tree stays complete in this store
     ref = store.add_layer_dir(upper_dir, owner=None, remap=remap)
-    child = parent.model_copy(update={"layers": (*parent.layers, ref), "parent": parent.id})
+    layers = (*parent.layers, ref)
+    if ref in parent.layers and not any(os.scandir(upper_dir)):
+        # nothing changed over a parent that has the empty layer already: the kernel refuses one
+        # directory twice in an overlay's lower layers (ELOOP), and the empty layer shows nothing
+        layers = parent.layers
+    child = parent.model_copy(update={"layers": layers, "parent": parent.id})
     child = Manifest.model_validate(child.model_dump())  # re-validated, as if read from a store
     store.put_manifest(child)
     if name is not None:

@@ -1312,3 +1312,19 @@ def test_a_step_that_loses_to_a_destroy_is_410(model: DurableModel) -> None:
     call = slow.result()
     assert model.ended(sb, call) and call.reply is not None, call.reply and call.reply.data
     assert call.reply.data["details"]["reason"] == "destroyed", call.reply.data
+
+
+def test_a_snapshot_of_an_unchanged_sandbox_from_a_snapshot_can_be_restored(model: DurableModel) -> None:
+    """A snapshot of a sandbox that changed nothing is the empty layer over its parent; a sandbox from
+    that, snapshotted unchanged again, stacked the same empty layer twice, which the kernel refuses in
+    one overlay (ELOOP): every create from the second snapshot was a 500."""
+    model.create(0)
+    model.snapshot(model.fresh[-1], 1)  # nothing changed: the empty layer over the built-in snapshot
+    model.create_from(model.snaps[-1], 2)
+    model.snapshot(model.fresh[-1], 0)  # nothing changed again
+    model.create_from(model.snaps[-1], 1)
+    sb = model.fresh[-1]
+    model.step(sb, 1, [["write", "a", "1"]])
+    model.snapshot(sb, 1)  # a layer that is not empty, over those
+    model.create_from(model.snaps[-1], 0)
+    model.step(model.fresh[-1], 2, [["append", "a", "2"]])
