@@ -15,9 +15,9 @@
         ├── StoreUnavailable    the store cannot be reached now (outage); retrying later may succeed
         └── IntegrityError      content does not match its sha256 or is unsafe; it was never used
 
-(functions/knative.py adds KnativeError(RollboxError) for the Kubernetes API, converted there;
-functions/idempotency.py adds Conflict(RollboxError): an event id reused for other content.
-functions/service.py's ERROR_TABLE answers each of them with one HTTP status and code.)
+(functions/cli/knative.py adds KnativeError(RollboxError) for the Kubernetes API, converted there;
+functions/service/idempotency.py adds Conflict(RollboxError): an event id reused for other content.
+functions/service/app.py's ERROR_TABLE answers each of them with one HTTP status and code.)
 
 Third-party errors are converted once, at the boundary that calls them (``raise ... from exc``).
 """

@@ -121,7 +121,7 @@ def locust_list(command: str) -> tuple[str, Callable[[subprocess.CompletedProces
 def serve_parses(command: str) -> tuple[str, Callable[[subprocess.CompletedProcess[str], str], None]]:
     """A load test's server: its flags parsed and resolved by `rollbox serve`'s own parser and checks."""
     argv = shlex.split(re.sub(r"\s*& SERVER_PID=\$!$", "", bare(command)))[2:]  # after `.venv/bin/rollbox serve`
-    code = ("import os, sys\nfrom rollbox.functions.cli import Parser\nfrom rollbox.functions import server\n"
+    code = ("import os, sys\nfrom rollbox.functions.cli.main import Parser\nfrom rollbox.functions.service import server\n"
             "p = Parser(prog='rollbox'); sub = p.add_subparsers(dest='command'); server.add_parser(sub)\n"
             "args = p.parse_args(['serve', *sys.argv[1:]]); print(server.resolve(args, {}))")
 

@@ -23,7 +23,7 @@ class _Blocker:
 
 sys.meta_path.insert(0, _Blocker())
 sys.argv = ["rollbox", *sys.argv[2:]]
-from rollbox.functions.cli import script
+from rollbox.functions.cli.main import script
 script()
 """
 
@@ -59,7 +59,7 @@ def test_help_of_a_command_needs_no_extra() -> None:
 def test_help_lists_every_command_in_plain_text() -> None:
     """`rollbox --help` names every command (replay was missing from its description) and shows no
     reStructuredText marks (``double backticks``), nor does the help of a command or subcommand."""
-    from rollbox.functions.cli import COMMANDS
+    from rollbox.functions.cli.main import COMMANDS
 
     top = rollbox("--help")
     assert top.returncode == 0, top.stderr
@@ -93,8 +93,8 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> Non
     import shlex
     import uuid
 
-    from rollbox.functions.recorder import Recorder
-    from rollbox.functions.records import StepRecord
+    from rollbox.functions.contract.records import StepRecord
+    from rollbox.functions.recording.recorder import Recorder
     from rollbox.snapshots.state import LocalObjects
 
     home = tmp_path / "home"

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from rollbox.functions import client as client_module
 from rollbox.functions.client import (
     ERROR_CLASSES,
     Client,
@@ -37,7 +36,8 @@ from rollbox.functions.client import (
     TransportError,
     UnknownTypeError,
 )
-from rollbox.functions.contract import ErrorCode
+from rollbox.functions.client import http as client_module
+from rollbox.functions.contract.models import ErrorCode
 from rollbox.runtime.spec import ExecResult, Limits, Usage
 from svc_testkit import ServerProc, metric, metrics_of, start_server
 

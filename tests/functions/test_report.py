@@ -22,10 +22,11 @@ from typing import Any
 import matplotlib.image as mpimg
 import pandas as pd
 import pytest
-from rollbox.functions import cli, report
-from rollbox.functions.recorder import Prices, Recorder, usage_row
-from rollbox.functions.records import StepRecord
-from rollbox.functions.trajectories import read
+from rollbox.functions.analysis import report
+from rollbox.functions.analysis.trajectories import read
+from rollbox.functions.cli import main as cli
+from rollbox.functions.contract.records import StepRecord
+from rollbox.functions.recording.recorder import Prices, Recorder, usage_row
 from rollbox.runtime.spec import Limits, Usage
 from rollbox.snapshots.state import LocalObjects
 

@@ -31,8 +31,8 @@ import pytest
 import uvicorn
 from bad_input.cases import CORPUS, EXPERIMENT, Case
 from cloudevents.http import CloudEvent, from_http
-from rollbox.functions import sandbox, snapshot
-from rollbox.functions.contract import (
+from rollbox.functions.analysis.trajectories import read
+from rollbox.functions.contract.models import (
     ERROR,
     SANDBOX_CREATE,
     SANDBOX_DESTROY,
@@ -42,8 +42,8 @@ from rollbox.functions.contract import (
     SANDBOX_RESULT,
     SANDBOX_RUN,
 )
-from rollbox.functions.service import Service
-from rollbox.functions.trajectories import read
+from rollbox.functions.handlers import sandbox, snapshot
+from rollbox.functions.service.app import Service
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.snapshot import BuiltinResolver
 from rollbox.snapshots.cache import LayerCache

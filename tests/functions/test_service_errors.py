@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 from cloudevents.http import from_http
+from rollbox.functions.analysis.trajectories import steps
 from rollbox.functions.client import Client, OverloadedError
-from rollbox.functions.contract import ERROR, SANDBOX_CREATE, SANDBOX_CREATED, SANDBOX_DESTROY, SANDBOX_RUN
-from rollbox.functions.trajectories import steps
+from rollbox.functions.contract.models import ERROR, SANDBOX_CREATE, SANDBOX_CREATED, SANDBOX_DESTROY, SANDBOX_RUN
 from svc_testkit import ServerProc, send, start_server
 from svc_testkit import event as ce
 
@@ -361,7 +361,7 @@ def test_a_store_write_refused_for_a_full_disk_is_507_not_502() -> None:
     refuses for other reasons is still 502 ``store_error``."""
     import errno
 
-    from rollbox.functions.service import _runtime_error
+    from rollbox.functions.service.app import _runtime_error
     from rollbox.runtime.errors import StoreError
 
     def raised(err: int) -> StoreError:

@@ -8,7 +8,7 @@ import uuid
 
 import httpx
 import pytest
-from rollbox.functions.contract import (
+from rollbox.functions.contract.models import (
     ERROR,
     SANDBOX_CREATE,
     SANDBOX_CREATED,

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
-from rollbox.functions.contract import ERROR, SANDBOX_RESULT, SANDBOX_RUN
+from rollbox.functions.contract.models import ERROR, SANDBOX_RESULT, SANDBOX_RUN
 from svc_testkit import event as ce
 from svc_testkit import send, start_server
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 from rollbox.functions.client import Client, InternalError, Sandbox
-from rollbox.functions.contract import (
+from rollbox.functions.config.stores import StoreConfig
+from rollbox.functions.contract.models import (
     MAX_FORK,
     SANDBOX_FORK,
     SANDBOX_FORKED,
@@ -23,8 +24,7 @@ from rollbox.functions.contract import (
     ForkRecord,
     SnapshotRecord,
 )
-from rollbox.functions.server import OPTIONS, ConfigError, resolve
-from rollbox.functions.stores import StoreConfig
+from rollbox.functions.service.server import OPTIONS, ConfigError, resolve
 from svc_testkit import ServerProc, event, send, start_server
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3

@@ -15,7 +15,7 @@ from svc_testkit import ServerProc, event, send, start_server
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
 
-ROLLBOX = [sys.executable, "-m", "rollbox.functions.cli"]
+ROLLBOX = [sys.executable, "-m", "rollbox.functions.cli.main"]
 
 
 def _wait_log(srv: ServerProc, pred: object, timeout_s: float = 60.0) -> dict:

@@ -7,17 +7,17 @@ import asyncio
 import time
 
 import pytest
-from rollbox.functions import schemas
-from rollbox.functions.contract import CreateData, ExecData, Limits
-from rollbox.functions.durable import PRESSURE_MEMORY_S, DurableRuntime
-from rollbox.functions.idempotency import Conflict, IdempotencyCache
-from rollbox.functions.server import OPTIONS, ConfigError, resolve
+from rollbox.functions.contract import schemas
+from rollbox.functions.contract.models import CreateData, ExecData, Limits
+from rollbox.functions.durable.runtime import PRESSURE_MEMORY_S, DurableRuntime
+from rollbox.functions.service.idempotency import Conflict, IdempotencyCache
+from rollbox.functions.service.server import OPTIONS, ConfigError, resolve
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.snapshots.state import LocalObjects, SandboxRecord
 
 
 def test_json_schemas_are_current() -> None:
-    assert schemas.stale() == [], "run: python -m rollbox.functions.schemas"
+    assert schemas.stale() == [], "run: python -m rollbox.functions.contract.schemas"
     assert schemas.main(["--check"]) == 0
 
 
@@ -149,7 +149,7 @@ async def test_cache_is_bounded_by_bytes() -> None:
 def test_every_runtime_error_has_one_reply_in_the_table() -> None:
     """One table maps the runtime's exceptions to statuses and codes; each leaf class finds its row,
     a subclass never hides behind its parent's row, and anything else is a 500 that leaks nothing."""
-    from rollbox.functions.service import ERROR_TABLE, _runtime_error
+    from rollbox.functions.service.app import ERROR_TABLE, _runtime_error
     from rollbox.runtime import errors as rterr
 
     cases = {
@@ -190,7 +190,7 @@ def test_no_other_place_maps_an_exception_to_a_status() -> None:
     import ast
     import inspect
 
-    from rollbox.functions import service
+    from rollbox.functions.service import app as service
 
     tree = ast.parse(inspect.getsource(service))
     by_hand = []

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import orjson
 import pytest
-from rollbox.functions.aiosync import AsyncFsync
-from rollbox.functions.recorder import Recorder, spool_line
-from rollbox.functions.trajectories import read
+from rollbox.functions.analysis.trajectories import read
+from rollbox.functions.recording.aiosync import AsyncFsync
+from rollbox.functions.recording.recorder import Recorder, spool_line
 from rollbox.runtime.errors import StoreError
 from rollbox.snapshots.state import LocalObjects
 

@@ -19,10 +19,10 @@ import pandas as pd
 import pytest
 from cloudevents.http import from_dict
 from prometheus_client.parser import text_string_to_metric_families
-from rollbox.functions import cli
-from rollbox.functions.recorder import Recorder
-from rollbox.functions.records import SCHEMA_VERSION, STEP_SCHEMA
-from rollbox.functions.trajectories import read, steps, usage
+from rollbox.functions.analysis.trajectories import read, steps, usage
+from rollbox.functions.cli import main as cli
+from rollbox.functions.contract.records import SCHEMA_VERSION, STEP_SCHEMA
+from rollbox.functions.recording.recorder import Recorder
 from rollbox.snapshots.state import LocalObjects, SandboxRecord, record_key
 from rollbox.snapshots.store_s3 import S3Objects
 from svc_testkit import Reply, ServerProc, event, send, start_server
@@ -276,10 +276,10 @@ def test_rows_are_exactly_the_documented_models(tmp_path: Path) -> None:
     """Rows are built as plain dicts on the hot path: they must validate against StepRecord and
     UsageRecord, carry no other field, and reach Parquet as exactly the documented columns, a field a
     row left out holding the model's default."""
-    from rollbox.functions.contract import ExecData
-    from rollbox.functions.recorder import Prices, usage_row
-    from rollbox.functions.records import StepRecord, UsageRecord
-    from rollbox.functions.steps import StepContext, StepLog
+    from rollbox.functions.contract.models import ExecData
+    from rollbox.functions.contract.records import StepRecord, UsageRecord
+    from rollbox.functions.recording.recorder import Prices, usage_row
+    from rollbox.functions.recording.steps import StepContext, StepLog
     from rollbox.runtime.spec import ExecResult, Limits, Usage
 
     log = StepLog(Recorder(tmp_path, LocalObjects(tmp_path / "s"), "r"), env_version=lambda _s: {"python": "3"},
@@ -351,7 +351,7 @@ async def test_replay_forks_the_children_again_and_names_what_it_cannot_replay(
 
 def _store_rows(home: Path, rows: list[dict[str, Any]], segment: str = "r1.0000000000001.000001") -> None:
     """Rows written to the local store of ``home`` by the recorder's own upload (as a flush does)."""
-    from rollbox.functions.records import StepRecord
+    from rollbox.functions.contract.records import StepRecord
 
     lines = [("step", StepRecord(**{"event_source": "/t", "event_id": uuid.uuid4().hex, "event_type": EXEC,
                                     "event_time": 1.0, "recorded_at": 1.0, "status": 200, "replica": "r1",
@@ -397,8 +397,8 @@ def test_export_of_an_unknown_experiment_writes_nothing_and_names_the_known_ones
 def test_jsonl_export_and_show_json_give_json_columns_as_objects(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """(issue 26: `limits` and `env_version` were JSON strings inside the JSON line)"""
-    from rollbox.functions.records import StepRecord
-    from rollbox.functions.trajectories import JSON_COLUMNS
+    from rollbox.functions.analysis.trajectories import JSON_COLUMNS
+    from rollbox.functions.contract.records import StepRecord
 
     # every column the schema documents as JSON text is decoded
     assert set(JSON_COLUMNS) == {n for n, f in StepRecord.model_fields.items() if "JSON" in (f.description or "")}
@@ -429,7 +429,7 @@ def test_steps_still_in_the_spool_are_named_when_the_store_has_fewer(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Steps reach the store when a server flushes its spool (every 10 s by default; issue 26: nothing
     said so): show and ls say how many of the steps asked for are still in the spool of --home."""
-    from rollbox.functions.recorder import spool_line
+    from rollbox.functions.recording.recorder import spool_line
 
     home = tmp_path / "home"
     _store_rows(home, [{"experiment": "sp", "episode": "e", "sandbox_id": "sb-1", "command": "echo flushed"}])

@@ -14,7 +14,8 @@ import jsonschema
 import kubernetes.client
 import pytest
 import yaml
-from rollbox.functions.contract import (
+from rollbox.functions.config.options import resolve_options
+from rollbox.functions.contract.models import (
     CONTRACT,
     EPISODE_ANNOTATE,
     ERROR,
@@ -25,8 +26,7 @@ from rollbox.functions.contract import (
     SANDBOX_RUN,
     SANDBOX_SNAPSHOT,
 )
-from rollbox.functions.options import resolve_options
-from rollbox.functions.server import OPTIONS as SERVE_OPTIONS
+from rollbox.functions.service.server import OPTIONS as SERVE_OPTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 KNATIVE = REPO / "knative"
@@ -390,8 +390,8 @@ def test_triggers_deliver_to_the_service_with_retries_and_dead_letters() -> None
 
 def test_kafka_overlay_orders_every_trigger_and_replies_through_request_reply() -> None:
     """Kafka Broker (its config map in the overlay), every Trigger an ordered consumer, and a
-    RequestReply whose attributes are the ones rollbox's replies carry (functions/contract.py)."""
-    from rollbox.functions.contract import CORRELATION_ID, REPLY_CARRIES, REPLY_ID
+    RequestReply whose attributes are the ones rollbox's replies carry (functions/contract/models.py)."""
+    from rollbox.functions.contract.models import CORRELATION_ID, REPLY_CARRIES, REPLY_ID
 
     resources = {key(d): d for d in build(KNATIVE / "overlays" / "kafka")}
     broker = resources["Broker", "rollbox"]

@@ -76,12 +76,12 @@ def test_doctor_in_the_pod_shows_every_layer_in_force(pods: Callable[..., podkit
 
 def test_the_images_modules_load_from_their_bytecode(pods: Callable[..., podkit.Pod]) -> None:
     """Not compiled again at every start (timestamp .pyc files go stale when the image is made)."""
-    done = pods(entrypoint=["/opt/rollbox/bin/python", "-v", "-c", "import rollbox.functions.server"]).run_once()
+    done = pods(entrypoint=["/opt/rollbox/bin/python", "-v", "-c", "import rollbox.functions.service.server"]).run_once()
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = [ln for ln in done.stderr.splitlines() if ln.startswith("# code object from '/opt/rollbox/")]
     stale = [ln for ln in done.stderr.splitlines() if "bytecode is stale" in ln or
              ln.startswith("# code object from /opt/rollbox/")]  # (unquoted: compiled from the source)
-    ours = [ln for ln in loaded if "/rollbox/functions/__pycache__/server." in ln]
+    ours = [ln for ln in loaded if "/rollbox/functions/service/__pycache__/server." in ln]
     assert len(loaded) > 50 and ours and not stale, (len(loaded), stale[:10])
 
 

@@ -1,4 +1,4 @@
-"""functions/knative.py pre-warming against a FAKE Kubernetes API server: a real http.server on
+"""functions/cli/knative.py pre-warming against a FAKE Kubernetes API server: a real http.server on
 127.0.0.1 in a thread that answers a Knative Service's PATCH and GET and its Revision's GET, and
 records what it got. It is a fake because no Kubernetes API server can run here; the kubernetes
 client is real, and so is the `rollbox knative` command, pointed at the fake through a kubeconfig."""
@@ -16,7 +16,7 @@ from typing import Any
 
 import kubernetes.client
 import pytest
-from rollbox.functions.knative import KnativeError, KubernetesNotConfigured, prewarm, release, scale, wait_ready
+from rollbox.functions.cli.knative import KnativeError, KubernetesNotConfigured, prewarm, release, scale, wait_ready
 from rollbox.runtime.errors import InvalidRequest, RollboxError
 
 PATH = "/apis/serving.knative.dev/v1/namespaces/rl/services/rollbox"
@@ -223,7 +223,7 @@ def test_the_knative_command_names_what_failed(fake: tuple[FakeApi, Any], tmp_pa
 
 def test_without_the_kubernetes_client_the_command_says_what_to_install(tmp_path: Any) -> None:
     blocked = ("import sys; sys.modules['kubernetes'] = None\n"  # as if the knative extra were not installed
-               "from rollbox.functions.cli import main; sys.exit(main(sys.argv[1:]))")
+               "from rollbox.functions.cli.main import main; sys.exit(main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", blocked, "knative", "release", "--namespace", "rl"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "pip install 'rollbox[knative]'" in done.stderr, done.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
-from rollbox.functions.metrics import Metrics
+from rollbox.functions.service.metrics import Metrics
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROLLBOX = [sys.executable, "-m", "rollbox.functions.cli"]
+ROLLBOX = [sys.executable, "-m", "rollbox.functions.cli.main"]
 
 
 def run(*args: str, tmp: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -40,8 +40,8 @@ def test_run_of_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_each_command_loads_only_its_own_module(tmp_path: Path) -> None:
     """`rollbox run` pays no import of the service (pyarrow, functions-framework); --help lists all."""
-    code = ("import sys; from rollbox.functions import cli; rc = cli.main(['run', '--code', 'pass']); "
-            "print(sorted(m for m in ('pyarrow', 'functions_framework', 'rollbox.functions.server') if m in sys.modules))")
+    code = ("import sys; from rollbox.functions.cli import main; rc = cli.main(['run', '--code', 'pass']); "
+            "print(sorted(m for m in ('pyarrow', 'functions_framework', 'rollbox.functions.service.server') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=dict(os.environ, ROLLBOX_HOME=str(tmp_path)), timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p
@@ -61,7 +61,7 @@ def test_run_keeps_the_snapshots_limits_unless_asked(tmp_path: Path) -> None:
     p = run("run", "--json", "--memory-mb", "64", "--code", hog, tmp=tmp_path)
     rec = json.loads(p.stdout)  # killed by the cgroup (137, oom_killed), or MemoryError under the rlimit fallback
     assert rec["exit_code"] != 0 and "kept" not in rec["stdout"] and (rec["oom_killed"] or "MemoryError" in rec["stderr"])
-    from rollbox.functions.cmd_runtime import limit_overrides
+    from rollbox.functions.cli.runtime import limit_overrides
 
     assert limit_overrides({"memory_mb": None, "timeout_s": 30.0}, 900.0) == {}  # nothing asked: nothing forced
     assert limit_overrides({"memory_mb": 64, "timeout_s": 1000.0}, 900.0) == {"memory_max_bytes": 64 * 2**20,

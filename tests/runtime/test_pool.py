@@ -59,7 +59,7 @@ async def test_pool_serves_acquisitions_and_drains(rt: Runtime) -> None:
 async def test_a_prewarm_short_of_its_target_is_logged_and_counted(
         rt: Runtime, caplog: pytest.LogCaptureFixture) -> None:
     from prometheus_client import generate_latest
-    from rollbox.functions.metrics import Metrics
+    from rollbox.functions.service.metrics import Metrics
 
     caplog.set_level("WARNING", logger="rollbox.runtime.pool")
     await rt.prewarm("python", count=12, timeout_s=0.01)  # far more than two builders make in 10 ms

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import pytest
-from rollbox.functions.cli import main
+from rollbox.functions.cli.main import main
 from rollbox.runtime.errors import InvalidRequest, StoreError, StoreUnavailable
 from rollbox.snapshots.store_s3 import MAX_LIFETIME_DAYS, is_own_rule, lifecycle_rules
 

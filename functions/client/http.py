@@ -65,7 +65,7 @@ import httpx
 from cloudevents.conversion import to_binary
 from cloudevents.http import CloudEvent, from_http
 from pydantic import BaseModel, ValidationError
-from rollbox.functions.contract import (
+from rollbox.functions.contract.models import (
     ERROR,
     PARTITION_KEY,
     SANDBOX_CREATE,

@@ -4,8 +4,8 @@ trajectory (so it is served only when recording is on)."""
 
 from __future__ import annotations
 
-from rollbox.functions.contract import EPISODE_ANNOTATE, AnnotateData
-from rollbox.functions.routing import Route, SandboxRuntime, route
+from rollbox.functions.contract.models import EPISODE_ANNOTATE, AnnotateData
+from rollbox.functions.handlers.routing import Route, SandboxRuntime, route
 
 __all__ = ["ROUTES", "annotate"]
 

@@ -21,7 +21,7 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
-from rollbox.functions.contract import (
+from rollbox.functions.contract.models import (
     SANDBOX_FORK,
     SANDBOX_SNAPSHOT,
     ForkData,
@@ -30,9 +30,9 @@ from rollbox.functions.contract import (
     SnapshotData,
     SnapshotRecord,
 )
-from rollbox.functions.durable import DurableRuntime
-from rollbox.functions.logs import logger
-from rollbox.functions.routing import Route, SandboxRuntime, route
+from rollbox.functions.durable.runtime import DurableRuntime
+from rollbox.functions.handlers.routing import Route, SandboxRuntime, route
+from rollbox.functions.service.logs import logger
 from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreError
 from rollbox.runtime.snapshot import ROLLBOX_VERSION, SnapshotView
 from rollbox.runtime.spec import DEFAULT_LIMITS
@@ -87,7 +87,7 @@ class Snapshots:
     def __init__(self, runtime: SnapshotRuntime, cache: LayerCache, durable: DurableRuntime | None = None):
         self.rt = runtime
         self.cache = cache
-        self.durable = durable  # when set, every step commits the sandbox's state (functions/durable.py)
+        self.durable = durable  # when set, every step commits the sandbox's state (functions/durable/runtime.py)
         self.calls = StoreCalls(2, name="rollbox-push")
 
     @property

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollbox.functions.contract import SANDBOX_CREATE, SANDBOX_EXEC, SANDBOX_FORK, SANDBOX_RUN
-from rollbox.functions.trajectories import add_store_arguments, episode_rows, store_of
+from rollbox.functions.analysis.trajectories import add_store_arguments, episode_rows, store_of
+from rollbox.functions.contract.models import SANDBOX_CREATE, SANDBOX_EXEC, SANDBOX_FORK, SANDBOX_RUN
 from rollbox.runtime.errors import InvalidRequest, RollboxError
 from rollbox.runtime.spec import ExecRequest, ExecResult
 
@@ -208,7 +208,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from rollbox.functions.stores import StoreConfig, open_store
+    from rollbox.functions.config.stores import StoreConfig, open_store
     from rollbox.runtime.runtime import Runtime, RuntimeConfig
 
     try:

@@ -31,9 +31,8 @@ import functions_framework.aio
 from cloudevents.http import CloudEvent
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
-from rollbox.functions import sandbox
-from rollbox.functions.admission import Admission, InsufficientStorage, Rejected, ServiceConfig, disk_full
-from rollbox.functions.contract import (
+from rollbox.functions.contract.events import ReplyError, content_mode, decode, encode, error_event, reply_event
+from rollbox.functions.contract.models import (
     REPLY_CARRIES,
     SANDBOX_CREATED,
     SANDBOX_DESTROY,
@@ -42,12 +41,13 @@ from rollbox.functions.contract import (
     ErrorCode,
     ErrorData,
 )
-from rollbox.functions.events import ReplyError, content_mode, decode, encode, error_event, reply_event
-from rollbox.functions.idempotency import Conflict, IdempotencyCache
-from rollbox.functions.logs import logger
-from rollbox.functions.metrics import Metrics
-from rollbox.functions.routing import EventRef, Route, SandboxRuntime, current_event
-from rollbox.functions.steps import StepLog, current_step
+from rollbox.functions.handlers import sandbox
+from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime, current_event
+from rollbox.functions.recording.steps import StepLog, current_step
+from rollbox.functions.service.admission import Admission, InsufficientStorage, Rejected, ServiceConfig, disk_full
+from rollbox.functions.service.idempotency import Conflict, IdempotencyCache
+from rollbox.functions.service.logs import logger
+from rollbox.functions.service.metrics import Metrics
 from rollbox.runtime import errors as rterr
 from rollbox.runtime.pool import Pool
 from starlette.applications import Starlette

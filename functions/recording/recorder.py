@@ -55,15 +55,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily
-from rollbox.functions.aiosync import AsyncFsync
-from rollbox.functions.prices import Prices
-from rollbox.functions.records import (
+from rollbox.functions.contract.records import (
     DEFAULT_EXPERIMENT,
     SCHEMA_VERSION,
     STEP_SCHEMA,
     USAGE_SCHEMA,
     arrow_table_of_lines,
 )
+from rollbox.functions.recording.aiosync import AsyncFsync
+from rollbox.functions.recording.prices import Prices
 from rollbox.runtime.errors import RollboxError
 from rollbox.runtime.spec import Limits, Usage
 from rollbox.snapshots.calls import StoreCalls

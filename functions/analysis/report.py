@@ -8,7 +8,7 @@ and compares what the load cost billed per second with the same load billed per 
 always-on fleet sized for the peak number of concurrently open sandboxes.
 
 Every number comes from the pure functions here, which take pandas DataFrames (as read by
-``rollbox.functions.trajectories``, or built from model dumps): ``summarize`` (the totals),
+``rollbox.functions.analysis.trajectories``, or built from model dumps): ``summarize`` (the totals),
 ``timeline`` (per time bucket), ``sandbox_lives`` (when each sandbox was open). ``render`` writes the
 files. All times are on rollbox's own clock: a step ran from ``recorded_at - total_ms`` to
 ``recorded_at``; a life ended at ``ended_at``.
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollbox.functions.options import ConfigError, Option, add_options, amount, resolve_options
-from rollbox.functions.prices import Prices
-from rollbox.functions.recorder import GiB
-from rollbox.functions.trajectories import add_store_arguments
+from rollbox.functions.analysis.trajectories import add_store_arguments
+from rollbox.functions.config.options import ConfigError, Option, add_options, amount, resolve_options
+from rollbox.functions.recording.prices import Prices
+from rollbox.functions.recording.recorder import GiB
 
 __all__ = ["add_parser", "choose_bucket", "render", "sandbox_lives", "summarize", "timeline"]
 
@@ -632,7 +632,7 @@ def _progress() -> Iterator[Callable[[str], Callable[[int, int], None]]]:
 
 
 def _report(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from rollbox.functions.trajectories import read, store_of
+    from rollbox.functions.analysis.trajectories import read, store_of
     from rollbox.runtime.errors import RollboxError
 
     try:

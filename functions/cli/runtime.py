@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rollbox.functions.options import (
+from rollbox.functions.config.options import (
     ConfigError,
     Option,
     add_options,
@@ -90,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"rollbox run: {exc}", file=sys.stderr)
         return 2
 
-    from rollbox.functions.stores import StoreConfig, open_store
+    from rollbox.functions.config.stores import StoreConfig, open_store
     from rollbox.runtime.runtime import RuntimeConfig, default_home
 
     home = opts["home"] or default_home()

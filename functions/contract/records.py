@@ -1,6 +1,6 @@
 """What rollbox records: one step record per handled event, one usage record per sandbox life.
 
-Both are pydantic models (the documented, versioned schema; ``python -m rollbox.functions.schemas``
+Both are pydantic models (the documented, versioned schema; ``python -m rollbox.functions.contract.schemas``
 publishes them as JSON Schema beside the event schemas) and Arrow schemas (the Parquet files)::
 
     trajectories/experiment=<e>/date=<yyyy-mm-dd>/<spool segment>.parquet   StepRecord rows

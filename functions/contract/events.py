@@ -19,7 +19,7 @@ from cloudevents import exceptions as ce_exceptions
 from cloudevents.conversion import to_binary, to_structured
 from cloudevents.http import CloudEvent, from_http
 from pydantic import BaseModel
-from rollbox.functions.contract import ERROR, EVENT_SOURCE, ErrorCode, ErrorData
+from rollbox.functions.contract.models import ERROR, EVENT_SOURCE, ErrorCode, ErrorData
 
 __all__ = ["Mode", "ReplyError", "check_attributes", "check_headers", "content_mode", "decode", "encode", "error_event",
            "reply_event"]

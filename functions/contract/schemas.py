@@ -1,7 +1,7 @@
 """JSON Schema files of the event contract, generated from the pydantic models.
 
-    python -m rollbox.functions.schemas          # rewrite functions/schemas/*.json
-    python -m rollbox.functions.schemas --check  # exit 1 if any file is missing or stale
+    python -m rollbox.functions.contract.schemas          # rewrite functions/contract/schemas/*.json
+    python -m rollbox.functions.contract.schemas --check  # exit 1 if any file is missing or stale
 
 One file per data model, named after the event type that carries it: ``<type>.json``.
 """
@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from pydantic import BaseModel
-from rollbox.functions.contract import CONTRACT, ERROR, ErrorData
-from rollbox.functions.records import USAGE_TYPE, StepRecord, UsageRecord
+from rollbox.functions.contract.models import CONTRACT, ERROR, ErrorData
+from rollbox.functions.contract.records import USAGE_TYPE, StepRecord, UsageRecord
 
 __all__ = ["SCHEMA_DIR", "render", "stale"]
 
@@ -40,7 +40,7 @@ def render() -> dict[str, str]:
         out[f"{spec.request_type}.json"] = _document(spec.request_type, spec.data, "request")
         out.setdefault(f"{spec.reply_type}.json", _document(spec.reply_type, spec.reply, "reply"))
     out[f"{ERROR}.json"] = _document(ERROR, ErrorData, "reply")
-    # what is recorded (functions/records.py): a usage record is the data of a dev.rollbox.usage event;
+    # what is recorded (functions/contract/records.py): a usage record is the data of a dev.rollbox.usage event;
     # a trajectory step is a row of trajectories/*.parquet
     out[f"{USAGE_TYPE}.json"] = _document(USAGE_TYPE, UsageRecord, "record")
     out["trajectory-step.json"] = _document("trajectory-step", StepRecord, "record")
@@ -59,7 +59,7 @@ def stale(directory: Path = SCHEMA_DIR) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m rollbox.functions.schemas", description=__doc__.splitlines()[0]
+        prog="python -m rollbox.functions.contract.schemas", description=__doc__.splitlines()[0]
     )
     p.add_argument("--check", action="store_true", help="report stale files instead of writing them")
     args = p.parse_args(argv)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in bad:
             print(f"stale: {SCHEMA_DIR / name}", file=sys.stderr)
         if bad:
-            print("regenerate with: python -m rollbox.functions.schemas", file=sys.stderr)
+            print("regenerate with: python -m rollbox.functions.contract.schemas", file=sys.stderr)
         return 1 if bad else 0
     SCHEMA_DIR.mkdir(exist_ok=True)
     want = render()

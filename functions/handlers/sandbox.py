@@ -6,7 +6,7 @@ record. Errors are the runtime's own (``rollbox.runtime.errors``); the service m
 
 from __future__ import annotations
 
-from rollbox.functions.contract import (
+from rollbox.functions.contract.models import (
     SANDBOX_CREATE,
     SANDBOX_DESTROY,
     SANDBOX_EXEC,
@@ -16,7 +16,7 @@ from rollbox.functions.contract import (
     ExecData,
     RunData,
 )
-from rollbox.functions.routing import Route, SandboxRuntime, route
+from rollbox.functions.handlers.routing import Route, SandboxRuntime, route
 from rollbox.runtime.spec import ExecResult, SandboxInfo, Usage
 
 __all__ = ["ROUTES", "create", "destroy", "exec_", "run"]

@@ -23,10 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvloop
-from rollbox.functions import logs
-from rollbox.functions.admission import ServiceConfig
-from rollbox.functions.logs import lifecycle, logger
-from rollbox.functions.options import (
+from rollbox.functions.config.options import (
     ConfigError,
     Option,
     add_options,
@@ -43,25 +40,36 @@ from rollbox.functions.options import (
     text,
     uid_range,
 )
-from rollbox.functions.prices import Prices
-from rollbox.functions.stores import StoreConfig, check_store_url, in_use_of, open_local, open_remote, state_objects
+from rollbox.functions.config.stores import (
+    StoreConfig,
+    check_store_url,
+    in_use_of,
+    open_local,
+    open_remote,
+    state_objects,
+)
+from rollbox.functions.recording.prices import Prices
+from rollbox.functions.service import logs
+from rollbox.functions.service.admission import ServiceConfig
+from rollbox.functions.service.logs import lifecycle, logger
 from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreUnavailable
 from rollbox.runtime.runtime import RuntimeConfig
 from rollbox.snapshots.calls import StoreCalls
 
 if TYPE_CHECKING:
-    from rollbox.functions.durable import DurableRuntime
-    from rollbox.functions.recorder import Recorder
-    from rollbox.functions.service import Service
-    from rollbox.functions.steps import StepLog
+    from rollbox.functions.durable.runtime import DurableRuntime
+    from rollbox.functions.recording.recorder import Recorder
+    from rollbox.functions.recording.steps import StepLog
+    from rollbox.functions.service.app import Service
     from rollbox.snapshots.store_s3 import S3Store
 
 # What answers events, loaded only by ``serve`` (in a thread, while the prewarmed zygotes start):
 # contract models, functions-framework, pyarrow, uvicorn — most of a cold replica's first second.
 SERVICE_MODULES = (
-    "uvicorn", "rollbox.functions.service", "rollbox.functions.durable", "rollbox.functions.recorder",
-    "rollbox.functions.steps", "rollbox.functions.episodes", "rollbox.functions.sandbox",
-    "rollbox.functions.snapshot",
+    "uvicorn", "rollbox.functions.service.app", "rollbox.functions.durable.runtime",
+    "rollbox.functions.recording.recorder",
+    "rollbox.functions.recording.steps", "rollbox.functions.handlers.episodes", "rollbox.functions.handlers.sandbox",
+    "rollbox.functions.handlers.snapshot",
 )
 
 __all__ = ["ConfigError", "ServeConfig", "add_parser", "resolve", "serve"]
@@ -349,8 +357,8 @@ def _http_protocol(request_timeout_s: float, refused: Callable[[int], None]) -> 
     gets a 400 error event naming what the parser found (not a plain-text page). ``refused(status)``
     counts each such reply."""
     import httptools
-    from rollbox.functions.contract import ErrorCode
-    from rollbox.functions.events import Mode, ReplyError, encode, error_event
+    from rollbox.functions.contract.events import Mode, ReplyError, encode, error_event
+    from rollbox.functions.contract.models import ErrorCode
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class Protocol(HttpToolsProtocol):
@@ -547,11 +555,11 @@ async def serve(cfg: ServeConfig) -> int:
         rt.forget_names()  # names resolved from the local store alone are asked of S3 again
         remote_attached.set()
         import uvicorn
-        from rollbox.functions import episodes, sandbox, snapshot
-        from rollbox.functions.durable import DurableRuntime
-        from rollbox.functions.recorder import Recorder
-        from rollbox.functions.service import Service
-        from rollbox.functions.steps import StepLog
+        from rollbox.functions.durable.runtime import DurableRuntime
+        from rollbox.functions.handlers import episodes, sandbox, snapshot
+        from rollbox.functions.recording.recorder import Recorder
+        from rollbox.functions.recording.steps import StepLog
+        from rollbox.functions.service.app import Service
 
         store_ok = True
         if remote is not None:  # say at once what is wrong with it, not per request later

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
-from rollbox.functions.contract import (
+from rollbox.functions.contract.models import (
     SANDBOX_CREATE,
     SANDBOX_DESTROY,
     SANDBOX_EXEC,
@@ -39,8 +39,8 @@ from rollbox.functions.contract import (
     RunData,
     SnapshotRecord,
 )
-from rollbox.functions.recorder import Recorder, Token, usage_row
-from rollbox.functions.records import DEFAULT_EXPERIMENT, to_json
+from rollbox.functions.contract.records import DEFAULT_EXPERIMENT, to_json
+from rollbox.functions.recording.recorder import Recorder, Token, usage_row
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
 from rollbox.snapshots.state import SandboxRecord
 

@@ -21,15 +21,15 @@ from typing import Any
 
 # command -> the module whose ``add_parser(sub)`` registers it (in the order ``--help`` lists them)
 COMMANDS: dict[str, str] = {
-    "run": "rollbox.functions.cmd_runtime",
-    "doctor": "rollbox.functions.cmd_runtime",
-    "serve": "rollbox.functions.server",
+    "run": "rollbox.functions.cli.runtime",
+    "doctor": "rollbox.functions.cli.runtime",
+    "serve": "rollbox.functions.service.server",
     "snapshot": "rollbox.snapshots.cli",
     "store": "rollbox.snapshots.cli",
-    "trajectories": "rollbox.functions.trajectories",
-    "replay": "rollbox.functions.replay",
-    "report": "rollbox.functions.report",
-    "knative": "rollbox.functions.knative",
+    "trajectories": "rollbox.functions.analysis.trajectories",
+    "replay": "rollbox.functions.analysis.replay",
+    "report": "rollbox.functions.analysis.report",
+    "knative": "rollbox.functions.cli.knative",
 }
 
 # command -> (the extra it needs, the top-level modules that extra installs); checked before the command runs

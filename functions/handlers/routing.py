@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import BaseModel
-from rollbox.functions.contract import CONTRACT, EventSpec
+from rollbox.functions.contract.models import CONTRACT, EventSpec
 from rollbox.runtime.runtime import LimitsArg
 from rollbox.runtime.spec import ExecRequest, ExecResult, SandboxInfo, Usage
 

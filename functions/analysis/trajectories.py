@@ -13,7 +13,7 @@ In ``--format jsonl`` and ``show --json`` the columns that hold JSON text in Par
 
 From Python, the same from the local store or S3 alike::
 
-    from rollbox.functions.trajectories import steps, usage
+    from rollbox.functions.analysis.trajectories import steps, usage
     df = steps("s3://bucket/prefix", experiment="exp-1")        # a pandas DataFrame
     table = read("trajectories", store, experiment="exp-1")      # a pyarrow Table
 
@@ -38,7 +38,7 @@ from urllib.parse import quote, unquote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from rollbox.functions.records import DEFAULT_EXPERIMENT, STEP_SCHEMA, USAGE_SCHEMA, usage_event
+from rollbox.functions.contract.records import DEFAULT_EXPERIMENT, STEP_SCHEMA, USAGE_SCHEMA, usage_event
 from rollbox.runtime.errors import InvalidRequest, RollboxError
 from rollbox.runtime.runtime import default_home
 from rollbox.snapshots.state import LocalObjects, Objects

@@ -51,9 +51,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, ValidationError
-from rollbox.functions.aiosync import AsyncFsync
-from rollbox.functions.idempotency import Conflict
-from rollbox.functions.routing import EventRef, current_event
+from rollbox.functions.handlers.routing import EventRef, current_event
+from rollbox.functions.recording.aiosync import AsyncFsync
+from rollbox.functions.service.idempotency import Conflict
 from rollbox.runtime.errors import (
     IntegrityError,
     Overloaded,
@@ -89,7 +89,7 @@ from rollbox.snapshots.state import (
 )
 
 if TYPE_CHECKING:
-    from rollbox.functions.steps import StepLog
+    from rollbox.functions.recording.steps import StepLog
 
 __all__ = ["DurableRuntime"]
 

@@ -1,0 +1,1 @@
+"""The `rollbox` command (main) and its subcommands that live nowhere else."""

@@ -1,0 +1,1 @@
+"""The event families (sandbox, snapshot, episode) and the seam they plug into (routing)."""
