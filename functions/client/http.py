@@ -380,7 +380,7 @@ class _Connections(httpx.AsyncBaseTransport):
 
     A connection is an httpx transport capped at one connection, so a request's bookkeeping does not
     grow with the number of connections: httpcore's own pool rescans its connections as every request
-    starts and ends, 3.0 ms of client CPU per request at concurrency 64 against 0.8 ms here
+    starts and ends, which costs 2-3x the client CPU per request at concurrency 16-64
     (``loadtest/bench_client_pool.py``). Connections are opened as concurrency needs them; at most
     ``max_idle`` are kept between requests, each for ``keepalive_expiry_s``."""
 
