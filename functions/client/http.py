@@ -465,6 +465,8 @@ class Client:
         self._own_http = http is None
         timeout = httpx.Timeout(connect_timeout_s, read=None, write=60.0, pool=None)
         self._http = http or httpx.AsyncClient(timeout=timeout, transport=_Connections())
+        self._handles = 0  # Sandbox handles not yet killed that send through this client
+        self._close_with_handles = False  # made for Sandbox.create(url): closed when its last handle is killed
 
     @property
     def closed(self) -> bool:
@@ -671,14 +673,20 @@ class Client:
 
 
 class Sandbox:
-    """A live sandbox. ``async with`` kills it on exit; ``kill()`` may be called any number of times."""
+    """A live sandbox. ``async with`` kills it on exit; ``kill()`` may be called any number of times.
+
+    A handle borrows its client's connection pool. ``owns_client``: the client was made for this
+    sandbox (``Sandbox.create(url)``) and is closed once it and every sandbox forked from it through
+    that client are killed."""
 
     def __init__(self, client: Client, info: SandboxInfo, *, owns_client: bool):
         self.client = client
         self.info = info
-        self._owns_client = owns_client
         self._usage: Usage | None = None
         self._killed = False
+        client._handles += 1
+        if owns_client:
+            client._close_with_handles = True
 
     @property
     def id(self) -> str:
@@ -708,7 +716,8 @@ class Sandbox:
             if client is not url:
                 await client.aclose()
             raise
-        sb._owns_client = client is not url
+        if client is not url:
+            client._close_with_handles = True
         return sb
 
     async def exec(
@@ -771,7 +780,8 @@ class Sandbox:
             except SandboxNotFoundError:  # not a wrong URL (EndpointNotFoundError): that is raised
                 self._usage = None
             self._killed = True
-            if self._owns_client:
+            self.client._handles -= 1
+            if self.client._close_with_handles and self.client._handles == 0:
                 await self.client.aclose()
         return self._usage
 

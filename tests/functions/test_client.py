@@ -163,6 +163,24 @@ async def test_sandboxes_of_one_client_share_its_one_pool(server: ServerProc) ->
     assert sb.client.closed and connections_to(server.port) == 0
 
 
+async def test_forks_of_a_sandbox_with_its_own_client_outlive_the_parent(server: ServerProc) -> None:
+    """Sandbox.create(url)'s client is shared by the sandboxes forked from it: killing the parent first
+    leaves the children their pool (it closed it under them: their exec failed with httpx's "client
+    has been closed"), and the pool closes when the last of them is killed."""
+    parent = await Sandbox.create(server.url)
+    await parent.exec(command="echo kept > f.txt")
+    children = await parent.fork(2)
+    await parent.kill()
+    assert not parent.client.closed
+    for child in children:
+        assert (await child.exec(command="cat f.txt")).stdout == "kept\n"
+    await children[0].kill()
+    assert not parent.client.closed
+    await children[1].kill()
+    await children[1].kill()  # idempotent: counted once
+    assert parent.client.closed and connections_to(server.port) == 0
+
+
 async def test_unreachable_service_is_a_transport_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
