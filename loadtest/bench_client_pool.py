@@ -3,10 +3,12 @@
     .venv/bin/python loadtest/bench_client_pool.py [-c 16 -c 64] [-n 40]
 
 A trivial keep-alive HTTP server (a subprocess, 5 ms per reply) stands in for rollbox serve, so the
-figure is the client's own bookkeeping: CPU seconds of this process per request, at each concurrency,
-for a Client's pool (``_Connections``), one httpx.AsyncClient pool, and 16 httpx pools used round-robin
-(what a Client did before it had one pool). httpcore's pool rescans its connections on every request's
-start and end, which grows with the number of connections in use.
+figures are the client's own: CPU of this process per request once its connections are open, at each
+concurrency, and to make the pool and open its connections (one request per worker), for a Client's
+pool (``_Connections``), one httpx.AsyncClient pool, and 16 httpx pools used round-robin (what a
+Client did before it had one pool). httpcore's pool rescans its connections on every request's start
+and end, which grows with the number of connections in use; an httpx client loads the CA bundle as it
+is made.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 from rollbox.functions.client.http import _Connections
@@ -63,13 +66,12 @@ async def measure(url: str, clients: list[httpx.AsyncClient], concurrency: int, 
     return (time.process_time() - c0) / n * 1000, n / (time.perf_counter() - t0)
 
 
-def variants() -> list[tuple[str, list[httpx.AsyncClient]]]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-    return [
-        ("Client's pool", [httpx.AsyncClient(timeout=30, transport=_Connections())]),
-        ("one httpx pool", [httpx.AsyncClient(timeout=30, limits=limits)]),
-        ("16 httpx pools", [httpx.AsyncClient(timeout=30, limits=limits) for _ in range(16)]),
-    ]
+LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+VARIANTS: list[tuple[str, Callable[[], list[httpx.AsyncClient]]]] = [
+    ("Client's pool", lambda: [httpx.AsyncClient(timeout=30, transport=_Connections())]),
+    ("one httpx pool", lambda: [httpx.AsyncClient(timeout=30, limits=LIMITS)]),
+    ("16 httpx pools", lambda: [httpx.AsyncClient(timeout=30, limits=LIMITS) for _ in range(16)]),
+]
 
 
 async def main(levels: list[int], per_worker: int) -> None:
@@ -78,12 +80,18 @@ async def main(levels: list[int], per_worker: int) -> None:
     url = f"http://127.0.0.1:{port}/"
     try:
         await asyncio.sleep(0.5)
-        print(f"{'pool':16} {'concurrency':>11} {'requests':>8} {'client CPU ms/req':>17} {'req/s':>7}")
+        print(f"{'pool':16} {'concurrency':>11} {'setup CPU ms':>12} {'requests':>8} {'client CPU ms/req':>17} "
+              f"{'req/s':>7}")
         for c in levels:
-            for label, clients in variants():
-                await measure(url, clients, c, c * 5)  # connections opened, warm
+            for label, make in VARIANTS:
+                c0 = time.process_time()
+                clients = make()
+                await measure(url, clients, c, c)  # one request per worker: its connection opened
+                setup_ms = (time.process_time() - c0) * 1000
+                await measure(url, clients, c, c * 4)  # warm
                 cpu, rate = await measure(url, clients, c, c * per_worker)
-                print(f"{label:16} {c:>11} {c * per_worker:>8} {cpu:>17.2f} {rate:>7.0f}", flush=True)
+                print(f"{label:16} {c:>11} {setup_ms:>12.0f} {c * per_worker:>8} {cpu:>17.2f} {rate:>7.0f}",
+                      flush=True)
                 for client in clients:
                     await client.aclose()
     finally:

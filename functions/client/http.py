@@ -54,6 +54,7 @@ import asyncio
 import datetime
 import email.utils
 import json
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -380,7 +381,7 @@ class _Connections(httpx.AsyncBaseTransport):
 
     A connection is an httpx transport capped at one connection, so a request's bookkeeping does not
     grow with the number of connections: httpcore's own pool rescans its connections as every request
-    starts and ends, which costs 2-3x the client CPU per request at concurrency 16-64
+    starts and ends, which costs 2-4x the client CPU per request at concurrency 16-64
     (``loadtest/bench_client_pool.py``). Connections are opened as concurrency needs them; at most
     ``max_idle`` are kept between requests, each for ``keepalive_expiry_s``."""
 
@@ -390,11 +391,12 @@ class _Connections(httpx.AsyncBaseTransport):
         self._free: list[httpx.AsyncHTTPTransport] = []
         self._max_idle = max_idle
         self._closed = False
+        self._tls: ssl.SSLContext | None = None  # made for the first https connection, shared by the next
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._closed:
             raise httpx.TransportError("the client is closed")  # httpx.AsyncClient refuses first
-        conn = self._free.pop() if self._free else httpx.AsyncHTTPTransport(limits=self._limits)
+        conn = self._free.pop() if self._free else self._connection(request.url.scheme)
         try:
             resp = await conn.handle_async_request(request)
         except BaseException:
@@ -403,6 +405,16 @@ class _Connections(httpx.AsyncBaseTransport):
         assert isinstance(resp.stream, httpx.AsyncByteStream)
         return httpx.Response(resp.status_code, headers=resp.headers, extensions=resp.extensions,
                               stream=_GivenBack(resp.stream, lambda: self._give_back(conn)))
+
+    def _connection(self, scheme: str) -> httpx.AsyncHTTPTransport:
+        """A new one-connection transport. Left to itself, httpx builds a TLS context for each, loading
+        the CA bundle (tens of ms of CPU): https connections share one, and plain-HTTP ones get an empty
+        context they never use (were one used for TLS, it would refuse every certificate)."""
+        if scheme == "https":
+            if self._tls is None:
+                self._tls = httpx.create_ssl_context()
+            return httpx.AsyncHTTPTransport(limits=self._limits, verify=self._tls)
+        return httpx.AsyncHTTPTransport(limits=self._limits, verify=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
 
     async def _give_back(self, conn: httpx.AsyncHTTPTransport) -> None:
         if self._closed or len(self._free) >= self._max_idle:
