@@ -1,11 +1,13 @@
 """The README's examples, run as written against a real `rollbox serve` on the embedded default.
 
-Every fenced block of README.md is read from the file: each shell command (continuation lines
-joined) and each Python block is run, and what it prints checked against what the README says it
-prints; or, for the commands of minutes (benchmarks, load tests, the image build), checked in a quick
-form named in CHECKED; or not run for a reason named in NOT_RUN. An example this test does not know
-fails it, so the test breaks when the README drifts from what runs. Every path of the repository the
-README names (`examples/task.py`, `loadtest/bench_restore.py`, `docs/design.md`, ...) must exist.
+Every fenced block of README.md and of docs/benchmarks.md (where the benchmarks' commands live) is
+read from the file: each shell command (continuation lines joined) and each Python block is run, and
+what it prints checked against what the README says it prints; or, for the commands of minutes
+(benchmarks, load tests, the image build), checked in a quick form named in CHECKED; or not run for a
+reason named in NOT_RUN. An example this test does not know fails it, so the test breaks when the
+README drifts from what runs. Every path of the repository they name (`examples/task.py`,
+`loadtest/bench_restore.py`, `docs/design.md`, ...) must exist; every command of the README's table
+of figures must be one of docs/benchmarks.md's; the README's Layout table must name every folder.
 
 "As written", on a shared machine:
 - Python blocks are complete programs, run as they are (`python -c BLOCK`); `examples/runtime_demo.py`
@@ -59,6 +61,8 @@ from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+BENCHMARKS = REPO / "docs" / "benchmarks.md"
+DOCS = (README, BENCHMARKS)  # the documents whose fenced blocks are examples
 DEFAULT_ADDRESS = "127.0.0.1:8080"
 README_S3 = "http://127.0.0.1:8333"
 LINKED = (".venv", "examples", "snapshots", "loadtest")  # what the commands name, linked into the scratch dir
@@ -69,14 +73,19 @@ pytestmark = pytest.mark.slow
 @dataclass(frozen=True)
 class Block:
     lang: str
-    line: int  # where its first line is in README.md
+    line: int  # where its first line is in its document
     text: str
+    doc: str = "README.md"
 
 
 def readme_blocks() -> list[Block]:
-    text = README.read_text()
-    return [Block(m.group(1), text[: m.start()].count("\n") + 2, m.group(2))
-            for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)]
+    """The fenced blocks of README.md, then of docs/benchmarks.md."""
+    blocks = []
+    for doc in DOCS:
+        text = doc.read_text()
+        blocks += [Block(m.group(1), text[: m.start()].count("\n") + 2, m.group(2), str(doc.relative_to(REPO)))
+                   for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)]
+    return blocks
 
 
 def shell_commands(text: str) -> list[str]:
@@ -110,6 +119,11 @@ def bench_help(command: str) -> tuple[str, Callable[[subprocess.CompletedProcess
     return f".venv/bin/python {script} --help", check
 
 
+def rootless_bench(command: str) -> tuple[str, Callable[[subprocess.CompletedProcess[str], str], None]]:
+    """A benchmark run as an unprivileged user (`su USER -s /bin/sh -c 'BENCH'`): the benchmark's --help."""
+    return bench_help(shlex.split(bare(command))[-1])
+
+
 def locust_list(command: str) -> tuple[str, Callable[[subprocess.CompletedProcess[str], str], None]]:
     """A Locust run: the README's arguments plus --list (the locustfile is loaded and every flag parsed,
     then it lists the users and exits); $SERVER_PID is this test's own pid."""
@@ -139,6 +153,8 @@ def image_usage(command: str) -> tuple[str, Callable[[subprocess.CompletedProces
 
 CHECKED: tuple[tuple[str, str, Quick], ...] = (
     (r"^\.venv/bin/python loadtest/bench_\w+\.py", "a benchmark of minutes: --help lists its flags", bench_help),
+    (r"^su rollbox-rootless -s /bin/sh -c '\.venv/bin/python loadtest/bench_\w+\.py",
+     "a benchmark of minutes as an unprivileged user: --help lists its flags", rootless_bench),
     (r"\.venv/bin/locust -f loadtest/locustfile\.py --headless", "a load test of minutes: its flags, with --list",
      locust_list),
     (r"^\.venv/bin/rollbox serve --home /tmp/rl --port 18096 ", "the server of the 3-minute load test", serve_parses),
@@ -261,13 +277,13 @@ def classify_command(command: str) -> tuple[str, Any]:
     for pattern, reason in NOT_RUN:
         if re.search(pattern, cmd):
             return "not_run", reason
-    raise AssertionError(f"README.md has an example this test does not know: {command!r}; run it here "
+    raise AssertionError(f"README.md or docs/benchmarks.md has an example this test does not know: {command!r}; run it here "
                          "(COMMANDS), check it (CHECKED) or say why not (NOT_RUN)")
 
 
 def classify_python(block: Block) -> str:
     known = [name for line, name in PYTHON_BLOCKS if line in block.text]
-    assert len(known) == 1, f"README.md line {block.line}: a Python example this test does not know"
+    assert len(known) == 1, f"{block.doc} line {block.line}: a Python example this test does not know"
     return known[0]
 
 
@@ -278,19 +294,19 @@ def test_every_example_is_known() -> None:
     for block in readme_blocks():
         if block.lang == "":
             continue  # no language: printed output (bench tables), not something to run
-        assert block.lang in ("sh", "python"), f"README.md line {block.line}: a ```{block.lang} block"
+        assert block.lang in ("sh", "python"), f"{block.doc} line {block.line}: a ```{block.lang} block"
         if block.lang == "python":
             seen_python.add(classify_python(block))
-            compile(block.text, f"README.md:{block.line}", "exec")  # a program as written: no top-level await
+            compile(block.text, f"{block.doc}:{block.line}", "exec")  # a program as written: no top-level await
             continue
         for command in shell_commands(block.text):
             kind, _ = classify_command(command)
             serve += kind == "serve"
     assert seen_python == {name for _, name in PYTHON_BLOCKS}, seen_python  # none went missing either
     assert serve >= 1
-    for pattern, _, _ in COMMANDS:  # every command checked here is still in the README
+    for pattern, _, _ in COMMANDS:  # every command checked here is still in the README (or the benchmarks)
         assert any(re.search(pattern, bare(c)) for b in readme_blocks() if b.lang == "sh"
-                   for c in shell_commands(b.text)), f"{pattern} is no longer in README.md"
+                   for c in shell_commands(b.text)), f"{pattern} is no longer in README.md nor docs/benchmarks.md"
 
 
 REPO_PATH = re.compile(r"(?<![\w./~-])((?:examples|loadtest|docs|tests|functions|runtime|snapshots|knative|scripts)"
@@ -298,17 +314,68 @@ REPO_PATH = re.compile(r"(?<![\w./~-])((?:examples|loadtest|docs|tests|functions
 
 
 def test_the_files_the_readme_names_exist() -> None:
-    """Pure: every path of the repository the README names is there (issue 26: `rollbox run --json
-    task.py`, with no task.py), and the Runtime block is examples/runtime_demo.py."""
-    text = README.read_text()
-    named = sorted(set(REPO_PATH.findall(text)))
+    """Pure: every path of the repository the README (and docs/benchmarks.md) names is there (issue 26:
+    `rollbox run --json task.py`, with no task.py), and the Runtime block is examples/runtime_demo.py."""
+    named = sorted({p for doc in DOCS for p in REPO_PATH.findall(doc.read_text())})
     assert "examples/task.py" in named and "loadtest/bench_restore.py" in named, named
     missing = [p for p in named if not (REPO / p).exists()]
-    assert not missing, f"README.md names files that are not in the repository: {missing}"
+    assert not missing, f"README.md or docs/benchmarks.md names files that are not in the repository: {missing}"
     runtime = next(b for b in readme_blocks() if b.lang == "python" and classify_python(b) == "runtime")
     demo = (REPO / "examples" / "runtime_demo.py").read_text()
     assert demo.endswith(runtime.text) and demo[: -len(runtime.text)].strip().startswith('"""'), \
         "examples/runtime_demo.py is not the README's Runtime block (after its docstring)"
+
+
+def table_rows(text: str, heading: str) -> list[list[str]]:
+    """The cells of the first table under ``## heading`` (header and separator rows left out)."""
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def test_every_headline_figure_has_a_command_of_the_benchmarks() -> None:
+    """Pure: each row of the README's figures table names its command, and each command there is one
+    of docs/benchmarks.md's (which shows its full table and is checked above), or points to it."""
+    rows = table_rows(README.read_text(), "Figures")
+    assert len(rows) >= 3, rows
+    bench_commands = {bare(c) for b in readme_blocks() if b.doc == "docs/benchmarks.md" and b.lang == "sh"
+                      for c in shell_commands(b.text)}
+    for row in rows:
+        command = row[-1]
+        if command.startswith("`"):
+            assert command.strip("`") in bench_commands, f"{command} is not a command of docs/benchmarks.md"
+        else:
+            assert "docs/benchmarks.md" in command, row
+
+
+def tracked_folders() -> set[str]:
+    """The folders a newcomer meets: each top-level folder of the repository, and each folder of the
+    three source packages (runtime/, snapshots/, functions/ and the folders in them)."""
+    p = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"not a git checkout: {p.stderr.strip()}")
+    folders = set()
+    for path in p.stdout.splitlines():
+        parts = path.split("/")[:-1]
+        if parts and not parts[0].startswith("."):
+            folders.add(parts[0])
+            if parts[0] in ("runtime", "snapshots", "functions") and len(parts) > 1:
+                folders.add("/".join(parts[:2]))
+    return folders
+
+
+def test_the_layout_table_names_every_folder() -> None:
+    """Pure: the README's Layout table has one row per folder (issue 27: a newcomer finds each
+    concern's room from it; `functions/` was "contract, handlers, serve, client and CLI" long after it
+    was seven concerns), none that is gone, and says how `rollbox.X` maps to `X/`."""
+    text = README.read_text()
+    named = [row[0].strip("`").rstrip("/") for row in table_rows(text, "Layout")]
+    assert len(named) == len(set(named)), named
+    folders = tracked_folders()
+    assert not folders - set(named), f"folders the Layout table does not name: {sorted(folders - set(named))}"
+    assert not set(named) - folders, f"the Layout table names folders that are not there: {sorted(set(named) - folders)}"
+    layout = text.split("\n## Layout\n", 1)[1]
+    assert "package-dir" in layout and "`rollbox.runtime` to `runtime/`" in layout
 
 
 # -- running them ---------------------------------------------------------------------------------------

@@ -53,11 +53,11 @@ from __future__ import annotations
 import asyncio
 import datetime
 import email.utils
-import itertools
 import json
+import ssl
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any, ClassVar, Final, TypeVar
 
@@ -375,8 +375,83 @@ def _exec_data(
     return {k: v for k, v in data.items() if v is not None}
 
 
+class _Connections(httpx.AsyncBaseTransport):
+    """A Client's one connection pool: keep-alive connections to the service, each taken by one request
+    at a time and given back when its response is closed (a free list, most recently used first).
+
+    A connection is an httpx transport capped at one connection, so a request's bookkeeping does not
+    grow with the number of connections: httpcore's own pool rescans its connections as every request
+    starts and ends, which costs 2-4x the client CPU per request at concurrency 16-64
+    (``loadtest/bench_client_pool.py``). Connections are opened as concurrency needs them; at most
+    ``max_idle`` are kept between requests, each for ``keepalive_expiry_s``."""
+
+    def __init__(self, *, max_idle: int = 256, keepalive_expiry_s: float = 5.0):
+        self._limits = httpx.Limits(max_connections=1, max_keepalive_connections=1,
+                                    keepalive_expiry=keepalive_expiry_s)
+        self._free: list[httpx.AsyncHTTPTransport] = []
+        self._max_idle = max_idle
+        self._closed = False
+        self._tls: ssl.SSLContext | None = None  # made for the first https connection, shared by the next
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._closed:
+            raise httpx.TransportError("the client is closed")  # httpx.AsyncClient refuses first
+        conn = self._free.pop() if self._free else self._connection(request.url.scheme)
+        try:
+            resp = await conn.handle_async_request(request)
+        except BaseException:
+            await self._give_back(conn)  # its connection was closed by httpcore: the slot is reusable
+            raise
+        assert isinstance(resp.stream, httpx.AsyncByteStream)
+        return httpx.Response(resp.status_code, headers=resp.headers, extensions=resp.extensions,
+                              stream=_GivenBack(resp.stream, lambda: self._give_back(conn)))
+
+    def _connection(self, scheme: str) -> httpx.AsyncHTTPTransport:
+        """A new one-connection transport. Left to itself, httpx builds a TLS context for each, loading
+        the CA bundle (tens of ms of CPU): https connections share one, and plain-HTTP ones get an empty
+        context they never use (were one used for TLS, it would refuse every certificate)."""
+        if scheme == "https":
+            if self._tls is None:
+                self._tls = httpx.create_ssl_context()
+            return httpx.AsyncHTTPTransport(limits=self._limits, verify=self._tls)
+        return httpx.AsyncHTTPTransport(limits=self._limits, verify=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+
+    async def _give_back(self, conn: httpx.AsyncHTTPTransport) -> None:
+        if self._closed or len(self._free) >= self._max_idle:
+            await conn.aclose()
+        else:
+            self._free.append(conn)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        free, self._free = self._free, []
+        for conn in free:
+            await conn.aclose()
+
+
+class _GivenBack(httpx.AsyncByteStream):
+    """A response body whose connection goes back to the pool once the body is closed (read or not)."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, give_back: Callable[[], Awaitable[None]]):
+        self._stream = stream
+        self._give_back: Callable[[], Awaitable[None]] | None = give_back
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._stream:
+            yield chunk
+
+    async def aclose(self) -> None:
+        give_back, self._give_back = self._give_back, None
+        try:
+            await self._stream.aclose()
+        finally:
+            if give_back is not None:
+                await give_back()
+
+
 class Client:
-    """A connection to one rollbox service. Cheap to share between many concurrent episodes."""
+    """A connection to one rollbox service, with one connection pool. Cheap to share between many
+    concurrent episodes: every ``Sandbox`` it creates or forks sends through its pool."""
 
     def __init__(
         self,
@@ -387,15 +462,13 @@ class Client:
         retry_budget_s: float = 30.0,
         connect_timeout_s: float = 10.0,
         reply_margin_s: float = 60.0,
-        pools: int = 16,
         http: httpx.AsyncClient | None = None,
     ):
-        """``pools``: requests are spread round-robin over this many httpx clients. One connection pool
-        shared by dozens of concurrent requests costs ~10 ms of CPU per request in its bookkeeping
-        (measured at 64); small pools keep it near 1 ms. Ignored when ``http`` is given.
-        ``retry_budget_s`` bounds the retries of one request in time: no retry starts later than that
-        after its first attempt (nor one whose Retry-After would end past it); ``retries``, if given,
-        also bounds their number. Then the last error is raised, typed by its code."""
+        """``http``: send through this httpx client (and its pool) instead of one of the Client's own;
+        the caller closes it. ``retry_budget_s`` bounds the retries of one request in time: no retry
+        starts later than that after its first attempt (nor one whose Retry-After would end past it);
+        ``retries``, if given, also bounds their number. Then the last error is raised, typed by its
+        code."""
         self.url = url.rstrip("/") + "/"
         self.source = source
         self.retries = retries
@@ -403,17 +476,13 @@ class Client:
         self.reply_margin_s = reply_margin_s
         self._own_http = http is None
         timeout = httpx.Timeout(connect_timeout_s, read=None, write=60.0, pool=None)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-        self._pools = [http] if http else [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(pools)]
-        self._turn = itertools.count()
+        self._http = http or httpx.AsyncClient(timeout=timeout, transport=_Connections())
+        self._handles = 0  # Sandbox handles not yet killed that send through this client
+        self._close_with_handles = False  # made for Sandbox.create(url): closed when its last handle is killed
 
     @property
     def closed(self) -> bool:
-        return all(http.is_closed for http in self._pools)
-
-    @property
-    def _http(self) -> httpx.AsyncClient:
-        return self._pools[next(self._turn) % len(self._pools)]
+        return self._http.is_closed
 
     async def __aenter__(self) -> Client:
         return self
@@ -423,8 +492,7 @@ class Client:
 
     async def aclose(self) -> None:
         if self._own_http:
-            for http in self._pools:
-                await http.aclose()
+            await self._http.aclose()
 
     async def send(
         self,
@@ -617,14 +685,20 @@ class Client:
 
 
 class Sandbox:
-    """A live sandbox. ``async with`` kills it on exit; ``kill()`` may be called any number of times."""
+    """A live sandbox. ``async with`` kills it on exit; ``kill()`` may be called any number of times.
+
+    A handle borrows its client's connection pool. ``owns_client``: the client was made for this
+    sandbox (``Sandbox.create(url)``) and is closed once it and every sandbox forked from it through
+    that client are killed."""
 
     def __init__(self, client: Client, info: SandboxInfo, *, owns_client: bool):
         self.client = client
         self.info = info
-        self._owns_client = owns_client
         self._usage: Usage | None = None
         self._killed = False
+        client._handles += 1
+        if owns_client:
+            client._close_with_handles = True
 
     @property
     def id(self) -> str:
@@ -654,7 +728,8 @@ class Sandbox:
             if client is not url:
                 await client.aclose()
             raise
-        sb._owns_client = client is not url
+        if client is not url:
+            client._close_with_handles = True
         return sb
 
     async def exec(
@@ -717,7 +792,8 @@ class Sandbox:
             except SandboxNotFoundError:  # not a wrong URL (EndpointNotFoundError): that is raised
                 self._usage = None
             self._killed = True
-            if self._owns_client:
+            self.client._handles -= 1
+            if self.client._close_with_handles and self.client._handles == 0:
                 await self.client.aclose()
         return self._usage
 

@@ -4,6 +4,7 @@ and retries of exactly what the contract says to retry, within a bounded time.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -114,6 +115,70 @@ async def test_concurrent_episodes_share_one_client(server: ServerProc) -> None:
 
         assert await asyncio.gather(*(episode(i) for i in range(8))) == [i * 2 for i in range(8)]
         assert not client.closed  # sandboxes created through a shared client leave it open
+
+
+def connections_to(port: int) -> int:
+    """This process's open TCP connections to 127.0.0.1:port, read from the kernel (/proc/net/tcp:
+    connections whose remote end is the port, established, on a socket this process holds)."""
+    fds = Path("/proc/self/fd")
+    held = set()
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            held.add(os.readlink(fd))
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote, state, inode = fields[2], fields[3], fields[9]
+        count += (remote == f"0100007F:{port:04X}" and state == "01" and f"socket:[{inode}]" in held)
+    return count
+
+
+async def test_sandboxes_of_one_client_share_its_one_pool(server: ServerProc) -> None:
+    """N sandboxes from one Client, and a Sandbox.create(url) of its own, each send through one pool:
+    requests one after another reuse one connection (the client spread them over 16 pools, each with
+    its own connection: 15 connections for the first 15 requests), concurrent ones open only as many as run
+    at once, and closing the client closes them all."""
+    assert connections_to(server.port) == 0
+    async with Client(server.url) as client:
+        sandboxes = [await Sandbox.create(client, metadata={"episode": str(i)}) for i in range(3)]
+        for sb in sandboxes:
+            for _ in range(3):
+                assert (await sb.exec(code="print(1)")).stdout == "1\n"
+            await sb.kill()
+        assert connections_to(server.port) == 1  # 3 creates, 9 execs, 3 kills: one connection
+
+        async def episode(i: int) -> str:
+            async with await Sandbox.create(client, metadata={"episode": f"c{i}"}) as sb:
+                return (await sb.exec(code=f"print({i})")).stdout
+
+        assert await asyncio.gather(*(episode(i) for i in range(4))) == [f"{i}\n" for i in range(4)]
+        assert 1 <= connections_to(server.port) <= 4  # at most one per request in flight at once
+    assert connections_to(server.port) == 0  # the client closed its pool
+
+    sb = await Sandbox.create(server.url)  # a client of its own: one pool, one connection
+    for i in range(5):
+        assert (await sb.exec(code=f"print({i})")).stdout == f"{i}\n"
+    assert connections_to(server.port) == 1
+    await sb.kill()
+    assert sb.client.closed and connections_to(server.port) == 0
+
+
+async def test_forks_of_a_sandbox_with_its_own_client_outlive_the_parent(server: ServerProc) -> None:
+    """Sandbox.create(url)'s client is shared by the sandboxes forked from it: killing the parent first
+    leaves the children their pool (it closed it under them: their exec failed with httpx's "client
+    has been closed"), and the pool closes when the last of them is killed."""
+    parent = await Sandbox.create(server.url)
+    await parent.exec(command="echo kept > f.txt")
+    children = await parent.fork(2)
+    await parent.kill()
+    assert not parent.client.closed
+    for child in children:
+        assert (await child.exec(command="cat f.txt")).stdout == "kept\n"
+    await children[0].kill()
+    assert not parent.client.closed
+    await children[1].kill()
+    await children[1].kill()  # idempotent: counted once
+    assert parent.client.closed and connections_to(server.port) == 0
 
 
 async def test_unreachable_service_is_a_transport_error() -> None:
