@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Final, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
+from rollbox.runtime.errors import RollboxError
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "SANDBOX_SNAPSHOT",
     "SANDBOX_SNAPSHOTTED",
     "AnnotateData",
+    "Conflict",
     "CreateData",
     "DestroyData",
     "ErrorCode",
@@ -394,6 +396,11 @@ class ErrorCode:
     STORE_CORRUPT: Final = "store_corrupt"  # 502: an object failed its sha256 check; it was not used
     STORE_ERROR: Final = "store_error"  # 502: the store refused (credentials, missing bucket, ...)
     INSUFFICIENT_STORAGE: Final = "insufficient_storage"  # 507, with Retry-After: a disk of this server is full
+
+
+class Conflict(RollboxError):
+    """Same (source, id) as an earlier event, different content (here, or recorded in a sandbox's
+    durable state by another replica): ``idempotency_conflict``."""
 
 
 class ErrorData(_Data):

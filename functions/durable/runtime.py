@@ -51,9 +51,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, ValidationError
-from rollbox.functions.handlers.routing import EventRef, current_event
+from rollbox.functions.contract.eventref import EventRef
+from rollbox.functions.contract.models import Conflict
+from rollbox.functions.durable.capacity import LiveCap
 from rollbox.functions.recording.aiosync import AsyncFsync
-from rollbox.functions.service.idempotency import Conflict
 from rollbox.runtime.errors import (
     IntegrityError,
     Overloaded,
@@ -170,8 +171,13 @@ class DurableRuntime:
 
     def __init__(self, rt: Runtime, objects: Objects, *, hibernate_after_s: float = 30.0,
                  sweep_interval_s: float = 60.0, tombstone_ttl_s: float = 600.0, replica: str | None = None,
-                 io_threads: int = 8, registry: CollectorRegistry | None = None):
+                 io_threads: int = 8, registry: CollectorRegistry | None = None, cap: LiveCap | None = None,
+                 journal: StepLog | None = None):
+        """``cap``: the replica's live cap, which the service's admission asks too. ``journal``: the
+        step log (trajectories and the usage ledger) when recording is on. ``registry``: where this
+        layer's metrics go (the service's)."""
         self.rt = rt
+        self.cap = cap or LiveCap()
         self.objects = objects
         self._local = isinstance(objects, LocalObjects)  # records are local files (see _read)
         self.hibernate_after_s = hibernate_after_s
@@ -196,7 +202,7 @@ class DurableRuntime:
         self._blob_lock = threading.Lock()
         self.blob_cache_max_bytes = 64 * 1024 * 1024
         self.metrics = _Metrics(registry)
-        self.journal: StepLog | None = None  # trajectories and the usage ledger, when recording is on
+        self.journal = journal
         self._evicted: tuple[float, float] | None = None  # the last eviction under pressure (_make_room)
         self._passing_share = 0.0  # of recent steps, those that passed through (a moving average): _defers_create
         self._room: asyncio.Future[None] | None = None  # done when a step ends: _make_room waits on it
@@ -206,10 +212,6 @@ class DurableRuntime:
         rt.on_reaped = self._reaped
 
     # ------------------------------------------------------------------------------ lifecycle
-    def bind_metrics(self, registry: CollectorRegistry) -> None:
-        """Register this layer's metrics in the service's registry (the service is made after us)."""
-        self.metrics = _Metrics(registry)
-
     async def start(self) -> None:
         if self._local:
             try:
@@ -259,8 +261,11 @@ class DurableRuntime:
             self._room_may_be_free()  # (a run's sandbox is gone: its slot is free)
 
     async def create(self, snapshot: str = "python", limits: LimitsArg = None,
-                     metadata: dict[str, str] | None = None) -> SandboxInfo:
-        ev = current_event.get()
+                     metadata: dict[str, str] | None = None, *, event: EventRef | None = None) -> SandboxInfo:
+        """A new sandbox, its first generation committed. With ``event``, its id is derived from the
+        event (the event's n-th create): the same event again, here or on any replica, gets the
+        sandbox it made, as it replied then. Without, a random id."""
+        ev = event
         sid = ev.next_sandbox_id() if ev is not None else "sb-" + secrets.token_hex(10)
         async with self._holding(sid):
             if ev is not None:
@@ -288,7 +293,7 @@ class DurableRuntime:
                 self.metrics.hibernations.labels("create").inc()
             return info
 
-    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+    async def exec(self, sandbox_id: str, request: ExecRequest, *, event: EventRef | None = None) -> ExecResult:
         async def action(live: _Live) -> ExecResult:
             result = await self.rt.exec(sandbox_id, request, last=live.passing)
             if live.passing:  # its init ended with the step; the sandbox lives on in the store
@@ -299,10 +304,10 @@ class DurableRuntime:
             return result
 
         # (files to read back are read by the agent after the program: that step cannot pass through)
-        return await self.step(sandbox_id, action, ExecResult, may_pass=not request.read_files)
+        return await self.step(sandbox_id, action, ExecResult, may_pass=not request.read_files, event=event)
 
-    async def destroy(self, sandbox_id: str) -> Usage:
-        ev = current_event.get()
+    async def destroy(self, sandbox_id: str, *, event: EventRef | None = None) -> Usage:
+        ev = event
         async with self._holding(sandbox_id):
             live = await self._fresh_live(sandbox_id)
             head = live.record if live is not None else await self._head(sandbox_id)
@@ -401,23 +406,23 @@ class DurableRuntime:
                            isolation=self.rt.isolation_report(), hibernated=True)
 
     async def step(self, sandbox_id: str, action: Callable[[_Live], Awaitable[M]], model: type[M],
-                   may_pass: bool = False, room: int = 0) -> M:
+                   may_pass: bool = False, room: int = 0, event: EventRef | None = None) -> M:
         """Run one step on a sandbox's newest state and commit it before returning its reply: the
         sandbox is resumed first if it is not live here (or its copy here is stale); a redelivered
         event gets its recorded reply without running. ``may_pass``: the step may pass through
         (``_passes``). ``room``: live sandboxes the step makes beside this one (a fork's children),
-        made room for as a create's are (idle ones hibernated)."""
-        ev = current_event.get()
+        made room for as a create's are (idle ones hibernated). ``event``: the request's, under which
+        the reply is recorded (and found again when it is redelivered)."""
+        ev = event
         async with self._holding(sandbox_id):
             live, replay = await self._prepare(sandbox_id, ev, model, may_pass)
             if replay is not None:
                 return replay
             assert live is not None
             if room:
-                cap = self.rt.config.max_live
-                if room + 1 > cap:
+                if not self.cap.fits(0, room + 1):
                     raise Overloaded(f"{room} new sandboxes beside sandbox {sandbox_id} do not fit under this "
-                                     f"replica's live cap ({cap}, --max-live)", retry_after_s=1.0)
+                                     f"replica's live cap ({self.cap.max_live}, --max-live)", retry_after_s=1.0)
                 await self._make_room(room)
             passing = live.passing
             try:
@@ -848,9 +853,9 @@ class DurableRuntime:
         """Room for ``n`` more live sandboxes: at the live cap, hibernate the least recently used idle
         ones instead of refusing. If every live sandbox is running a step, wait for one to end (up to
         ``ROOM_WAIT_S``, then 429)."""
-        cap = self.rt.config.max_live
+        cap = self.cap.max_live
         deadline: float | None = None
-        while len(self.rt.sandboxes) + self.rt._creating + n > cap:
+        while not self.cap.fits(len(self.rt.sandboxes) + self.rt._creating, n):
             idle = [(live.last_used, sid) for sid, live in self.live.items() if not self._wanted(sid)]
             if not idle:
                 loop = asyncio.get_running_loop()

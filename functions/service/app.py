@@ -23,13 +23,13 @@ import re
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import functions_framework.aio
 from cloudevents.http import CloudEvent
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from rollbox.functions.contract.events import ReplyError, content_mode, decode, encode, error_event, reply_event
 from rollbox.functions.contract.models import (
@@ -41,8 +41,9 @@ from rollbox.functions.contract.models import (
     ErrorCode,
     ErrorData,
 )
+from rollbox.functions.durable.capacity import LiveCap
 from rollbox.functions.handlers import sandbox
-from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime, current_event
+from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime
 from rollbox.functions.recording.steps import StepLog, current_step
 from rollbox.functions.service.admission import Admission, InsufficientStorage, Rejected, ServiceConfig, disk_full
 from rollbox.functions.service.idempotency import Conflict, IdempotencyCache
@@ -181,9 +182,15 @@ class Service:
         routes: Iterable[Route] = sandbox.ROUTES,
         steps: StepLog | None = None,
         pools: Callable[[], Iterable[Pool]] | None = None,
+        cap: LiveCap | None = None,
+        registry: CollectorRegistry | None = None,
+        cleanup_failures: Callable[[], Mapping[str, int]] | None = None,
     ):
         """``pools``: the runtime's warm pools, whose failures /metrics reports (``rt.pools.values()``;
-        the durable layer in front of a ``Runtime`` does not show them)."""
+        the durable layer in front of a ``Runtime`` does not show them). ``cap``: the replica's live
+        cap, the one the durable layer asks too (default: ``config.max_live``'s). ``registry``: the
+        replica's metrics registry (shared with the durable layer and the recorder).
+        ``cleanup_failures``: the runtime's failed clean-ups by kind, for /metrics."""
         self.runtime = runtime
         self.steps = steps  # trajectories and usage: every final reply is recorded before it is sent
         self.config = cfg = config or ServiceConfig()
@@ -193,17 +200,18 @@ class Service:
                 raise ValueError(f"two routes for {r.spec.request_type!r}")
             self.routes[r.spec.request_type] = r
         self.admission = Admission(
-            max_live=cfg.max_live,
+            cap=cap or LiveCap(cfg.max_live),
             max_queued=cfg.max_queued,
             retry_after_s=cfg.retry_after_s,
-            # a durable runtime hibernates idle sandboxes to make room: only running ones count
-            live_count=getattr(runtime, "running_count", runtime.live_count),
+            running=runtime.running_count,
         )
         self.metrics = Metrics(
             live_count=runtime.live_count,
             pool_sizes=runtime.pool_sizes,
             inflight=lambda: self.admission.inflight,
             pools=pools,
+            cleanup_failures=cleanup_failures,
+            registry=registry,
         )
         self.cache: IdempotencyCache[_Reply] = IdempotencyCache(
             cfg.idempotency_entries,
@@ -274,10 +282,11 @@ class Service:
                 value = event.get(theirs)
                 if isinstance(value, str) and 0 < len(value) <= 256:
                     carry[ours] = value
-            if self.admission.draining and event["type"] != SANDBOX_DESTROY:  # destroy still frees sandboxes
-                self.metrics.rejects.labels("draining").inc()
-                raise _runtime_error(rterr.ShuttingDown("draining; only destroy events are still accepted",
-                                                        retry_after_s=self.config.retry_after_s))
+            try:
+                self.admission.check_draining(ends_sandbox=event["type"] == SANDBOX_DESTROY)
+            except Rejected as rej:
+                self.metrics.rejects.labels(rej.reason).inc()
+                raise _runtime_error(rej.error) from None
             etype, source, eid = event["type"], event["source"], event["id"]
             fields.update(event_id=eid, source=source, type=etype)
             route = self.routes.get(etype)
@@ -432,14 +441,13 @@ class Service:
 
     async def _call(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef) -> _Reply:
         task = asyncio.current_task()
-        current_event.set(event)  # this request's own task: seen by the handler and what it awaits
         try:
             with self.admission.admit(creates_sandbox=route.creates_sandbox,
                                       ends_sandbox=route.spec.request_type == SANDBOX_DESTROY):
                 if task is not None:
                     self._working.add(task)
                 try:
-                    result = await route.handler(self.runtime, data)
+                    result = await route.handler(self.runtime, data, event)
                 finally:
                     if task is not None:
                         self._working.discard(task)

@@ -43,6 +43,7 @@ from rollbox.functions.contract.models import (
     SANDBOX_RUN,
 )
 from rollbox.functions.handlers import sandbox, snapshot
+from rollbox.functions.handlers.routing import InProcess
 from rollbox.functions.service.app import Service
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.snapshot import BuiltinResolver
@@ -254,7 +255,7 @@ async def test_process_image_snapshot_and_closing_runtime(tmp_path: Path, http: 
         base = resolver.resolve("python")
         resolver.register(dataclasses.replace(base, id="criu-image", process_image="criu-image-layer"))
         snapshots = snapshot.Snapshots(rt, LayerCache(LocalStore(tmp_path / "store")))
-        service = Service(rt, routes=(*sandbox.ROUTES, *snapshot.routes(snapshots)))
+        service = Service(InProcess(rt), routes=(*sandbox.ROUTES, *snapshot.routes(snapshots)))
         async with serving(service) as url:
             for etype, data in ((SANDBOX_CREATE, {"snapshot": "criu-image"}),
                                 (SANDBOX_RUN, {"snapshot": "criu-image", "code": "print(1)"}),
