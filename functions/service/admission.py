@@ -58,14 +58,13 @@ def disk_full(exc: BaseException | None) -> bool:
     return False
 
 
-class Rejected(Exception):
+class Rejected(RollboxError):
     """Admission refused the request; ``reason`` is a metric label: queue, live or draining.
     ``error`` is the runtime's exception it stands for (the service answers it from ERROR_TABLE)."""
 
     def __init__(self, reason: str, message: str, retry_after_s: float):
         super().__init__(message)
         self.reason = reason
-        self.message = message
         self.retry_after_s = retry_after_s
 
     @property

@@ -395,7 +395,7 @@ def _http_protocol(request_timeout_s: float, refused: Callable[[int], None]) -> 
                     self._unsupported_upgrade_warning()
             except httptools.HttpParserError as exc:
                 why = str(exc)[:200] or "the parser stopped"
-                self._refuse(ReplyError(400, ErrorCode.INVALID_EVENT,
+                self._refuse(ReplyError(ErrorCode.INVALID_EVENT,
                                         f"not a valid HTTP/1.1 request: {why}{_bad_header_line(data)}"))
                 return
             if self._header_timer is not None:  # still in the headers (held by the parser until they end)
@@ -404,7 +404,7 @@ def _http_protocol(request_timeout_s: float, refused: Callable[[int], None]) -> 
                     self._headers_too_large()
 
         def _headers_too_large(self) -> None:
-            self._refuse(ReplyError(431, ErrorCode.HEADERS_TOO_LARGE,
+            self._refuse(ReplyError(ErrorCode.HEADERS_TOO_LARGE,
                                     f"the request's headers are over {MAX_HEADER_BYTES // 1024} KiB: send large "
                                     "values in the body", details={"max_header_bytes": MAX_HEADER_BYTES}))
 
@@ -436,7 +436,7 @@ def _http_protocol(request_timeout_s: float, refused: Callable[[int], None]) -> 
 
         def _headers_late(self) -> None:
             self._header_timer = None
-            self._refuse(ReplyError(408, ErrorCode.REQUEST_TIMEOUT,
+            self._refuse(ReplyError(ErrorCode.REQUEST_TIMEOUT,
                                     f"the request headers did not all arrive within {request_timeout_s:g} s "
                                     "(--request-timeout-s)", details={"request_timeout_s": request_timeout_s}))
 

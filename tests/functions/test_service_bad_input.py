@@ -41,6 +41,7 @@ from rollbox.functions.contract.models import (
     SANDBOX_FORK,
     SANDBOX_RESULT,
     SANDBOX_RUN,
+    ErrorCode,
 )
 from rollbox.functions.handlers import sandbox, snapshot
 from rollbox.functions.handlers.routing import InProcess
@@ -54,10 +55,8 @@ from svc_testkit import event as ce
 
 RUN = SANDBOX_RUN
 
-# the codes each status may carry (contract.ErrorCode)
-CODES = {400: {"invalid_event", "invalid_data", "unknown_type"}, 404: {"not_found", "sandbox_not_found",
-         "snapshot_not_found"}, 405: {"method_not_allowed"}, 408: {"request_timeout"}, 413: {"payload_too_large"},
-         415: {"unsupported_media_type"}, 431: {"headers_too_large"}}
+# the codes each status may carry (derived from contract.ErrorCode, which carries each code's status)
+CODES = {status: {c.value for c in ErrorCode if c.status == status} for status in {c.status for c in ErrorCode}}
 
 
 @dataclasses.dataclass
