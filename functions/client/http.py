@@ -222,17 +222,15 @@ class SandboxDiedError(ServiceError):
 
 
 class SandboxBusyError(ServiceError):
-    retryable = True
+    pass
 
 
 class RequestTimeoutError(ServiceError):
     """The server stopped waiting for the rest of the request (headers or body); nothing ran."""
 
-    retryable = True
-
 
 class OverloadedError(ServiceError):
-    retryable = True
+    pass
 
 
 class StoreUnavailableError(OverloadedError):
@@ -260,32 +258,28 @@ class StoreCorruptError(StoreError):
     pass
 
 
-# One class per error code of the contract (a test checks that none is missing).
-ERROR_CLASSES: Final[Mapping[str, type[ServiceError]]] = {
-    ErrorCode.INVALID_EVENT: InvalidEventError,
-    ErrorCode.INVALID_DATA: InvalidDataError,
-    ErrorCode.UNKNOWN_TYPE: UnknownTypeError,
-    ErrorCode.SANDBOX_NOT_FOUND: SandboxNotFoundError,
-    ErrorCode.SNAPSHOT_NOT_FOUND: SnapshotNotFoundError,
-    ErrorCode.NOT_FOUND: EndpointNotFoundError,
-    ErrorCode.METHOD_NOT_ALLOWED: MethodNotAllowedError,
-    ErrorCode.IDEMPOTENCY_CONFLICT: IdempotencyConflictError,
-    ErrorCode.SANDBOX_BUSY: SandboxBusyError,
-    ErrorCode.SANDBOX_GONE: SandboxGoneError,
-    ErrorCode.SANDBOX_DIED: SandboxDiedError,
-    ErrorCode.PAYLOAD_TOO_LARGE: PayloadTooLargeError,
-    ErrorCode.UNSUPPORTED: UnsupportedError,
-    ErrorCode.UNSUPPORTED_MEDIA_TYPE: UnsupportedMediaTypeError,
-    ErrorCode.OVERLOADED: OverloadedError,
-    ErrorCode.INTERNAL: InternalError,
-    ErrorCode.SHUTTING_DOWN: ShuttingDownError,
-    ErrorCode.STORE_UNAVAILABLE: StoreUnavailableError,
-    ErrorCode.STORE_CORRUPT: StoreCorruptError,
-    ErrorCode.STORE_ERROR: StoreError,
-    ErrorCode.REQUEST_TIMEOUT: RequestTimeoutError,
-    ErrorCode.INSUFFICIENT_STORAGE: InsufficientStorageError,
-    ErrorCode.HEADERS_TOO_LARGE: HeadersTooLargeError,
-}
+def _service_errors(root: type[ServiceError] = ServiceError) -> dict[str, type[ServiceError]]:
+    """``root`` and every class under it, by name."""
+    out = {root.__name__: root}
+    for sub in root.__subclasses__():
+        out.update(_service_errors(sub))
+    return out
+
+
+def _classes_of_codes() -> dict[str, type[ServiceError]]:
+    """One class per error code, as the contract names it (``ErrorCode.client_class``), retried when
+    the contract says the code is ``retryable``."""
+    by_name = _service_errors()
+    classes: dict[str, type[ServiceError]] = {}
+    for code in ErrorCode:
+        cls = by_name[code.client_class]  # a KeyError here: the contract names a class this module lacks
+        cls.retryable = code.retryable
+        classes[code.value] = cls
+    return classes
+
+
+# One class per error code of the contract, derived from it (a test checks that none is missing).
+ERROR_CLASSES: Final[Mapping[str, type[ServiceError]]] = _classes_of_codes()
 
 # Connection failures worth a retry of the same event: it never arrived, or its reply was lost on a
 # connection the server closed. A read timeout is not one (the event is still running there).

@@ -14,11 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollbox.runtime.errors import RollboxError
+
 __all__ = ["ConfigError", "Option", "add_options", "resolve_options"]
 
 
-class ConfigError(ValueError):
-    """A flag or environment variable with a value that cannot be used; the message names it."""
+class ConfigError(RollboxError, ValueError):
+    """A flag or environment variable with a value that cannot be used; the message names it. (Under
+    rollbox's one root; still a ValueError, as it was.)"""
 
 
 def integer(minimum: int) -> Callable[[str], int]:

@@ -20,6 +20,7 @@ from cloudevents.conversion import to_binary, to_structured
 from cloudevents.http import CloudEvent, from_http
 from pydantic import BaseModel
 from rollbox.functions.contract.models import ERROR, EVENT_SOURCE, ErrorCode, ErrorData
+from rollbox.runtime.errors import RollboxError
 
 __all__ = ["Mode", "ReplyError", "check_attributes", "check_headers", "content_mode", "decode", "encode", "error_event",
            "reply_event"]
@@ -45,26 +46,27 @@ class Mode(enum.Enum):
     STRUCTURED = "structured"
 
 
-class ReplyError(Exception):
-    """A request that gets an error event: HTTP status, stable code, a message naming the problem."""
+class ReplyError(RollboxError):
+    """A request that gets an error event: a stable code (which carries the HTTP status), a message
+    naming the problem."""
 
     def __init__(
         self,
-        status: int,
-        code: str,
+        code: ErrorCode,
         message: str,
         *,
         details: Mapping[str, Any] | None = None,
         sandbox_id: str | None = None,
         retry_after_s: float | None = None,
     ):
-        super().__init__(message)
-        self.status = status
+        super().__init__(message, sandbox_id=sandbox_id)
         self.code = code
-        self.message = message
         self.details = dict(details or {})
-        self.sandbox_id = sandbox_id
         self.retry_after_s = retry_after_s
+
+    @property
+    def status(self) -> int:
+        return self.code.status
 
 
 def _media_type(headers: Mapping[str, str]) -> str:
@@ -116,9 +118,9 @@ def _json_problem(exc: BaseException) -> str:
 
 def _specversion_error(value: Any) -> ReplyError:
     if not isinstance(value, str):
-        return ReplyError(400, ErrorCode.INVALID_EVENT,
+        return ReplyError(ErrorCode.INVALID_EVENT,
                           f"attribute 'specversion' must be the string '1.0', got {_kind(value)}")
-    return ReplyError(400, ErrorCode.INVALID_EVENT,
+    return ReplyError(ErrorCode.INVALID_EVENT,
                       f"specversion {_clip(value, 64)!r} is not supported: this service takes CloudEvents 1.0 "
                       "(specversion '1.0')")
 
@@ -132,12 +134,12 @@ def check_headers(raw: Iterable[tuple[bytes, bytes]]) -> None:
         if not name.startswith(b"ce-") and name != b"content-type":
             continue
         if name in seen:
-            raise ReplyError(400, ErrorCode.INVALID_EVENT,
+            raise ReplyError(ErrorCode.INVALID_EVENT,
                              f"the {name.decode('latin-1')!r} header is given more than once: send it once")
         seen.add(name)
         if name != b"content-type" and not _HEADER_VALUE.fullmatch(value):
             bad = next(i for i, c in enumerate(value) if not 0x20 <= c <= 0x7E)
-            raise ReplyError(400, ErrorCode.INVALID_EVENT,
+            raise ReplyError(ErrorCode.INVALID_EVENT,
                              f"the {_clip(name.decode('latin-1'), 64)!r} header has byte 0x{value[bad]:02x} at "
                              f"position {bad}: header values are printable ASCII (percent-encode other text, as "
                              "the CloudEvents HTTP binding says)")
@@ -153,7 +155,7 @@ def check_attributes(attrs: Mapping[str, Any]) -> None:
         if value is None and name not in _REQUIRED_TEXT and name != "specversion":
             continue
         if not isinstance(name, str) or not _ATTR_NAME.fullmatch(name):
-            raise ReplyError(400, ErrorCode.INVALID_EVENT,
+            raise ReplyError(ErrorCode.INVALID_EVENT,
                              f"attribute name {_clip(str(name), 64)!r} is not valid: CloudEvents attribute names "
                              "are lower-case ASCII letters and digits (at most 64)")
         if name == "specversion":
@@ -162,9 +164,9 @@ def check_attributes(attrs: Mapping[str, Any]) -> None:
             continue
         if name in _REQUIRED_TEXT:
             if not isinstance(value, str) or not value:
-                raise ReplyError(400, ErrorCode.INVALID_EVENT, f"attribute {name!r} must be a non-empty string")
+                raise ReplyError(ErrorCode.INVALID_EVENT, f"attribute {name!r} must be a non-empty string")
             if len(value) > MAX_ATTR_CHARS:
-                raise ReplyError(400, ErrorCode.INVALID_EVENT,
+                raise ReplyError(ErrorCode.INVALID_EVENT,
                                  f"attribute {name!r} is {len(value)} chars long: at most {MAX_ATTR_CHARS}")
         if isinstance(value, str):
             _check_text(name, value)
@@ -172,17 +174,17 @@ def check_attributes(attrs: Mapping[str, Any]) -> None:
                 _check_time(value)
             continue
         if name in _TEXT_ATTRS:
-            raise ReplyError(400, ErrorCode.INVALID_EVENT, f"attribute {name!r} must be a string, got {_kind(value)}")
+            raise ReplyError(ErrorCode.INVALID_EVENT, f"attribute {name!r} must be a string, got {_kind(value)}")
         if isinstance(value, bool):
             continue
         if isinstance(value, int):
             if not -(2**31) <= value < 2**31:
-                raise ReplyError(400, ErrorCode.INVALID_EVENT,
+                raise ReplyError(ErrorCode.INVALID_EVENT,
                                  f"attribute {_clip(name, 64)!r} is out of range: CloudEvents integers are 32-bit "
                                  "(-2147483648 to 2147483647)")
             continue
         kind = "a number with a fraction" if isinstance(value, float) else _kind(value)  # (null: above)
-        raise ReplyError(400, ErrorCode.INVALID_EVENT,
+        raise ReplyError(ErrorCode.INVALID_EVENT,
                          f"attribute {_clip(name, 64)!r} is {kind}: CloudEvents attributes are strings, integers "
                          "or booleans")
 
@@ -196,7 +198,7 @@ def _check_text(name: str, value: str) -> None:
     ch = bad.group()
     what = ("not valid UTF-8: lone surrogate" if "\ud800" <= ch <= "\udfff"
             else "a control character" if ch <= "\x1f" or "\x7f" <= ch <= "\x9f" else "a noncharacter")
-    raise ReplyError(400, ErrorCode.INVALID_EVENT,
+    raise ReplyError(ErrorCode.INVALID_EVENT,
                      f"attribute {_clip(name, 64)!r} is {what} at position {bad.start()} (U+{ord(ch):04X}): "
                      "CloudEvents strings exclude control characters, surrogates and noncharacters")
 
@@ -209,7 +211,7 @@ def _check_time(value: str) -> None:
         except ValueError:
             ok = False
     if not ok:
-        raise ReplyError(400, ErrorCode.INVALID_EVENT,
+        raise ReplyError(ErrorCode.INVALID_EVENT,
                          f"attribute 'time' is {_clip(value, 64)!r}: not an RFC 3339 timestamp "
                          "(e.g. 2026-01-31T12:00:00Z)")
 
@@ -220,20 +222,20 @@ def _structured_problem(body: bytes) -> ReplyError | None:
     try:
         raw = json.loads(body)
     except (RecursionError, ValueError) as exc:
-        return ReplyError(400, ErrorCode.INVALID_EVENT,
+        return ReplyError(ErrorCode.INVALID_EVENT,
                           f"the body is not valid JSON: {_json_problem(exc)} (a structured-mode CloudEvent is "
                           "one JSON object)")
     if not isinstance(raw, dict):
-        return ReplyError(400, ErrorCode.INVALID_EVENT,
+        return ReplyError(ErrorCode.INVALID_EVENT,
                           f"the body is {_kind(raw)}: a structured-mode CloudEvent is one JSON object (its "
                           "attributes, and its data under 'data')")
     for attr in ("specversion", "id", "source", "type"):
         if attr not in raw:
-            return ReplyError(400, ErrorCode.INVALID_EVENT,
+            return ReplyError(ErrorCode.INVALID_EVENT,
                               f"attribute {attr!r} is missing: a CloudEvent needs specversion ('1.0'), id, source "
                               "and type")
     if "data_base64" in raw:
-        return ReplyError(400, ErrorCode.INVALID_EVENT,
+        return ReplyError(ErrorCode.INVALID_EVENT,
                           "'data_base64' (binary data) is not supported: event data is JSON, under 'data'")
     try:
         check_attributes({k: v for k, v in raw.items() if k != "data"})
@@ -248,20 +250,17 @@ def decode(headers: Mapping[str, str], body: bytes, raw_headers: Iterable[tuple[
     media = _media_type(headers)
     if media == BATCH:
         raise ReplyError(
-            415,
             ErrorCode.UNSUPPORTED_MEDIA_TYPE,
             f"batched CloudEvents ({BATCH!r}) are not supported: send one event per request",
         )
     if media.startswith("application/cloudevents") and media != STRUCTURED:
         raise ReplyError(
-            415,
             ErrorCode.UNSUPPORTED_MEDIA_TYPE,
             f"unsupported event format {media!r}: use {STRUCTURED!r} or binary mode",
         )
     mode = content_mode(headers)
     if mode is Mode.BINARY and media and not _is_json(media):
         raise ReplyError(
-            415,
             ErrorCode.UNSUPPORTED_MEDIA_TYPE,
             f"unsupported content type {media!r}: event data must be {JSON!r} (binary mode, "
             f"ce-* headers) or the body an event as {STRUCTURED!r} (structured mode)",
@@ -271,7 +270,6 @@ def decode(headers: Mapping[str, str], body: bytes, raw_headers: Iterable[tuple[
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ReplyError(
-            400,
             ErrorCode.INVALID_EVENT,
             f"the body is not valid UTF-8 (byte {exc.start}): JSON must be UTF-8",
         ) from None
@@ -280,7 +278,7 @@ def decode(headers: Mapping[str, str], body: bytes, raw_headers: Iterable[tuple[
         for attr in ("specversion", "id", "source", "type"):
             if not lower.get(f"ce-{attr}", "").strip():
                 what = "empty" if f"ce-{attr}" in lower else "missing"
-                raise ReplyError(400, ErrorCode.INVALID_EVENT,
+                raise ReplyError(ErrorCode.INVALID_EVENT,
                                  f"the ce-{attr} header is {what}: a binary-mode CloudEvent needs ce-specversion "
                                  "(1.0), ce-id, ce-source and ce-type (or send application/cloudevents+json)")
         if lower["ce-specversion"] != "1.0":  # 0.3 parses, 2.0 does not: the same answer for both
@@ -302,13 +300,12 @@ def decode(headers: Mapping[str, str], body: bytes, raw_headers: Iterable[tuple[
         event = from_http(dict(headers), body, data_unmarshaller=unmarshal)
     except ce_exceptions.DataUnmarshallerError as exc:
         problem = _json_problem(failed[0]) if failed else _clip(str(exc))
-        raise ReplyError(400, ErrorCode.INVALID_EVENT, f"data is not valid JSON: {problem}") from None
+        raise ReplyError(ErrorCode.INVALID_EVENT, f"data is not valid JSON: {problem}") from None
     except (ce_exceptions.GenericException, RecursionError, ValueError, TypeError, AttributeError) as exc:
         err = _structured_problem(body) if mode is Mode.STRUCTURED else None
         if err is not None:
             raise err from None
         raise ReplyError(
-            400,
             ErrorCode.INVALID_EVENT,
             f"not a valid CloudEvent: {_clip(str(exc))}; required attributes are specversion (1.0), id, source, type",
         ) from None
@@ -316,7 +313,6 @@ def decode(headers: Mapping[str, str], body: bytes, raw_headers: Iterable[tuple[
     dct = event.get("datacontenttype")
     if dct is not None and not _is_json(str(dct).split(";", 1)[0].strip().lower()):
         raise ReplyError(
-            415,
             ErrorCode.UNSUPPORTED_MEDIA_TYPE,
             f"unsupported datacontenttype {dct!r}: event data must be {JSON!r}",
         )

@@ -18,10 +18,12 @@ runtime cannot drift apart.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Annotated, Any, Final, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
+from rollbox.runtime.errors import RollboxError
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "SANDBOX_SNAPSHOT",
     "SANDBOX_SNAPSHOTTED",
     "AnnotateData",
+    "Conflict",
     "CreateData",
     "DestroyData",
     "ErrorCode",
@@ -368,32 +371,72 @@ class ForkRecord(_Data):
     fork_ms: float
 
 
-class ErrorCode:
-    """The ``code`` of an error reply, with the HTTP status it is sent with."""
+class ErrorCode(enum.StrEnum):
+    """The ``code`` of an error reply (its value: stable, for programs), and what goes with it: the
+    HTTP ``status`` it is sent with, whether a retry of the same event may succeed (``retryable``:
+    the client retries it) and the client's exception class (``client_class``, a name in
+    ``rollbox.functions.client``). The service's replies (``ERROR_TABLE``, ``ReplyError``), the
+    client's ``ERROR_CLASSES`` and README's error table all follow this enum (tests check each)."""
 
-    INVALID_EVENT: Final = "invalid_event"  # 400: not a valid CloudEvent (specversion, id, ...)
-    INVALID_DATA: Final = "invalid_data"  # 400: the data does not match the type's model
-    UNKNOWN_TYPE: Final = "unknown_type"  # 400
-    SANDBOX_NOT_FOUND: Final = "sandbox_not_found"  # 404
-    SNAPSHOT_NOT_FOUND: Final = "snapshot_not_found"  # 404
-    NOT_FOUND: Final = "not_found"  # 404: no such HTTP path
-    METHOD_NOT_ALLOWED: Final = "method_not_allowed"  # 405
-    REQUEST_TIMEOUT: Final = "request_timeout"  # 408: the headers or body stopped arriving; nothing ran
-    IDEMPOTENCY_CONFLICT: Final = "idempotency_conflict"  # 409: same (source, id), different event
-    SANDBOX_BUSY: Final = "sandbox_busy"  # 409, with Retry-After: another replica committed a step first
-    SANDBOX_GONE: Final = "sandbox_gone"  # 410: destroyed or expired (lifetime, idle)
-    SANDBOX_DIED: Final = "sandbox_died"  # 410: the sandbox ended while in use
-    PAYLOAD_TOO_LARGE: Final = "payload_too_large"  # 413
-    HEADERS_TOO_LARGE: Final = "headers_too_large"  # 431: the header section is over the cap
-    UNSUPPORTED: Final = "unsupported"  # 422: valid, but not servable here (a process-image snapshot)
-    UNSUPPORTED_MEDIA_TYPE: Final = "unsupported_media_type"  # 415
-    OVERLOADED: Final = "overloaded"  # 429, with Retry-After
-    INTERNAL: Final = "internal"  # 500, no host details
-    SHUTTING_DOWN: Final = "shutting_down"  # 503, with Retry-After
-    STORE_UNAVAILABLE: Final = "store_unavailable"  # 503, with Retry-After: snapshot store outage
-    STORE_CORRUPT: Final = "store_corrupt"  # 502: an object failed its sha256 check; it was not used
-    STORE_ERROR: Final = "store_error"  # 502: the store refused (credentials, missing bucket, ...)
-    INSUFFICIENT_STORAGE: Final = "insufficient_storage"  # 507, with Retry-After: a disk of this server is full
+    status: int
+    retryable: bool
+    client_class: str
+
+    def __new__(cls, code: str, status: int, retryable: bool, client_class: str) -> ErrorCode:
+        member = str.__new__(cls, code)
+        member._value_ = code
+        member.status = status
+        member.retryable = retryable
+        member.client_class = client_class
+        return member
+
+    INVALID_EVENT = ("invalid_event", 400, False, "InvalidEventError")  # not a valid CloudEvent (specversion, id…)
+    INVALID_DATA = ("invalid_data", 400, False, "InvalidDataError")  # the data does not match the type's model
+    UNKNOWN_TYPE = ("unknown_type", 400, False, "UnknownTypeError")
+    SANDBOX_NOT_FOUND = ("sandbox_not_found", 404, False, "SandboxNotFoundError")
+    SNAPSHOT_NOT_FOUND = ("snapshot_not_found", 404, False, "SnapshotNotFoundError")
+    NOT_FOUND = ("not_found", 404, False, "EndpointNotFoundError")  # no such HTTP path
+    METHOD_NOT_ALLOWED = ("method_not_allowed", 405, False, "MethodNotAllowedError")
+    # the headers or body stopped arriving; nothing ran
+    REQUEST_TIMEOUT = ("request_timeout", 408, True, "RequestTimeoutError")
+    # same (source, id), different event
+    IDEMPOTENCY_CONFLICT = ("idempotency_conflict", 409, False, "IdempotencyConflictError")
+    # with Retry-After: another replica committed a step first
+    SANDBOX_BUSY = ("sandbox_busy", 409, True, "SandboxBusyError")
+    SANDBOX_GONE = ("sandbox_gone", 410, False, "SandboxGoneError")  # destroyed or expired (lifetime, idle)
+    SANDBOX_DIED = ("sandbox_died", 410, False, "SandboxDiedError")  # the sandbox ended while in use
+    PAYLOAD_TOO_LARGE = ("payload_too_large", 413, False, "PayloadTooLargeError")
+    HEADERS_TOO_LARGE = ("headers_too_large", 431, False, "HeadersTooLargeError")  # the header section over the cap
+    # valid, but not servable here (a process-image snapshot)
+    UNSUPPORTED = ("unsupported", 422, False, "UnsupportedError")
+    UNSUPPORTED_MEDIA_TYPE = ("unsupported_media_type", 415, False, "UnsupportedMediaTypeError")
+    OVERLOADED = ("overloaded", 429, True, "OverloadedError")  # with Retry-After
+    INTERNAL = ("internal", 500, False, "InternalError")  # no host details
+    SHUTTING_DOWN = ("shutting_down", 503, True, "ShuttingDownError")  # with Retry-After
+    # with Retry-After: snapshot store outage
+    STORE_UNAVAILABLE = ("store_unavailable", 503, True, "StoreUnavailableError")
+    # an object failed its sha256 check; it was not used
+    STORE_CORRUPT = ("store_corrupt", 502, False, "StoreCorruptError")
+    STORE_ERROR = ("store_error", 502, False, "StoreError")  # the store refused (credentials, missing bucket, ...)
+    # with Retry-After: a disk of this server is full
+    INSUFFICIENT_STORAGE = ("insufficient_storage", 507, True, "InsufficientStorageError")
+
+
+class Conflict(RollboxError):
+    """Same (source, id) as an earlier event, different content (here, or recorded in a sandbox's
+    durable state by another replica): ``idempotency_conflict``.
+
+    The functions' exceptions extend the runtime's tree (``rollbox.runtime.errors``), one root:
+
+        RollboxError
+        ├── ...                     the runtime's (InvalidRequest, SandboxNotFound, StoreError, ...)
+        ├── Conflict                an event id reused for other content (here)
+        ├── ReplyError              a request answered with an error event (contract.events)
+        ├── ConfigError             a flag or environment variable that cannot be used (config.options)
+        ├── InsufficientStorage     a disk of this server is full (service.admission)
+        ├── Rejected                admission refused the request (service.admission)
+        └── KnativeError            the Kubernetes API (cli.knative)
+    """
 
 
 class ErrorData(_Data):

@@ -5,12 +5,12 @@ trajectory (so it is served only when recording is on)."""
 from __future__ import annotations
 
 from rollbox.functions.contract.models import EPISODE_ANNOTATE, AnnotateData
-from rollbox.functions.handlers.routing import Route, SandboxRuntime, route
+from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime, route
 
 __all__ = ["ROUTES", "annotate"]
 
 
-async def annotate(_rt: SandboxRuntime, data: AnnotateData) -> AnnotateData:
+async def annotate(_rt: SandboxRuntime, data: AnnotateData, _event: EventRef | None = None) -> AnnotateData:
     return data
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
 import time
 from contextlib import AbstractAsyncContextManager
@@ -31,11 +32,11 @@ from rollbox.functions.contract.models import (
     SnapshotRecord,
 )
 from rollbox.functions.durable.runtime import DurableRuntime
-from rollbox.functions.handlers.routing import Route, SandboxRuntime, route
-from rollbox.functions.service.logs import logger
+from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime, route
 from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreError
+from rollbox.runtime.runtime import LimitsArg
 from rollbox.runtime.snapshot import ROLLBOX_VERSION, SnapshotView
-from rollbox.runtime.spec import DEFAULT_LIMITS
+from rollbox.runtime.spec import DEFAULT_LIMITS, Usage
 from rollbox.snapshots.cache import LayerCache
 from rollbox.snapshots.calls import StoreCalls
 from rollbox.snapshots.checkpoint import checkpoint
@@ -45,13 +46,21 @@ from rollbox.snapshots.store import copy_snapshot
 
 __all__ = ["SnapshotRuntime", "Snapshots", "builtin_manifest", "routes"]
 
+logger = logging.getLogger("rollbox.functions")  # the service's (service.logs formats it)
 SCRATCH_SEP = "+"  # a live fork's view id: "<parent view id>+<scratch layer>[+<scratch layer>...]"
 
 
-class SnapshotRuntime(SandboxRuntime, Protocol):
-    """What these handlers need of ``rollbox.runtime.runtime.Runtime`` beyond the sandbox family."""
+class SnapshotRuntime(Protocol):
+    """What these handlers need of ``rollbox.runtime.runtime.Runtime`` itself (not the durable layer
+    in front of it)."""
 
     layer_root: Path
+
+    async def create(
+        self, snapshot: str = ..., limits: LimitsArg = ..., metadata: dict[str, str] | None = ...
+    ) -> SandboxInfo: ...
+
+    async def destroy(self, sandbox_id: str) -> Usage: ...
 
     def get(self, sandbox_id: str) -> Any: ...
 
@@ -157,7 +166,10 @@ class Snapshots:
                 snapshot_id=child.id, layer_id=exc.layer_id) from exc
 
     # ---------------------------------------------------------------------------------- fork
-    async def fork(self, data: ForkData, sandbox_ids: list[str] | None = None) -> ForkRecord:
+    async def fork(self, data: ForkData, sandbox_ids: list[str] | None = None,
+                   event: EventRef | None = None) -> ForkRecord:
+        """``event``: the fork's own, from which a durable fork of a snapshot derives its children's
+        ids (a live fork's children get ``sandbox_ids``)."""
         t0 = time.perf_counter()
         if data.sandbox_id is not None:
             parent_view: SnapshotView = self.rt.get(data.sandbox_id).view
@@ -168,22 +180,22 @@ class Snapshots:
         assert data.snapshot is not None
         view = await self.rt.resolve(data.snapshot)  # once: one 404 or one pull, not N
         overrides = data.limits.model_dump(exclude_unset=True) if data.limits is not None else None
-        infos = await self._create_all(view.id, data.count, overrides, data.metadata)
+        infos = await self._create_all(view.id, data.count, overrides, data.metadata, event)
         return ForkRecord(sandbox_id=None, snapshot_id=view.id, sandboxes=infos,
                           fork_ms=round((time.perf_counter() - t0) * 1000, 3))
 
     async def _create_all(self, snapshot: str, count: int, limits: dict[str, Any] | None,
-                          metadata: dict[str, str]) -> list[SandboxInfo]:
-        maker: Any = self.durable or self.rt  # durable: each child's state committed, its id from the event
-        results = await asyncio.gather(
-            *(maker.create(snapshot, limits, metadata) for _ in range(count)), return_exceptions=True
-        )
+                          metadata: dict[str, str], event: EventRef | None) -> list[SandboxInfo]:
+        durable = self.durable  # durable: each child's state committed, its id from the event
+        made_by = (durable.create(snapshot, limits, metadata, event=event) if durable is not None
+                   else self.rt.create(snapshot, limits, metadata) for _ in range(count))
+        results = await asyncio.gather(*made_by, return_exceptions=True)
         made = [r for r in results if isinstance(r, SandboxInfo)]
         if len(made) == count:
             return made
-        for info in made:  # all or nothing
+        for info in made:  # all or nothing (not as the fork's event: it is no destroy's)
             with contextlib.suppress(RollboxError):
-                await maker.destroy(info.sandbox_id)
+                await (durable or self.rt).destroy(info.sandbox_id)
         raise next(r for r in results if isinstance(r, BaseException))
 
 
@@ -192,20 +204,21 @@ def routes(snapshots: Snapshots) -> tuple[Route, ...]:
 
     durable = snapshots.durable
 
-    async def snapshot(_rt: SandboxRuntime, data: SnapshotData) -> SnapshotRecord:
+    async def snapshot(_rt: SandboxRuntime, data: SnapshotData, event: EventRef | None = None) -> SnapshotRecord:
         if durable is None:
             return await snapshots.snapshot(data)
-        return await durable.step(data.sandbox_id, lambda _live: snapshots.snapshot(data), SnapshotRecord)
+        return await durable.step(data.sandbox_id, lambda _live: snapshots.snapshot(data), SnapshotRecord,
+                                  event=event)
 
-    async def fork(rt: SandboxRuntime, data: ForkData) -> ForkRecord:
-        record = await fork_all(rt, data)
+    async def fork(rt: SandboxRuntime, data: ForkData, event: EventRef | None = None) -> ForkRecord:
+        record = await fork_all(data, event)
         if data.include_isolation:
             return record
         return record.model_copy(update={"sandboxes": [info.brief() for info in record.sandboxes]})
 
-    async def fork_all(_rt: SandboxRuntime, data: ForkData) -> ForkRecord:
+    async def fork_all(data: ForkData, event: EventRef | None) -> ForkRecord:
         if durable is None or data.sandbox_id is None:
-            return await snapshots.fork(data)
+            return await snapshots.fork(data, event=event)
         parent = data.sandbox_id
 
         async def forking(_live: Any) -> ForkRecord:
@@ -214,7 +227,7 @@ def routes(snapshots: Snapshots) -> tuple[Route, ...]:
             await durable.adopt(record.sandboxes, forked_from=parent)
             return record
 
-        return await durable.step(parent, forking, ForkRecord, room=data.count)
+        return await durable.step(parent, forking, ForkRecord, room=data.count, event=event)
 
     return (
         route(SANDBOX_SNAPSHOT, snapshot),

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from rollbox.functions.durable.capacity import DEFAULT_MAX_LIVE, LiveCap
 from rollbox.runtime.errors import Overloaded, RollboxError, ShuttingDown
 
 MiB = 1024 * 1024
@@ -23,7 +24,7 @@ MiB = 1024 * 1024
 class ServiceConfig:
     """Caps and windows of one service process (every one is a ``rollbox serve`` flag)."""
 
-    max_live: int = 256
+    max_live: int = DEFAULT_MAX_LIVE  # the replica's LiveCap, which the durable layer asks too
     max_queued: int = 1024
     max_body_bytes: int = 8 * MiB
     idempotency_entries: int = 100_000
@@ -57,14 +58,13 @@ def disk_full(exc: BaseException | None) -> bool:
     return False
 
 
-class Rejected(Exception):
+class Rejected(RollboxError):
     """Admission refused the request; ``reason`` is a metric label: queue, live or draining.
     ``error`` is the runtime's exception it stands for (the service answers it from ERROR_TABLE)."""
 
     def __init__(self, reason: str, message: str, retry_after_s: float):
         super().__init__(message)
         self.reason = reason
-        self.message = message
         self.retry_after_s = retry_after_s
 
     @property
@@ -75,15 +75,16 @@ class Rejected(Exception):
 
 
 class Admission:
-    def __init__(
-        self, *, max_live: int, max_queued: int, retry_after_s: float, live_count: Callable[[], int]
-    ):
-        if max_live < 1 or max_queued < 1:
-            raise ValueError("max_live and max_queued must be >= 1")
-        self.max_live = max_live
+    """``running()``: the sandboxes that count against ``cap`` (those running a step or being made;
+    the durable layer hibernates idle ones to make room)."""
+
+    def __init__(self, *, cap: LiveCap, max_queued: int, retry_after_s: float, running: Callable[[], int]):
+        if max_queued < 1:
+            raise ValueError("max_queued must be >= 1")
+        self.cap = cap
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
-        self._live_count = live_count
+        self._running = running
         self.inflight = 0
         self.creating = 0
         self.draining = False
@@ -93,20 +94,17 @@ class Admission:
     @contextmanager
     def admit(self, *, creates_sandbox: bool, ends_sandbox: bool = False) -> Iterator[None]:
         """``ends_sandbox`` (destroy) is admitted while draining: it frees what draining waits for."""
-        if self.draining and not ends_sandbox:
-            raise Rejected(
-                "draining", "draining; only destroy events are still accepted", self.retry_after_s
-            )
+        self.check_draining(ends_sandbox=ends_sandbox)
         if self.inflight >= self.max_queued:
             raise Rejected(
                 "queue",
                 f"too many requests in flight (cap {self.max_queued}); retry later",
                 self.retry_after_s,
             )
-        if creates_sandbox and self._live_count() + self.creating >= self.max_live:
+        if creates_sandbox and not self.cap.fits(self._running() + self.creating):
             raise Rejected(
                 "live",
-                f"too many live sandboxes (cap {self.max_live}); destroy some or retry later",
+                f"too many live sandboxes (cap {self.cap.max_live}); destroy some or retry later",
                 self.retry_after_s,
             )
         self.inflight += 1
@@ -119,6 +117,13 @@ class Admission:
             self.creating -= creates_sandbox
             if self.inflight == 0:
                 self._idle.set()
+
+    def check_draining(self, *, ends_sandbox: bool) -> None:
+        """While draining, refuse all but what ends a sandbox (it frees what draining waits for). The
+        one rule, asked as soon as an event's type is known (nothing is read or validated for an event
+        refused anyway) and again on admission (an event that got that far as draining began)."""
+        if self.draining and not ends_sandbox:
+            raise Rejected("draining", "draining; only destroy events are still accepted", self.retry_after_s)
 
     def start_draining(self) -> None:
         self.draining = True

@@ -23,13 +23,13 @@ import re
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import functions_framework.aio
 from cloudevents.http import CloudEvent
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from rollbox.functions.contract.events import ReplyError, content_mode, decode, encode, error_event, reply_event
 from rollbox.functions.contract.models import (
@@ -41,8 +41,9 @@ from rollbox.functions.contract.models import (
     ErrorCode,
     ErrorData,
 )
+from rollbox.functions.durable.capacity import LiveCap
 from rollbox.functions.handlers import sandbox
-from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime, current_event
+from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime
 from rollbox.functions.recording.steps import StepLog, current_step
 from rollbox.functions.service.admission import Admission, InsufficientStorage, Rejected, ServiceConfig, disk_full
 from rollbox.functions.service.idempotency import Conflict, IdempotencyCache
@@ -61,8 +62,11 @@ _SANDBOX_ID = re.compile(SANDBOX_ID_PATTERN)
 CLIENT_GONE = 499  # the status label of a request whose client left before it was read (nginx's)
 
 
-class _ClientGone(Exception):
+class _ClientGone(rterr.RollboxError):
     """The client closed the connection before its request body was read: nobody gets a reply."""
+
+    def __init__(self) -> None:
+        super().__init__("the client closed the connection before its request was read")
 
 
 @dataclass(frozen=True)
@@ -102,12 +106,16 @@ def _validation_message(request_type: str, exc: ValidationError) -> tuple[str, l
 
 @dataclass(frozen=True)
 class _Maps:
-    """How one runtime exception is answered: status, code, a prefix for its message, Retry-After."""
+    """How one runtime exception is answered: its code (which carries the status), a prefix for its
+    message, Retry-After."""
 
-    status: int
-    code: str
+    code: ErrorCode
     prefix: str = ""
     retry_after_s: float | None = None
+
+    @property
+    def status(self) -> int:
+        return self.code.status
 
 
 # Every exception's reply, in one place: the runtime's, the service's own refusals (admission, drain,
@@ -116,33 +124,35 @@ class _Maps:
 # ``InsufficientStorage``. README's errors table and the client's exception classes follow this table;
 # Retry-After is the exception's own when it carries one, else the row's.
 ERROR_TABLE: tuple[tuple[type[rterr.RollboxError], _Maps], ...] = (
-    (rterr.InvalidRequest, _Maps(400, ErrorCode.INVALID_DATA)),
-    (Conflict, _Maps(409, ErrorCode.IDEMPOTENCY_CONFLICT)),
-    (rterr.SandboxGone, _Maps(410, ErrorCode.SANDBOX_GONE)),
-    (rterr.SandboxBusy, _Maps(409, ErrorCode.SANDBOX_BUSY, retry_after_s=1.0)),
-    (rterr.SandboxNotFound, _Maps(404, ErrorCode.SANDBOX_NOT_FOUND)),
-    (rterr.SnapshotNotFound, _Maps(404, ErrorCode.SNAPSHOT_NOT_FOUND)),
-    (rterr.SandboxDied, _Maps(410, ErrorCode.SANDBOX_DIED)),
-    (rterr.Unsupported, _Maps(422, ErrorCode.UNSUPPORTED)),
-    (rterr.StoreUnavailable, _Maps(503, ErrorCode.STORE_UNAVAILABLE,
+    (rterr.InvalidRequest, _Maps(ErrorCode.INVALID_DATA)),
+    (Conflict, _Maps(ErrorCode.IDEMPOTENCY_CONFLICT)),
+    (rterr.SandboxGone, _Maps(ErrorCode.SANDBOX_GONE)),
+    (rterr.SandboxBusy, _Maps(ErrorCode.SANDBOX_BUSY, retry_after_s=1.0)),
+    (rterr.SandboxNotFound, _Maps(ErrorCode.SANDBOX_NOT_FOUND)),
+    (rterr.SnapshotNotFound, _Maps(ErrorCode.SNAPSHOT_NOT_FOUND)),
+    (rterr.SandboxDied, _Maps(ErrorCode.SANDBOX_DIED)),
+    (rterr.Unsupported, _Maps(ErrorCode.UNSUPPORTED)),
+    (rterr.StoreUnavailable, _Maps(ErrorCode.STORE_UNAVAILABLE,
                                    "the snapshot store is unavailable; retry later: ", 5.0)),
-    (rterr.IntegrityError, _Maps(502, ErrorCode.STORE_CORRUPT,
+    (rterr.IntegrityError, _Maps(ErrorCode.STORE_CORRUPT,
                                  "the snapshot store returned corrupt data, which was not used: ")),
-    (rterr.StoreError, _Maps(502, ErrorCode.STORE_ERROR, "snapshot store error: ")),
-    (rterr.Overloaded, _Maps(429, ErrorCode.OVERLOADED, retry_after_s=1.0)),
-    (InsufficientStorage, _Maps(507, ErrorCode.INSUFFICIENT_STORAGE,
+    (rterr.StoreError, _Maps(ErrorCode.STORE_ERROR, "snapshot store error: ")),
+    (rterr.Overloaded, _Maps(ErrorCode.OVERLOADED, retry_after_s=1.0)),
+    (InsufficientStorage, _Maps(ErrorCode.INSUFFICIENT_STORAGE,
                                 "the server's disk is full; retry later or on another replica: ", 5.0)),
-    (rterr.ShuttingDown, _Maps(503, ErrorCode.SHUTTING_DOWN, "the server is shutting down; retry elsewhere: ", 1.0)),
+    (rterr.ShuttingDown, _Maps(ErrorCode.SHUTTING_DOWN, "the server is shutting down; retry elsewhere: ", 1.0)),
 )
 
 
 def _internal() -> ReplyError:
     """Anything unexpected: a 500 that leaks nothing (the log has the traceback and the event id)."""
-    return ReplyError(500, ErrorCode.INTERNAL, "internal error; the server log has the details")
+    return ReplyError(ErrorCode.INTERNAL, "internal error; the server log has the details")
 
 
 def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
     """An exception as its error reply (``ERROR_TABLE``); one not in the table is ``_internal()``."""
+    if isinstance(exc, ReplyError):  # answered as it says
+        return exc
     if isinstance(exc, rterr.StoreError) and disk_full(exc):  # the local store's disk, not the store's refusal
         exc = InsufficientStorage(exc.message, sandbox_id=exc.sandbox_id)
     m = next((maps for cls, maps in ERROR_TABLE if isinstance(exc, cls)), None)
@@ -159,7 +169,7 @@ def _runtime_error(exc: rterr.RollboxError) -> ReplyError:
         details["reason"] = exc.reason
     own = exc.retry_after_s if isinstance(exc, rterr.Overloaded | rterr.ShuttingDown | InsufficientStorage) else None
     retry = own if own is not None else m.retry_after_s
-    return ReplyError(m.status, m.code, m.prefix + exc.message, sandbox_id=exc.sandbox_id, retry_after_s=retry,
+    return ReplyError(m.code, m.prefix + exc.message, sandbox_id=exc.sandbox_id, retry_after_s=retry,
                       details=details)
 
 
@@ -181,9 +191,15 @@ class Service:
         routes: Iterable[Route] = sandbox.ROUTES,
         steps: StepLog | None = None,
         pools: Callable[[], Iterable[Pool]] | None = None,
+        cap: LiveCap | None = None,
+        registry: CollectorRegistry | None = None,
+        cleanup_failures: Callable[[], Mapping[str, int]] | None = None,
     ):
         """``pools``: the runtime's warm pools, whose failures /metrics reports (``rt.pools.values()``;
-        the durable layer in front of a ``Runtime`` does not show them)."""
+        the durable layer in front of a ``Runtime`` does not show them). ``cap``: the replica's live
+        cap, the one the durable layer asks too (default: ``config.max_live``'s). ``registry``: the
+        replica's metrics registry (shared with the durable layer and the recorder).
+        ``cleanup_failures``: the runtime's failed clean-ups by kind, for /metrics."""
         self.runtime = runtime
         self.steps = steps  # trajectories and usage: every final reply is recorded before it is sent
         self.config = cfg = config or ServiceConfig()
@@ -193,17 +209,18 @@ class Service:
                 raise ValueError(f"two routes for {r.spec.request_type!r}")
             self.routes[r.spec.request_type] = r
         self.admission = Admission(
-            max_live=cfg.max_live,
+            cap=cap or LiveCap(cfg.max_live),
             max_queued=cfg.max_queued,
             retry_after_s=cfg.retry_after_s,
-            # a durable runtime hibernates idle sandboxes to make room: only running ones count
-            live_count=getattr(runtime, "running_count", runtime.live_count),
+            running=runtime.running_count,
         )
         self.metrics = Metrics(
             live_count=runtime.live_count,
             pool_sizes=runtime.pool_sizes,
             inflight=lambda: self.admission.inflight,
             pools=pools,
+            cleanup_failures=cleanup_failures,
+            registry=registry,
         )
         self.cache: IdempotencyCache[_Reply] = IdempotencyCache(
             cfg.idempotency_entries,
@@ -253,10 +270,10 @@ class Service:
             except _ClientGone:
                 return Response(status_code=CLIENT_GONE)  # nobody reads it
         if path != "/":
-            err = ReplyError(404, ErrorCode.NOT_FOUND, f"no endpoint at {path[:100]!r}: POST CloudEvents to '/'")
+            err = ReplyError(ErrorCode.NOT_FOUND, f"no endpoint at {path[:100]!r}: POST CloudEvents to '/'")
             return self._respond(request, _error(err), {})
         if method != "POST":
-            err = ReplyError(405, ErrorCode.METHOD_NOT_ALLOWED, f"{method} is not allowed: POST CloudEvents to '/'")
+            err = ReplyError(ErrorCode.METHOD_NOT_ALLOWED, f"{method} is not allowed: POST CloudEvents to '/'")
             return self._respond(request, _error(err), {}, allow="POST")
         return await self._handle_event(request)
 
@@ -274,16 +291,17 @@ class Service:
                 value = event.get(theirs)
                 if isinstance(value, str) and 0 < len(value) <= 256:
                     carry[ours] = value
-            if self.admission.draining and event["type"] != SANDBOX_DESTROY:  # destroy still frees sandboxes
-                self.metrics.rejects.labels("draining").inc()
-                raise _runtime_error(rterr.ShuttingDown("draining; only destroy events are still accepted",
-                                                        retry_after_s=self.config.retry_after_s))
+            try:
+                self.admission.check_draining(ends_sandbox=event["type"] == SANDBOX_DESTROY)
+            except Rejected as rej:
+                self.metrics.rejects.labels(rej.reason).inc()
+                raise _runtime_error(rej.error) from None
             etype, source, eid = event["type"], event["source"], event["id"]
             fields.update(event_id=eid, source=source, type=etype)
             route = self.routes.get(etype)
             if route is None:
                 known = ", ".join(sorted(self.routes))
-                raise ReplyError(400, ErrorCode.UNKNOWN_TYPE, f"unknown event type {etype[:200]!r}; known: {known}")
+                raise ReplyError(ErrorCode.UNKNOWN_TYPE, f"unknown event type {etype[:200]!r}; known: {known}")
             data = self._validate(route, event.data)
             self._label_fields(data, fields)
             fingerprint = hashlib.sha256(
@@ -353,7 +371,7 @@ class Service:
                     chunks.append(chunk)
         except TimeoutError:
             of = f" of the {declared} declared" if declared.isdigit() else ""
-            raise ReplyError(408, ErrorCode.REQUEST_TIMEOUT,
+            raise ReplyError(ErrorCode.REQUEST_TIMEOUT,
                              f"the request body stopped arriving: nothing more for {idle_s:g} s after {size} "
                              f"bytes{of} (--request-timeout-s); send the whole body at once",
                              details={"request_timeout_s": idle_s, "received_bytes": size}) from None
@@ -361,7 +379,6 @@ class Service:
             raise _ClientGone from None
         if too_large:
             raise ReplyError(
-                413,
                 ErrorCode.PAYLOAD_TOO_LARGE,
                 f"request body larger than the {cap}-byte cap (max body bytes); send files "
                 "in smaller pieces or raise ROLLBOX_MAX_BODY_BYTES",
@@ -375,7 +392,6 @@ class Service:
             data = {}
         if not isinstance(data, dict):
             raise ReplyError(
-                400,
                 ErrorCode.INVALID_DATA,
                 f"data of {rtype} must be a JSON object, got {type(data).__name__}",
             )
@@ -385,7 +401,6 @@ class Service:
             message, details = _validation_message(rtype, exc)
             sid = data.get("sandbox_id")
             raise ReplyError(
-                400,
                 ErrorCode.INVALID_DATA,
                 message,
                 details={"errors": details},
@@ -432,14 +447,13 @@ class Service:
 
     async def _call(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef) -> _Reply:
         task = asyncio.current_task()
-        current_event.set(event)  # this request's own task: seen by the handler and what it awaits
         try:
             with self.admission.admit(creates_sandbox=route.creates_sandbox,
                                       ends_sandbox=route.spec.request_type == SANDBOX_DESTROY):
                 if task is not None:
                     self._working.add(task)
                 try:
-                    result = await route.handler(self.runtime, data)
+                    result = await route.handler(self.runtime, data, event)
                 finally:
                     if task is not None:
                         self._working.discard(task)

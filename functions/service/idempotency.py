@@ -16,16 +16,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from rollbox.runtime.errors import RollboxError
+from rollbox.functions.contract.models import Conflict
 
 __all__ = ["Conflict", "IdempotencyCache"]
 
 R = TypeVar("R")
-
-
-class Conflict(RollboxError):
-    """Same (source, id) as an earlier event, different content (here, or recorded in a sandbox's
-    durable state by another replica)."""
 
 
 @dataclass

@@ -76,8 +76,12 @@ class Metrics:
         pool_sizes: Callable[[], dict[str, int]],
         inflight: Callable[[], int],
         pools: Callable[[], Iterable[Pool]] | None = None,
+        cleanup_failures: Callable[[], Mapping[str, int]] | None = None,
+        registry: CollectorRegistry | None = None,
     ):
-        self.registry = r = CollectorRegistry()
+        """``registry``: where to register (the replica's, shared with the durable layer and the
+        recorder; default: a new one)."""
+        self.registry = r = registry or CollectorRegistry()
         self.requests = Counter(
             "rollbox_requests", "CloudEvent requests answered", ["type", "status"], registry=r
         )
@@ -115,6 +119,8 @@ class Metrics:
         r.register(_PoolCollector(pool_sizes))
         if pools is not None:
             r.register(_PoolFailuresCollector(pools))
+        if cleanup_failures is not None:
+            self.watch_cleanup(cleanup_failures)
 
     def watch_cleanup(self, failures: Callable[[], Mapping[str, int]]) -> None:
         """Export the runtime's clean-up failures (``Runtime.cleanup_failures``) as

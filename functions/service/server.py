@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvloop
+from prometheus_client import CollectorRegistry
 from rollbox.functions.config.options import (
     ConfigError,
     Option,
@@ -48,6 +49,7 @@ from rollbox.functions.config.stores import (
     open_remote,
     state_objects,
 )
+from rollbox.functions.durable.capacity import LiveCap
 from rollbox.functions.recording.prices import Prices
 from rollbox.functions.service import logs
 from rollbox.functions.service.admission import ServiceConfig
@@ -55,12 +57,14 @@ from rollbox.functions.service.logs import lifecycle, logger
 from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreUnavailable
 from rollbox.runtime.runtime import RuntimeConfig
 from rollbox.snapshots.calls import StoreCalls
+from rollbox.snapshots.resolver import StoreResolver
 
 if TYPE_CHECKING:
     from rollbox.functions.durable.runtime import DurableRuntime
     from rollbox.functions.recording.recorder import Recorder
     from rollbox.functions.recording.steps import StepLog
     from rollbox.functions.service.app import Service
+    from rollbox.runtime.runtime import Runtime
     from rollbox.snapshots.store_s3 import S3Store
 
 # What answers events, loaded only by ``serve`` (in a thread, while the prewarmed zygotes start):
@@ -391,7 +395,7 @@ def _http_protocol(request_timeout_s: float, refused: Callable[[int], None]) -> 
                     self._unsupported_upgrade_warning()
             except httptools.HttpParserError as exc:
                 why = str(exc)[:200] or "the parser stopped"
-                self._refuse(ReplyError(400, ErrorCode.INVALID_EVENT,
+                self._refuse(ReplyError(ErrorCode.INVALID_EVENT,
                                         f"not a valid HTTP/1.1 request: {why}{_bad_header_line(data)}"))
                 return
             if self._header_timer is not None:  # still in the headers (held by the parser until they end)
@@ -400,7 +404,7 @@ def _http_protocol(request_timeout_s: float, refused: Callable[[int], None]) -> 
                     self._headers_too_large()
 
         def _headers_too_large(self) -> None:
-            self._refuse(ReplyError(431, ErrorCode.HEADERS_TOO_LARGE,
+            self._refuse(ReplyError(ErrorCode.HEADERS_TOO_LARGE,
                                     f"the request's headers are over {MAX_HEADER_BYTES // 1024} KiB: send large "
                                     "values in the body", details={"max_header_bytes": MAX_HEADER_BYTES}))
 
@@ -432,7 +436,7 @@ def _http_protocol(request_timeout_s: float, refused: Callable[[int], None]) -> 
 
         def _headers_late(self) -> None:
             self._header_timer = None
-            self._refuse(ReplyError(408, ErrorCode.REQUEST_TIMEOUT,
+            self._refuse(ReplyError(ErrorCode.REQUEST_TIMEOUT,
                                     f"the request headers did not all arrive within {request_timeout_s:g} s "
                                     "(--request-timeout-s)", details={"request_timeout_s": request_timeout_s}))
 
@@ -493,193 +497,237 @@ def _load_service_and_remote(store: StoreConfig) -> S3Store | None:
     return remote
 
 
+@dataclass
+class _Replica:
+    """What ``serve`` builds, each part given its collaborators when it is made."""
+
+    rt: Runtime
+    service: Service
+    snapshots: Any  # handlers.snapshot.Snapshots: the store URL for the start log
+    durable: DurableRuntime | None = None
+    recorder: Recorder | None = None
+    remote: S3Store | None = None
+
+
 async def serve(cfg: ServeConfig) -> int:
-    from rollbox.runtime.runtime import Runtime, default_home
+    """Listen, start the runtime (prewarmed zygotes first), build the service, serve until SIGTERM
+    or SIGINT, drain. Returns the exit status."""
+    from rollbox.runtime.runtime import default_home
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on such sockets, and without it every
-    # keep-alive reply waits ~40 ms for a delayed ACK (headers and body are separate writes).
-    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((cfg.host, cfg.port))
+        sock = _listen(cfg.host, cfg.port)
     except OSError as exc:
-        sock.close()
         logger.error(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}")
+        _unhandle_signals(loop)
         return 1
-    port = sock.getsockname()[1]
     try:
-        resolver = open_local(cfg.store)  # with S3: its cache alone until the remote is attached below
+        resolver = open_local(cfg.store)  # with S3: its cache alone until the remote is attached
     except (RollboxError, OSError) as exc:
         sock.close()
         logger.error(f"cannot open the snapshot store: {exc}")
+        _unhandle_signals(loop)
         return 1
-    layer_root = Path(resolver.layer_root)
     home = cfg.store.home or default_home()
-    durable_on = cfg.durability == "step"
-    rt = Runtime(RuntimeConfig(max_live=cfg.service.max_live, state_dir=home, layer_root=layer_root,
-                               cpu_reserved_cores=cfg.cpu_reserved_cores, uid_range=cfg.uid_range,
-                               rootless_budget_share=cfg.rootless_budget_share,
-                               # durable fork children take their parent's files inside them (a diff
-                               # in a stacked scratch layer would not be in their durable state)
-                               fork_inject_max_bytes=(1 << 30) if durable_on else 8 * 1024 * 1024),
-                 resolver=resolver)
-    resolver.cache.in_use = in_use_of(rt.layers_in_use)
+    rt = _runtime(cfg, resolver, home)
     try:
         await rt.start()
     except BaseException:
         sock.close()
+        _unhandle_signals(loop)
         raise
     # A replica scaled from zero: its zygotes start first (their own processes, on the other cores),
     # from the snapshots its local store holds (baked into the image), while this process loads the
     # rest — the S3 client, the service — in a thread. A name the local store lacks waits for S3.
     remote_attached = asyncio.Event()
     warming = [asyncio.create_task(_prewarm(rt, name, remote_attached)) for name in cfg.prewarm]
-    durable: DurableRuntime | None = None
-    recorder: Recorder | None = None
-    watch: asyncio.Task[None] | None = None
+    replica: _Replica | None = None
     rc = 0
-    replica = f"{socket.gethostname()}-{os.getpid()}"
     try:
+        replica = await _build(cfg, rt, resolver, home, remote_attached)
+        rc = 1 if replica is None else await _serve(cfg, replica, sock, stop, home)
+    finally:
+        sock.close()
+        for t in warming:
+            t.cancel()
+        await asyncio.gather(*warming, return_exceptions=True)
+        if replica is not None and replica.recorder is not None:
+            with contextlib.suppress(Exception):
+                await replica.recorder.close()
+        if replica is not None and replica.durable is not None:
+            await replica.durable.close()
         try:
-            remote = await asyncio.to_thread(_load_service_and_remote, cfg.store)
-        except (RollboxError, OSError) as exc:
-            logger.error(f"cannot open the snapshot store: {exc}")
-            sock.close()
-            return 1
-        resolver.cache.remote = remote
-        rt.forget_names()  # names resolved from the local store alone are asked of S3 again
-        remote_attached.set()
-        import uvicorn
-        from rollbox.functions.durable.runtime import DurableRuntime
-        from rollbox.functions.handlers import episodes, sandbox, snapshot
-        from rollbox.functions.recording.recorder import Recorder
-        from rollbox.functions.recording.steps import StepLog
-        from rollbox.functions.service.app import Service
+            await rt.close()
+        except Exception:
+            logger.exception("runtime close failed")
+            rc = 1
+        _unhandle_signals(loop)
+    lifecycle.info("stopped", extra={"fields": {"rc": rc}})
+    return rc
 
-        store_ok = True
-        if remote is not None:  # say at once what is wrong with it, not per request later
-            try:
-                await resolver.calls.run(remote.check, doing="checking the store at start", deadline_s=10.0)
-            except StoreUnavailable as exc:  # an outage: start, but not ready until it answers
-                store_ok = False
-                logger.warning(f"the snapshot store cannot be reached; not ready until it can: {exc.message}")
-            except RollboxError as exc:
-                sock.close()
-                logger.error(f"the snapshot store is not usable: {exc}")
-                return 1
-        objects = state_objects(resolver.cache)
-        if durable_on:
-            durable = DurableRuntime(rt, objects, hibernate_after_s=cfg.hibernate_after_s,
-                                     sweep_interval_s=cfg.sweep_interval_s,
-                                     tombstone_ttl_s=cfg.service.idempotency_ttl_s, replica=replica)
-            await durable.start()
-        steps: StepLog | None = None
-        snapshots = snapshot.Snapshots(rt, resolver.cache, durable)
-        routes = (*sandbox.ROUTES, *snapshot.routes(snapshots))
-        if cfg.record == "on":
-            recorder = Recorder(Path(home) / "spool", objects, replica, flush_records=cfg.flush_records,
-                                flush_interval_s=cfg.flush_interval_s,
-                                prices=Prices(vcpu_s=cfg.price_vcpu_s, gib_s=cfg.price_gib_s))
-            await recorder.start()
-            steps = StepLog(recorder, env_version=rt.env_version, labels=rt.labels)
-            rt.on_life_ended = steps.life_ended
-            if durable is not None:
-                durable.journal = steps
-            routes = (*routes, *episodes.ROUTES)
-        service = Service(durable or rt, cfg.service, routes=routes, steps=steps, pools=lambda: list(rt.pools.values()))
-        # clean-up that failed, by what (each logged once): cgroups of this runtime, leftovers of dead ones
-        service.metrics.watch_cleanup(lambda: {**rt.cleanup_failures, "leftover": rt.sweeper.failed})
-        if recorder is not None:
-            recorder.bind_metrics(service.metrics.registry)
-        if remote is not None:
-            service.store_ok = store_ok
-            watch = asyncio.create_task(_watch_store(remote, service))
-        if durable is not None:
-            durable.bind_metrics(service.metrics.registry)
-        server = _uvicorn_server(
-            uvicorn.Config(
-                service.asgi_app(),
-                lifespan="off",
-                http=_http_protocol(cfg.service.request_timeout_s,
-                                    lambda status: service.metrics.requests.labels("invalid", str(status)).inc()),
-                log_config=None,
-                access_log=False,
-                timeout_graceful_shutdown=max(1, math.ceil(cfg.grace_s)),
-                # longer than clients' and proxies' idle timeouts (httpx: 5 s, like uvicorn's default):
-                # equal timeouts race, and a request sent as the server closes the connection is lost
-                timeout_keep_alive=max(1, math.ceil(cfg.keep_alive_s)),
-                limit_concurrency=None,
-                backlog=4096,
-            )
+
+def _listen(host: str, port: int) -> socket.socket:
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on such sockets, and without it every
+    # keep-alive reply waits ~40 ms for a delayed ACK (headers and body are separate writes).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _unhandle_signals(loop: asyncio.AbstractEventLoop) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+
+
+def _runtime(cfg: ServeConfig, resolver: StoreResolver, home: Path) -> Runtime:
+    from rollbox.runtime.runtime import Runtime
+
+    durable_on = cfg.durability == "step"
+    rt = Runtime(RuntimeConfig(max_live=cfg.service.max_live, state_dir=home, layer_root=Path(resolver.layer_root),
+                               cpu_reserved_cores=cfg.cpu_reserved_cores, uid_range=cfg.uid_range,
+                               rootless_budget_share=cfg.rootless_budget_share,
+                               # durable fork children take their parent's files inside them (a diff
+                               # in a stacked scratch layer would not be in their durable state)
+                               fork_inject_max_bytes=(1 << 30) if durable_on else 8 * 1024 * 1024),
+                 resolver=resolver)
+    # (the cache and the runtime need each other: the cache asks which layers the runtime uses)
+    resolver.cache.in_use = in_use_of(rt.layers_in_use)
+    return rt
+
+
+async def _build(cfg: ServeConfig, rt: Runtime, resolver: StoreResolver, home: Path,
+                 remote_attached: asyncio.Event) -> _Replica | None:
+    """The S3 store (attached to the runtime's cache once loaded), and the service in front of the
+    runtime: the durable layer, the recorder, the routes, all given their collaborators as they are
+    made. None (logged) when the store cannot be used."""
+    try:
+        remote = await asyncio.to_thread(_load_service_and_remote, cfg.store)
+    except (RollboxError, OSError) as exc:
+        logger.error(f"cannot open the snapshot store: {exc}")
+        return None
+    # attached late on purpose: the runtime and its zygotes started on the local cache meanwhile
+    resolver.cache.remote = remote
+    rt.forget_names()  # names resolved from the local store alone are asked of S3 again
+    remote_attached.set()
+    from rollbox.functions.durable.runtime import DurableRuntime
+    from rollbox.functions.handlers import episodes, sandbox, snapshot
+    from rollbox.functions.handlers.routing import InProcess
+    from rollbox.functions.recording.recorder import Recorder
+    from rollbox.functions.recording.steps import StepLog
+    from rollbox.functions.service.app import Service
+
+    store_ok = True
+    if remote is not None:  # say at once what is wrong with it, not per request later
+        try:
+            await resolver.calls.run(remote.check, doing="checking the store at start", deadline_s=10.0)
+        except StoreUnavailable as exc:  # an outage: start, but not ready until it answers
+            store_ok = False
+            logger.warning(f"the snapshot store cannot be reached; not ready until it can: {exc.message}")
+        except RollboxError as exc:
+            logger.error(f"the snapshot store is not usable: {exc}")
+            return None
+    objects = state_objects(resolver.cache)
+    registry = CollectorRegistry()  # the service's /metrics: every part registers in it
+    cap = LiveCap(cfg.service.max_live)  # one cap, asked by admission and the durable layer
+    replica_name = f"{socket.gethostname()}-{os.getpid()}"
+    recorder: Recorder | None = None
+    steps: StepLog | None = None
+    if cfg.record == "on":
+        recorder = Recorder(home / "spool", objects, replica_name, flush_records=cfg.flush_records,
+                            flush_interval_s=cfg.flush_interval_s,
+                            prices=Prices(vcpu_s=cfg.price_vcpu_s, gib_s=cfg.price_gib_s), registry=registry)
+        await recorder.start()
+        steps = StepLog(recorder, env_version=rt.env_version, labels=rt.labels)
+        # (Runtime takes its life-ended callback as an attribute: it has no constructor parameter for it)
+        rt.on_life_ended = steps.life_ended
+    durable: DurableRuntime | None = None
+    if cfg.durability == "step":
+        durable = DurableRuntime(rt, objects, hibernate_after_s=cfg.hibernate_after_s,
+                                 sweep_interval_s=cfg.sweep_interval_s, tombstone_ttl_s=cfg.service.idempotency_ttl_s,
+                                 replica=replica_name, registry=registry, cap=cap, journal=steps)
+        await durable.start()
+    snapshots = snapshot.Snapshots(rt, resolver.cache, durable)
+    routes = (*sandbox.ROUTES, *snapshot.routes(snapshots), *(episodes.ROUTES if steps is not None else ()))
+    service = Service(durable or InProcess(rt), cfg.service, routes=routes, steps=steps,
+                      pools=lambda: list(rt.pools.values()), cap=cap, registry=registry,
+                      # clean-up that failed, by what (each logged once): this runtime's, leftovers of dead ones
+                      cleanup_failures=lambda: {**rt.cleanup_failures, "leftover": rt.sweeper.failed})
+    service.store_ok = store_ok
+    return _Replica(rt=rt, service=service, snapshots=snapshots, durable=durable, recorder=recorder, remote=remote)
+
+
+async def _serve(cfg: ServeConfig, replica: _Replica, sock: socket.socket, stop: asyncio.Event, home: Path) -> int:
+    """Serve on ``sock`` until ``stop``, then drain: in-flight events finish (or get 503 after the
+    grace period), live sandboxes hibernate, spooled rows are flushed, the listener closes."""
+    import uvicorn
+
+    service = replica.service
+    server = _uvicorn_server(
+        uvicorn.Config(
+            service.asgi_app(),
+            lifespan="off",
+            http=_http_protocol(cfg.service.request_timeout_s,
+                                lambda status: service.metrics.requests.labels("invalid", str(status)).inc()),
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=max(1, math.ceil(cfg.grace_s)),
+            # longer than clients' and proxies' idle timeouts (httpx: 5 s, like uvicorn's default):
+            # equal timeouts race, and a request sent as the server closes the connection is lost
+            timeout_keep_alive=max(1, math.ceil(cfg.keep_alive_s)),
+            limit_concurrency=None,
+            backlog=4096,
         )
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
+    )
+    watch = asyncio.create_task(_watch_store(replica.remote, service)) if replica.remote is not None else None
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
         if serving.done():
             serving.result()
             return 1
         service.ready = True
-        lifecycle.info(
-            "listening",
-            extra={
-                "fields": {
-                    "host": cfg.host,
-                    "port": port,
-                    "pid": os.getpid(),
-                    "isolation": _isolation(rt),
-                    "store": snapshots.store_url,
-                    "home": str(home),
-                    "durability": cfg.durability,
-                }
-            },
-        )
+        lifecycle.info("listening", extra={"fields": {
+            "host": cfg.host, "port": sock.getsockname()[1], "pid": os.getpid(), "isolation": _isolation(replica.rt),
+            "store": replica.snapshots.store_url, "home": str(home), "durability": cfg.durability}})
         await stop.wait()
+        loop = asyncio.get_running_loop()
         t0 = loop.time()
-        service.admission.start_draining()
-        lifecycle.info("draining", extra={"fields": {"inflight": service.admission.inflight, "grace_s": cfg.grace_s}})
-        drained = await service.admission.wait_idle(cfg.grace_s)
-        if not drained:
-            lifecycle.warning(
-                "grace period over; cancelling in-flight events",
-                extra={"fields": {"inflight": service.admission.inflight}},
-            )
-            service.abort()  # each gets a 503 event, not a dropped connection
-            await service.admission.wait_idle(5.0)
-        if durable is not None:  # every acknowledged step is in the store: ending live copies loses nothing
-            n = await durable.hibernate_all("drain")
-            lifecycle.info("hibernated", extra={"fields": {"sandboxes": n}})
-        if recorder is not None:  # every spooled row to the store before exit (kept in the spool if it fails)
-            rows = await recorder.close()
-            recorder = None
-            lifecycle.info("flushed", extra={"fields": {"rows": rows}})
+        await _drain(cfg, replica)
         server.config.timeout_graceful_shutdown = max(1, math.ceil(cfg.grace_s - (loop.time() - t0)))
         server.should_exit = True
         await serving
+    finally:
         if watch is not None:
             watch.cancel()
-    finally:
-        for t in warming:
-            t.cancel()
-        await asyncio.gather(*warming, return_exceptions=True)
-        if recorder is not None:
-            with contextlib.suppress(Exception):
-                await recorder.close()
-        if durable is not None:
-            await durable.close()
-        try:
-            await rt.close()
-        except Exception:
-            logger.exception("runtime close failed")
-            rc = 1
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-    lifecycle.info("stopped", extra={"fields": {"rc": rc}})
-    return rc
+    return 0
+
+
+async def _drain(cfg: ServeConfig, replica: _Replica) -> None:
+    service = replica.service
+    service.admission.start_draining()
+    lifecycle.info("draining", extra={"fields": {"inflight": service.admission.inflight, "grace_s": cfg.grace_s}})
+    if not await service.admission.wait_idle(cfg.grace_s):
+        lifecycle.warning("grace period over; cancelling in-flight events",
+                          extra={"fields": {"inflight": service.admission.inflight}})
+        service.abort()  # each gets a 503 event, not a dropped connection
+        await service.admission.wait_idle(5.0)
+    if replica.durable is not None:  # every acknowledged step is in the store: ending live copies loses nothing
+        n = await replica.durable.hibernate_all("drain")
+        lifecycle.info("hibernated", extra={"fields": {"sandboxes": n}})
+    if replica.recorder is not None:  # every spooled row to the store before exit (kept in the spool if it fails)
+        rows = await replica.recorder.close()
+        replica.recorder = None
+        lifecycle.info("flushed", extra={"fields": {"rows": rows}})
 
 
 async def _prewarm(rt: Any, snapshot: str, remote_attached: asyncio.Event) -> None:

@@ -41,8 +41,10 @@ from rollbox.functions.contract.models import (
     SANDBOX_FORK,
     SANDBOX_RESULT,
     SANDBOX_RUN,
+    ErrorCode,
 )
 from rollbox.functions.handlers import sandbox, snapshot
+from rollbox.functions.handlers.routing import InProcess
 from rollbox.functions.service.app import Service
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.snapshot import BuiltinResolver
@@ -53,10 +55,8 @@ from svc_testkit import event as ce
 
 RUN = SANDBOX_RUN
 
-# the codes each status may carry (contract.ErrorCode)
-CODES = {400: {"invalid_event", "invalid_data", "unknown_type"}, 404: {"not_found", "sandbox_not_found",
-         "snapshot_not_found"}, 405: {"method_not_allowed"}, 408: {"request_timeout"}, 413: {"payload_too_large"},
-         415: {"unsupported_media_type"}, 431: {"headers_too_large"}}
+# the codes each status may carry (derived from contract.ErrorCode, which carries each code's status)
+CODES = {status: {c.value for c in ErrorCode if c.status == status} for status in {c.status for c in ErrorCode}}
 
 
 @dataclasses.dataclass
@@ -254,7 +254,7 @@ async def test_process_image_snapshot_and_closing_runtime(tmp_path: Path, http: 
         base = resolver.resolve("python")
         resolver.register(dataclasses.replace(base, id="criu-image", process_image="criu-image-layer"))
         snapshots = snapshot.Snapshots(rt, LayerCache(LocalStore(tmp_path / "store")))
-        service = Service(rt, routes=(*sandbox.ROUTES, *snapshot.routes(snapshots)))
+        service = Service(InProcess(rt), routes=(*sandbox.ROUTES, *snapshot.routes(snapshots)))
         async with serving(service) as url:
             for etype, data in ((SANDBOX_CREATE, {"snapshot": "criu-image"}),
                                 (SANDBOX_RUN, {"snapshot": "criu-image", "code": "print(1)"}),

@@ -9,7 +9,8 @@ import time
 import pytest
 from rollbox.functions.contract import schemas
 from rollbox.functions.contract.models import CreateData, ExecData, Limits
-from rollbox.functions.durable.runtime import PRESSURE_MEMORY_S, DurableRuntime
+from rollbox.functions.durable.residency import PRESSURE_MEMORY_S
+from rollbox.functions.durable.runtime import DurableRuntime
 from rollbox.functions.service.idempotency import Conflict, IdempotencyCache
 from rollbox.functions.service.server import OPTIONS, ConfigError, resolve
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
@@ -196,7 +197,7 @@ def test_no_other_place_maps_an_exception_to_a_status() -> None:
     by_hand = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ReplyError":
-            code = node.args[1] if len(node.args) > 1 else None
+            code = node.args[0] if node.args else None
             by_hand.append(ast.unparse(code) if code is not None else "?")
     assert sorted(by_hand) == sorted([
         "m.code",  # _runtime_error(): the table's row
@@ -209,20 +210,20 @@ def test_no_other_place_maps_an_exception_to_a_status() -> None:
 
 
 def test_a_resumed_step_passes_through_when_its_pause_outlasts_a_live_copy(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The rule of ``DurableRuntime._passes`` (an unstarted real runtime: the rule reads only the clock,
+    """The rule of ``Residency.passes`` (an unstarted real runtime: the rule reads only the clock,
     ``--hibernate-after-s`` and the last eviction under pressure)."""
     d = DurableRuntime(Runtime(RuntimeConfig(state_dir=tmp_path / "home")), LocalObjects(tmp_path / "store"),
-                       hibernate_after_s=30.0)
+                       hibernate_after_s=30.0).residency
 
     def paused(s: float) -> SandboxRecord:
         now = time.time()
         return SandboxRecord(sandbox_id="sb-x", generation=3, snapshot="python", limits=Limits(),
                              created_at=now - 600, last_used=now - s)
 
-    assert d._passes(paused(31)) and not d._passes(paused(20))  # idle hibernation at 30 s
-    d._evicted = (time.monotonic(), 2.0)  # under pressure, idle copies last ~2 s
-    assert d._passes(paused(3)) and not d._passes(paused(1))
-    d._evicted = (time.monotonic() - PRESSURE_MEMORY_S - 1, 2.0)  # that pressure is over
-    assert not d._passes(paused(3)) and d._passes(paused(31))
+    assert d.passes(paused(31)) and not d.passes(paused(20))  # idle hibernation at 30 s
+    d.evicted = (time.monotonic(), 2.0)  # under pressure, idle copies last ~2 s
+    assert d.passes(paused(3)) and not d.passes(paused(1))
+    d.evicted = (time.monotonic() - PRESSURE_MEMORY_S - 1, 2.0)  # that pressure is over
+    assert not d.passes(paused(3)) and d.passes(paused(31))
     d.hibernate_after_s = 0  # never idle-hibernated, no pressure: every resumed sandbox stays live
-    assert not d._passes(paused(3600))
+    assert not d.passes(paused(3600))

@@ -1,0 +1,253 @@
+"""Store I/O of durable sandbox state: records (one per generation), the blobs of large files, and
+what this replica remembers of them.
+
+``StateStore`` reads and writes ``sandboxes/<id>/<generation>.json`` (``rollbox.snapshots.state``)
+create-only, each call with the store's deadline (a hung store is a 503, ``StoreDeadline``); on the
+local store a record is read on the event loop and a commit's two syncs go through Linux AIO. It keeps
+the newest record seen of recent sandboxes (a resume skips the listing), each sandbox's generation
+and when the sweep may next have to do with it, and a bounded cache of blobs (content-addressed, so
+never stale). It knows nothing of live sandboxes (``residency``) or of steps (``runtime``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from rollbox.functions.recording.aiosync import AsyncFsync
+from rollbox.runtime.errors import IntegrityError, SandboxGone, SandboxNotFound
+from rollbox.snapshots.calls import StoreCalls, StoreDeadline
+from rollbox.snapshots.state import (
+    REFRESH_AFTER_S,
+    LocalObjects,
+    Objects,
+    SandboxRecord,
+    blob_key,
+    check_content,
+    generation_of,
+    record_key,
+)
+
+__all__ = ["AIO_COMMITS", "StateStore", "recorded"]
+
+log = logging.getLogger("rollbox.durable")
+# what a store call of this layer is doing, for the 503 a hung store gets
+_DOING = {"get": "reading a sandbox's state", "get_blob": "reading a sandbox's files",
+          "put_blob": "writing a sandbox's files", "put_new": "committing a sandbox's step",
+          "keys": "listing sandbox state", "delete": "deleting sandbox state"}
+M = TypeVar("M", bound=BaseModel)
+AIO_COMMITS = 32  # local commits syncing at once (the AIO context has room for 64 syncs in flight)
+SEEN_RECORDS = 4096  # newest records kept (their sandboxes' next resume here skips the listing)
+
+
+def recorded(model: type[M], record: SandboxRecord) -> M:
+    """The reply ``record`` holds, as this version's ``model``. Fields it does not know (a newer
+    replica wrote the record: a rolling upgrade) are left out, at any depth, rather than refused; a
+    reply that does not fit otherwise is corrupt state (502), not a crash."""
+    data: Any = copy.deepcopy(record.reply)
+    for _ in range(16):
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False, include_input=False)
+            if not errors or any(e["type"] != "extra_forbidden" for e in errors):
+                raise IntegrityError(f"sandbox {record.sandbox_id}: the reply recorded in generation "
+                                     f"{record.generation} is not a {model.__name__}: {str(exc)[:300]}",
+                                     sandbox_id=record.sandbox_id) from None
+            for e in errors:  # each names the path of a field this version does not have
+                *path, name = e["loc"]
+                parent = data
+                for part in path:
+                    parent = parent[part]
+                parent.pop(name, None)
+    raise IntegrityError(f"sandbox {record.sandbox_id}: the reply recorded in generation {record.generation} "
+                         f"does not fit {model.__name__}", sandbox_id=record.sandbox_id)
+
+
+class StateStore:
+    """Durable state in ``objects`` (S3, or the local store's directory): see the module docstring."""
+
+    def __init__(self, objects: Objects, *, tombstone_ttl_s: float = 600.0, io_threads: int = 8):
+        self.objects = objects
+        self.local = isinstance(objects, LocalObjects)  # records are local files (see read)
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.calls = StoreCalls(io_threads, name="rollbox-state")  # store calls, each with a deadline
+        self.blobs_known: dict[str, float] = {}  # blob -> when it was last written or refreshed here
+        self.seen: OrderedDict[str, SandboxRecord] = OrderedDict()
+        # sandbox id -> (newest generation seen here, Unix time before which the sweep has nothing to do
+        # with it: it cannot expire, or its tombstone is kept, until then). The sweep reads only the
+        # records of sandboxes that passed that time or moved on, not every sandbox in the store.
+        self.due: dict[str, tuple[int, float]] = {}
+        self._blob_cache: OrderedDict[str, bytes] = OrderedDict()  # content-addressed, so never stale
+        self._blob_cache_bytes = 0
+        self._blob_lock = threading.Lock()
+        self.blob_cache_max_bytes = 64 * 1024 * 1024
+        self._aio: AsyncFsync | None = None  # the local store's commits sync through it (put_record)
+        # each commit has one sync in flight at a time; the AIO context holds MAX_EVENTS: the rest wait here
+        self._aio_slots = asyncio.Semaphore(AIO_COMMITS)
+
+    def start(self) -> None:
+        if self.local:
+            try:
+                self._aio = AsyncFsync(asyncio.get_running_loop())
+            except OSError as exc:
+                log.info("local store: commits sync in a thread (Linux AIO unavailable: %s)", exc)
+
+    def close(self) -> None:
+        self.calls.shutdown()  # a call stuck on a hung store ends with its socket timeout
+        if self._aio is not None and not self._aio.busy:
+            self._aio.close()
+            self._aio = None
+
+    def forget(self, sandbox_id: str) -> None:
+        """Nothing of the sandbox is to be remembered here (its records were removed)."""
+        self.seen.pop(sandbox_id, None)
+        self.due.pop(sandbox_id, None)
+
+    async def put_blobs(self, blobs: dict[str, str]) -> None:
+        """Upload the new large contents a scan found (sha -> path), unless written or refreshed here
+        within ``REFRESH_AFTER_S`` (the store keeps a blob that long after its last write)."""
+        for sha, path in blobs.items():
+            if time.monotonic() - self.blobs_known.get(sha, float("-inf")) >= REFRESH_AFTER_S:
+                await self.io(self.put_blob, sha, path)
+
+    async def io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A store call, off the event loop, with a deadline (``StoreDeadline``: a hung store is a 503)."""
+        return await self.calls.run(fn, *args, doing=_DOING.get(getattr(fn, "__name__", ""), "reading sandbox state"))
+
+    async def read(self, sandbox_id: str, generation: int) -> SandboxRecord | None:
+        """A sandbox's record of one generation. The local store's is a small local file, read and
+        parsed on the event loop: less work than a thread's round trip, whose hand-offs of the GIL
+        cost the loop more than the read (measured); S3's off the loop, with a deadline."""
+        if self.local:
+            return self.get(sandbox_id, generation)
+        result: SandboxRecord | None = await self.io(self.get, sandbox_id, generation)
+        return result
+
+    def get(self, sandbox_id: str, generation: int) -> SandboxRecord | None:
+        key = record_key(sandbox_id, generation)
+        data = self.objects.get(key)
+        return None if data is None else SandboxRecord.from_bytes(data, key)
+
+    async def head(self, sandbox_id: str) -> SandboxRecord:
+        """The newest generation of a sandbox not live here; SandboxNotFound if it never existed.
+        From a generation seen here before (a record read or written; the record itself is kept for
+        the 4096 most recent, its generation for many more), reading forward costs a GET per
+        generation and one that finds nothing; else the sandbox's records are listed first."""
+        head: SandboxRecord | None = self.seen.get(sandbox_id)
+        if head is None and (due := self.due.get(sandbox_id)) is not None:
+            head = await self.read(sandbox_id, due[0])  # the generation seen here last
+        if head is None:
+            keys = await self.io(self.objects.keys, f"sandboxes/{sandbox_id}/")
+            gens = sorted(g for k in keys if (g := generation_of(k)) is not None)
+            if not gens:
+                raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
+            head = await self.read(sandbox_id, gens[-1])
+            if head is None:  # removed between the listing and the read (the sweeper)
+                raise SandboxGone(f"sandbox {sandbox_id} was destroyed", sandbox_id=sandbox_id)
+        while (newer := await self.read(sandbox_id, head.generation + 1)) is not None:
+            head = newer  # committed elsewhere since
+        self.remember(head)
+        return head
+
+    def remember(self, record: SandboxRecord) -> None:
+        """Keep the newest record seen of a sandbox (bounded): its next resume here skips the listing."""
+        self.note_due(record)
+        self.seen[record.sandbox_id] = record
+        self.seen.move_to_end(record.sandbox_id)
+        while len(self.seen) > SEEN_RECORDS:
+            self.seen.popitem(last=False)
+
+    def note_due(self, record: SandboxRecord) -> None:
+        """Note a sandbox's generation and when the sweep may next have to do with it (``due``)."""
+        if record.state == "destroyed":
+            due = record.last_used + self.tombstone_ttl_s
+        else:
+            due = min(record.created_at + record.limits.lifetime_s, record.last_used + record.limits.idle_s)
+        self.due[record.sandbox_id] = (record.generation, due)
+        while len(self.due) > 1_000_000:
+            self.due.pop(next(iter(self.due)))
+
+    async def put_record(self, key: str, data: bytes) -> bool:
+        """The create-only write of a record. On the local store it runs on the event loop and its two
+        disk syncs go through Linux AIO: a thread's round trip per commit cost the loop more (GIL
+        hand-offs) than the writes. Elsewhere (S3, or no AIO) a store call off the loop. Both with the
+        store's deadline (``StoreDeadline``: a write past it may still land)."""
+        if self._aio is None:
+            ok: bool = await self.io(self.objects.put_new, key, data)
+            return ok
+        assert isinstance(self.objects, LocalObjects)
+        try:
+            async with asyncio.timeout(self.calls.deadline_s), self._aio_slots:
+                return await self.objects.put_new_synced(key, data, self._aio.synced)
+        except TimeoutError:
+            raise StoreDeadline(f"the store did not answer within {self.calls.deadline_s:g} s while "
+                                "committing a sandbox's step") from None
+
+    def put_blob(self, sha: str, path: str) -> None:
+        with open(path, "rb") as f:
+            data = f.read()
+        check_content(sha, data, path)
+        self.objects.put_content(blob_key(sha), data)  # an old copy is rewritten: its expiry restarts
+        self.blobs_known[sha] = time.monotonic()
+        while len(self.blobs_known) > 1_000_000:
+            self.blobs_known.pop(next(iter(self.blobs_known)))
+        self._cache_blob(sha, data)
+
+    def _cache_blob(self, sha: str, data: bytes) -> None:
+        """Keep recent blobs (bounded, least recently used out first): a sandbox resumed again on this
+        replica reads its large files from memory, not the store. Called from store threads."""
+        with self._blob_lock:
+            if sha in self._blob_cache or len(data) > self.blob_cache_max_bytes // 4:
+                return
+            self._blob_cache[sha] = data
+            self._blob_cache_bytes += len(data)
+            while self._blob_cache_bytes > self.blob_cache_max_bytes:
+                _, old = self._blob_cache.popitem(last=False)
+                self._blob_cache_bytes -= len(old)
+
+    def get_blob(self, sha: str) -> bytes | None:
+        with self._blob_lock:
+            data = self._blob_cache.get(sha)
+            if data is not None:
+                self._blob_cache.move_to_end(sha)
+                return data
+        data = self.objects.get(blob_key(sha))
+        if data is not None:
+            data = check_content(sha, data, f"blob {sha}")
+            self._cache_blob(sha, data)
+        return data
+
+    async def contents(self, head: SandboxRecord) -> dict[str, bytes]:
+        """Every file content ``head`` names: inline in its records, or blobs."""
+        sid = head.sandbox_id
+        gens = {e["g"] for e in head.files.entries if e["t"] == "f" and e.get("g") is not None}
+        need_blobs = {e["sha"] for e in head.files.entries if e["t"] == "f" and e.get("g") is None}
+        records = {head.generation: head}
+        # one order for the reads and for pairing their results: a set of ints iterates unsorted
+        # once they pass its table size (list({3, 9}) == [9, 3]), which paired records with wrong generations
+        older = sorted(gens - {head.generation})
+        fetched = await asyncio.gather(*(self.read(sid, g) for g in older))
+        for g, rec in zip(older, fetched, strict=True):
+            if rec is None:
+                raise IntegrityError(f"sandbox {sid}: record {g} holding file contents is missing", sandbox_id=sid)
+            records[g] = rec
+        contents: dict[str, bytes] = {}
+        for e in head.files.entries:
+            if e["t"] == "f" and e.get("g") is not None and e["sha"] not in contents:
+                contents[e["sha"]] = records[e["g"]].inline[e["sha"]]  # checked when the record was read
+        blobs = sorted(need_blobs)
+        datas = await asyncio.gather(*(self.io(self.get_blob, s) for s in blobs))
+        for sha, data in zip(blobs, datas, strict=True):
+            if data is None:
+                raise IntegrityError(f"sandbox {sid}: blob {sha} is missing from the store", sandbox_id=sid)
+            contents[sha] = data
+        return contents
+
