@@ -14,12 +14,14 @@ import select
 import signal
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from rollbox.runtime.channel import Channel, encode
 from rollbox.runtime.errors import IsolationError, SandboxDied
+from rollbox.runtime.inside import proto
+from rollbox.runtime.inside.proto import Diff, DiffEntry, Kind, Op
 from rollbox.runtime.isolation.cgroups import CgroupStats, Group
 from rollbox.runtime.isolation.users import SANDBOX_UID
 from rollbox.runtime.restore import WarmSource
@@ -192,14 +194,14 @@ def give_back(tree: str, shift: tuple[int, int]) -> None:
                      follow_symlinks=False)
 
 
-def upper_diff(upper: str, file_fields: Callable[[str, os.stat_result, str], dict[str, Any] | None],
-               limit: int | None = None) -> dict[str, Any] | None:
+def upper_diff(upper: str, file_content: Callable[[DiffEntry, os.stat_result, str], bool],
+               limit: int | None = None) -> Diff | None:
     """An overlay upper directory as a diff a sandbox's agent can apply: its entries (directories,
     files, symlinks, hard links to an earlier path, in walk order, with modes and mtimes), the
     whiteouts (deleted paths) and the opaque directories. Where a regular file's content goes is the
-    caller's: ``file_fields(path, stat, host path)`` gives the fields its entry adds, or None to give
-    up (then this returns None)."""
-    entries: list[dict[str, Any]] = []
+    caller's: ``file_content(entry, stat, host path)`` fills in the entry's content fields, or says
+    False to give up (then this returns None)."""
+    entries: list[DiffEntry] = []
     whiteouts: list[str] = []
     opaque: list[str] = []
     seen: dict[tuple[int, int], str] = {}
@@ -209,34 +211,35 @@ def upper_diff(upper: str, file_fields: Callable[[str, os.stat_result, str], dic
         elif kind in ("d", "o"):
             if kind == "o":
                 opaque.append(path)
-            entries.append({"p": path, "t": "d", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime})
+            entries.append(DiffEntry(path, Kind.DIR, stat.S_IMODE(st.st_mode), st.st_mtime))
         elif kind == "l":
-            entries.append({"p": path, "t": "l", "l": os.readlink(host_path)})
+            entries.append(DiffEntry(path, Kind.SYMLINK, link=os.readlink(host_path)))
         elif st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
-            entries.append({"p": path, "t": "h", "l": seen[(st.st_dev, st.st_ino)]})
+            entries.append(DiffEntry(path, Kind.HARDLINK, link=seen[(st.st_dev, st.st_ino)]))
         else:
             seen[(st.st_dev, st.st_ino)] = path
-            extra = file_fields(path, st, host_path)
-            if extra is None:
+            entry = DiffEntry(path, Kind.FILE, stat.S_IMODE(st.st_mode), st.st_mtime)
+            if not file_content(entry, st, host_path):
                 return None
-            entries.append({"p": path, "t": "f", "m": stat.S_IMODE(st.st_mode), "mt": st.st_mtime, **extra})
-    return {"entries": entries, "whiteouts": whiteouts, "opaque": opaque}
+            entries.append(entry)
+    return Diff(entries, whiteouts, opaque)
 
 
-def pack_upper(upper: str, max_bytes: int) -> dict[str, Any] | None:
+def pack_upper(upper: str, max_bytes: int) -> Diff | None:
     """``upper_diff`` with the file contents one after another in a memfd (``fd``; each child copies
     its files from it in the kernel). None if the files exceed ``max_bytes``."""
     fd = os.memfd_create("rollbox-fork-diff", os.MFD_CLOEXEC)
     offset = 0
 
-    def copy_in(_path: str, st: os.stat_result, host_path: str) -> dict[str, Any] | None:
+    def copy_in(entry: DiffEntry, st: os.stat_result, host_path: str) -> bool:
         nonlocal offset
         if offset + st.st_size > max_bytes:
-            return None
+            return False
         with open(host_path, "rb") as src:
             n = os.sendfile(fd, src.fileno(), 0, st.st_size) if st.st_size else 0
-        at, offset = offset, offset + n
-        return {"o": at, "n": n}
+        entry.offset, entry.size = offset, n
+        offset += n
+        return True
 
     try:
         diff = upper_diff(upper, copy_in)
@@ -246,7 +249,7 @@ def pack_upper(upper: str, max_bytes: int) -> dict[str, Any] | None:
     if diff is None:
         os.close(fd)
         return None
-    diff["fd"] = fd
+    diff.fd = fd
     return diff
 
 
@@ -308,7 +311,7 @@ def _exit_code(status: int) -> tuple[int, str | None]:
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def zombie_end(pid: int, pidfd: int) -> dict[str, Any] | None:
+def zombie_end(pid: int, pidfd: int) -> Mapping[str, Any] | None:
     """How a process that exited and is not reaped yet ended, from its /proc/<pid>/stat: its wait
     status (field 52) and its CPU with its reaped children's (fields 14-17), as its parent's report
     has them ("exited"; no peak memory). None if it still runs or was reaped already: ``pidfd``
@@ -324,7 +327,7 @@ def zombie_end(pid: int, pidfd: int) -> dict[str, Any] | None:
     if len(fields) < 50 or fields[0] != b"Z":
         return None
     ticks = sum(int(x) for x in fields[11:15])
-    return {"op": "exited", "status": int(fields[49]), "cpu_s": ticks / _TICKS, "maxrss_bytes": 0}
+    return proto.exit_report(Op.EXITED, int(fields[49]), ticks / _TICKS, 0)
 
 
 @dataclass
@@ -423,7 +426,7 @@ class Sandbox:
         snapshot that is being forked then applies a parent's diff faster."""
         self._stats_fresh = False  # that work is not the first step's
         with contextlib.suppress(OSError):
-            await self.chan.send({"op": "prime"})
+            await self.chan.send(proto.bare(Op.PRIME))
 
     async def want_spare(self) -> None:
         """A step is about to come: have the agent fork its worker now (a resumed sandbox, whose step
@@ -432,7 +435,7 @@ class Sandbox:
         sandbox's init)."""
         self._stats_fresh = False
         with contextlib.suppress(OSError):
-            await self.chan.send({"op": "spare"})
+            await self.chan.send(proto.bare(Op.SPARE))
 
     async def exec(self, req: ExecRequest, last: bool = False, since: float | None = None) -> ExecResult:
         """Run one step. ``last`` says no step follows (one-shot runs): unless files are to be read
@@ -471,8 +474,8 @@ class Sandbox:
             msg = await self.chan.recv()
         else:
             msg = await asyncio.wait_for(self.chan.recv(), timeout_s)
-        if msg is not None and msg.get("op") not in ops:
-            self.abandon(f"protocol error: expected {'/'.join(ops)}, got {str(msg.get('op'))[:40]!r}")
+        if msg is not None and proto.op_of(msg) not in ops:
+            self.abandon(f"protocol error: expected {'/'.join(ops)}, got {str(proto.op_of(msg))[:40]!r}")
             raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
         return msg
 
@@ -499,12 +502,12 @@ class Sandbox:
         self.alone = False
         now = time.monotonic()
         spare = not last and self.step_ended is not None and now - self.step_ended <= SPARE_WINDOW_S
-        msg: dict[str, Any] = {"op": "exec", "env": req.env, "files": req.files, "read_files": req.read_files,
-                               "last": last, "inline": inline, "spare": spare}
+        msg = proto.ExecMsg(op=Op.EXEC, env=req.env, files=req.files, read_files=req.read_files,
+                            last=last, inline=inline, spare=spare)
         if req.code is not None:
             msg["code"] = req.code
         else:
-            msg["command"] = req.command
+            msg["command"] = cast(str, req.command)
         t0 = time.monotonic()
         captures = [_Capture(out_r, cap), _Capture(err_r, cap)]
         readers = [asyncio.create_task(c.run()) for c in captures]
@@ -512,7 +515,7 @@ class Sandbox:
         if in_w >= 0:
             tasks.append(asyncio.create_task(_feed(in_w, (req.stdin or "").encode())))
         timed_out = False
-        reply: dict[str, Any] | None = None
+        reply: Mapping[str, Any] | None = None
         try:
             try:
                 await self.chan.send(msg, [in_r, out_w, err_w])
@@ -528,7 +531,7 @@ class Sandbox:
                 reply, timed_out = await self._await_inline(max(0.0, deadline - time.monotonic()))
             else:
                 try:
-                    reply = await self.expect("exit", timeout_s=max(0.0, deadline - time.monotonic()))
+                    reply = await self.expect(Op.EXIT, timeout_s=max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     timed_out = True
                     reply = await self._kill_step()
@@ -545,7 +548,7 @@ class Sandbox:
         stdout, stderr = bytes(captures[0].buf), bytes(captures[1].buf)
         out_trunc, err_trunc = captures[0].truncated, captures[1].truncated
         after = self.group.stats() if self.group else None
-        if reply is not None and reply.get("op") == "exited":  # its init was reaped: nothing of it runs
+        if reply is not None and proto.init_ended(reply):  # its init was reaped: nothing of it runs
             self.cg_final = after
         self.execs += 1
         alive = reply is not None and self.dead is None
@@ -608,7 +611,7 @@ class Sandbox:
         ended = self.ended
         deadline = time.monotonic() + timeout_s
         started: dict[str, Any] | None = None
-        answer: asyncio.Future[dict[str, Any] | None] = asyncio.ensure_future(self.expect("exit", "started"))
+        answer: asyncio.Future[dict[str, Any] | None] = asyncio.ensure_future(self.expect(Op.EXIT, Op.STARTED))
         exited: asyncio.Future[Any] = asyncio.ensure_future(self.exited.wait())
 
         def take_answer() -> dict[str, Any] | None:
@@ -622,7 +625,7 @@ class Sandbox:
             if (ended.done() or exited.done()) and not answer.done():  # the peer is gone: its last
                 await asyncio.wait({answer}, timeout=KILL_GRACE_S)  # frames are there to read
             msg = take_answer()
-            if msg is not None and msg["op"] == "exit":
+            if msg is not None and proto.op_of(msg) == Op.EXIT:
                 return msg, False  # refused before it ran; the sandbox lives on
             started = msg
             if not ended.done() and not exited.done():  # the program runs: its end, or the deadline
@@ -640,8 +643,8 @@ class Sandbox:
                 died = SandboxDied(f"sandbox {self.id} ended before its program started", sandbox_id=self.id)
                 died.ran = False
                 raise died
-            report = ended.result() if ended.done() and not ended.cancelled() and ended.exception() is None \
-                else None
+            report: Mapping[str, Any] | None = ended.result() \
+                if ended.done() and not ended.cancelled() and ended.exception() is None else None
             if report is None and exited.done() and not timed_out:
                 # without a cgroup, the zygote's report is the only one with the peak memory: wait for it
                 report = zombie_end(self.pid, self.pidfd) if self.group is not None else None
@@ -651,10 +654,10 @@ class Sandbox:
                         ended.exception() is None else zombie_end(self.pid, self.pidfd)
             if report is None:
                 return None, timed_out
-            report = dict(report)
+            own = dict(report)
             base_cpu = float(started.get("cpu_s", 0.0)) if started else 0.0  # the agent's, before the program
-            report["cpu_s"] = max(0.0, float(report.get("cpu_s", 0.0)) - base_cpu)
-            return report, timed_out
+            own["cpu_s"] = max(0.0, float(own.get("cpu_s", 0.0)) - base_cpu)
+            return own, timed_out
         finally:
             for fut in (answer, exited):
                 fut.cancel()
@@ -663,7 +666,7 @@ class Sandbox:
             with contextlib.suppress(asyncio.CancelledError):
                 await exited
 
-    async def inject(self, diff: dict[str, Any]) -> None:
+    async def inject(self, diff: Diff) -> None:
         """Apply a forked parent's filesystem diff (see ``pack_upper``) inside this sandbox."""
         async with self.lock:
             if self.dead is not None:
@@ -674,13 +677,12 @@ class Sandbox:
                 self.abandon("cancelled during a fork")
                 raise
             self._stats_fresh = False
-            frame = diff.get("frame")
+            frame = diff.frame
             if frame is None:  # encoded once per fork, sent to every child
-                frame = diff["frame"] = encode({"op": "inject", "entries": diff["entries"],
-                                                      "whiteouts": diff["whiteouts"], "opaque": diff["opaque"]})
-            await self.chan.send(frame, [diff["fd"]])
+                frame = diff.frame = encode(diff.message())
+            await self.chan.send(frame, [diff.fd])
             try:
-                reply = await self.expect("injected")
+                reply = await self.expect(Op.INJECTED)
             except asyncio.CancelledError:
                 self.abandon("cancelled during a fork")
                 raise
@@ -688,7 +690,7 @@ class Sandbox:
                 raise IsolationError(f"could not copy the parent's files: {reply.get('error') if reply else 'died'}",
                                      sandbox_id=self.id)
 
-    async def _kill_step(self) -> dict[str, Any] | None:
+    async def _kill_step(self) -> Mapping[str, Any] | None:
         """Timeout: the supervisor kills every process of the sandbox but its init, from the host
         (``kill_all_but_init``), then tells the agent (which kills what it still sees and reaps). The
         agent's report of the step's end (with its read-back files) is awaited REPORT_WAIT_S: the
@@ -698,11 +700,11 @@ class Sandbox:
         if self.group is not None:
             self.group.boost(True)  # the killed processes' exits and the reaping are all that runs
         try:
-            await self.chan.send({"op": "kill"})
-            return await self.expect("exit", timeout_s=REPORT_WAIT_S)  # (boosted until its next step)
+            await self.chan.send(proto.bare(Op.KILL))
+            return await self.expect(Op.EXIT, timeout_s=REPORT_WAIT_S)  # (boosted until its next step)
         except TimeoutError:  # (an OSError too: caught first)
             self.owed_exit = True
-            return {"op": "exit", "status": signal.SIGKILL, "files": {}}
+            return proto.exit_report(Op.EXIT, signal.SIGKILL, files={})
         except OSError:  # the agent is gone
             self.dead = "killed: did not stop on timeout"
             self.kill()
@@ -715,7 +717,7 @@ class Sandbox:
         if not self.owed_exit:
             return
         try:
-            msg = await self.expect("exit", timeout_s=KILL_GRACE_S)
+            msg = await self.expect(Op.EXIT, timeout_s=KILL_GRACE_S)
         except TimeoutError:
             msg = None
         if msg is None:

@@ -26,7 +26,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from rollbox.runtime import owners, report, skeleton, slots
@@ -42,6 +42,7 @@ from rollbox.runtime.errors import (
 )
 from rollbox.runtime.execution import Sandbox, give_back, pack_upper
 from rollbox.runtime.inside import probe, proto
+from rollbox.runtime.inside.proto import Op
 from rollbox.runtime.isolation import cgroups, rlimits, seccomp, users
 from rollbox.runtime.isolation.cgroups import Backend, Group
 from rollbox.runtime.pool import Pool
@@ -264,7 +265,7 @@ class Runtime:
         cgroups = self.cgroup_backend.leftovers() if self.cgroup_backend else []
         staging = self.config.state_dir / "zygotes"
         dirs = list(staging.iterdir()) if staging.is_dir() else []
-        trees = list(self.layer_root.glob("scratch-*"))
+        trees = list(self.layer_root.glob(proto.SCRATCH_PREFIX + "*"))
         return self.sweeper.run(cgroups, dirs, trees)
 
     async def close(self) -> None:
@@ -391,8 +392,8 @@ class Runtime:
                 return
             try:
                 await sb.settle()
-                await sb.chan.send({"op": "freeze"})
-                if await sb.expect("frozen") is None:
+                await sb.chan.send(proto.bare(Op.FREEZE))
+                if await sb.expect(Op.FROZEN) is None:
                     raise SandboxDied(f"sandbox {sandbox_id} died while freezing", sandbox_id=sandbox_id)
             except asyncio.CancelledError:
                 sb.abandon("cancelled while freezing")
@@ -402,7 +403,7 @@ class Runtime:
             finally:
                 if sb.dead is None:
                     try:
-                        await sb.chan.send({"op": "thaw"})  # no reply: the next frame is served after it
+                        await sb.chan.send(proto.bare(Op.THAW))  # no reply: the next frame is served after it
                     except OSError:
                         sb.abandon("lost while thawing")
                 sb.last_used = time.monotonic()
@@ -439,7 +440,7 @@ class Runtime:
             raise InvalidRequest(f"{len(sandbox_ids)} sandbox ids for {count} children", sandbox_id=sandbox_id)
         parent = self.get(sandbox_id)
         ids = iter(sandbox_ids or ())
-        scratch = f"scratch-{owners.tag()}-{secrets.token_hex(8)}"
+        scratch = proto.scratch_layer_id(owners.tag(), secrets.token_hex(8))
         dst = self.layer_root / scratch
         async with self.frozen(sandbox_id) as sb:
             diff = await asyncio.to_thread(pack_upper, sb.upper_path, self.config.fork_inject_max_bytes)
@@ -457,7 +458,7 @@ class Runtime:
         if diff is not None:
             view = parent.view
         else:
-            view = dataclasses.replace(parent.view, id=f"{parent.view.id}+{scratch}",
+            view = dataclasses.replace(parent.view, id=proto.fork_view_id(parent.view.id, scratch),
                                        layers=(scratch, *parent.view.layers))
             self.register_view(view)
             self._scratch[scratch] = set()
@@ -477,7 +478,7 @@ class Runtime:
             results = await asyncio.gather(*(child() for _ in range(count)), return_exceptions=True)
         finally:
             if diff is not None:
-                os.close(diff["fd"])
+                os.close(diff.fd)
         made = [r for r in results if isinstance(r, Sandbox)]
         if diff is None:
             self._scratch[scratch].update(sb.id for sb in made)
@@ -491,7 +492,7 @@ class Runtime:
 
     def _drop_scratch(self, scratch: str) -> None:
         self._scratch.pop(scratch, None)
-        for view_id in [k for k in self._views if k.endswith("+" + scratch)]:  # the fork's view
+        for view_id in [k for k in self._views if proto.is_view_of_scratch(k, scratch)]:  # the fork's view
             del self._views[view_id]
         asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, self.layer_root / scratch, True)
 
@@ -593,7 +594,7 @@ class Runtime:
         elif self.cgroup_backend:
             group = self.cgroup_backend.prepare(f"{owners.tag()}-{sid}", limits.memory_max_bytes, limits.pids_max,
                                                 limits.cpu_max_cores)
-        params: dict[str, Any] = {
+        params: proto.SpawnParams = {
             "layers": list(view.layers),
             "disk_bytes": limits.disk_max_bytes,
         }
@@ -603,7 +604,7 @@ class Runtime:
         try:
             slot = await self._slot()
             nproc_first = slot is not None and group is not None and group.pids_peak() >= 0
-            params.update(rlimit_params(limits, group is not None, nproc_first))
+            params.update(cast(proto.SpawnParams, rlimit_params(limits, group is not None, nproc_first)))
             try:
                 sb = await self._contain(view, limits, z, sid, group, params, slot)
             except BaseException:
@@ -629,7 +630,7 @@ class Runtime:
             return None
 
     async def _contain(self, view: SnapshotView, limits: Limits, z: WarmSource, sid: str, group: Group | None,
-                       params: dict[str, Any], slot: slots.Slot | None = None) -> Sandbox:
+                       params: proto.SpawnParams, slot: slots.Slot | None = None) -> Sandbox:
         try:
             fds = group.procs_fds() if group else []
             if slot is not None:  # the zygote takes it as the first fd after the socket
@@ -662,7 +663,7 @@ class Runtime:
         except (TimeoutError, OSError):
             msg = None
         creds = chan.reader.creds
-        if msg is None or msg.get("op") != "ready" or creds is None:
+        if msg is None or proto.op_of(msg) != Op.READY or creds is None:
             chan.close()
             if creds is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -792,9 +793,9 @@ class Runtime:
             await sb.want_spare()
         return sb
 
-    async def inject(self, sandbox_id: str, diff: dict[str, Any]) -> None:
-        """Apply a filesystem diff (``pack_upper``'s form: entries, whiteouts, opaque, and an fd of
-        the contents) inside a live sandbox: how a sandbox resumes its files from durable state."""
+    async def inject(self, sandbox_id: str, diff: proto.Diff) -> None:
+        """Apply a filesystem diff (entries, whiteouts, opaque, and an fd of the contents) inside a
+        live sandbox: how a sandbox resumes its files from durable state."""
         await self.get(sandbox_id).inject(diff)
 
     async def _acquire(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,

@@ -800,7 +800,7 @@ class DurableRuntime:
                 try:
                     await self.rt.inject(sid, diff)
                 finally:
-                    os.close(diff["fd"])
+                    os.close(diff.fd)
         except BaseException:
             with contextlib.suppress(RollboxError):
                 await self.rt.destroy(sid, reason="resume failed")
@@ -821,8 +821,8 @@ class DurableRuntime:
     async def _contents(self, head: SandboxRecord) -> dict[str, bytes]:
         """Every file content ``head`` names: inline in its records, or blobs."""
         sid = head.sandbox_id
-        gens = {e["g"] for e in head.files.entries if e["t"] == "f" and e.get("g") is not None}
-        need_blobs = {e["sha"] for e in head.files.entries if e["t"] == "f" and e.get("g") is None}
+        gens = {e.generation for e in head.files.entries if e.kind == "f" and e.generation is not None}
+        need_blobs = {e.sha for e in head.files.entries if e.kind == "f" and e.generation is None}
         records = {head.generation: head}
         # one order for the reads and for pairing their results: a set of ints iterates unsorted
         # once they pass its table size (list({3, 9}) == [9, 3]), which paired records with wrong generations
@@ -834,8 +834,8 @@ class DurableRuntime:
             records[g] = rec
         contents: dict[str, bytes] = {}
         for e in head.files.entries:
-            if e["t"] == "f" and e.get("g") is not None and e["sha"] not in contents:
-                contents[e["sha"]] = records[e["g"]].inline[e["sha"]]  # checked when the record was read
+            if e.kind == "f" and e.generation is not None and e.sha not in contents:
+                contents[e.sha] = records[e.generation].inline[e.sha]  # checked when the record was read
         blobs = sorted(need_blobs)
         datas = await asyncio.gather(*(self._io(self._get_blob, s) for s in blobs))
         for sha, data in zip(blobs, datas, strict=True):

@@ -34,6 +34,7 @@ from rollbox.functions.durable.runtime import DurableRuntime
 from rollbox.functions.handlers.routing import Route, SandboxRuntime, route
 from rollbox.functions.service.logs import logger
 from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreError
+from rollbox.runtime.inside.proto import split_fork_view_id
 from rollbox.runtime.snapshot import ROLLBOX_VERSION, SnapshotView
 from rollbox.runtime.spec import DEFAULT_LIMITS
 from rollbox.snapshots.cache import LayerCache
@@ -45,7 +46,6 @@ from rollbox.snapshots.store import copy_snapshot
 
 __all__ = ["SnapshotRuntime", "Snapshots", "builtin_manifest", "routes"]
 
-SCRATCH_SEP = "+"  # a live fork's view id: "<parent view id>+<scratch layer>[+<scratch layer>...]"
 
 
 class SnapshotRuntime(SandboxRuntime, Protocol):
@@ -98,7 +98,7 @@ class Snapshots:
     async def snapshot(self, data: SnapshotData) -> SnapshotRecord:
         t0 = time.perf_counter()
         view: SnapshotView = self.rt.get(data.sandbox_id).view
-        base_id, *scratches = view.id.split(SCRATCH_SEP)
+        base_id, scratches = split_fork_view_id(view.id)
         # the parent, and a live fork's scratch layers (immutable) as intermediate snapshots
         parent = await asyncio.to_thread(self._parent, view, base_id, scratches)
         t1 = time.perf_counter()
