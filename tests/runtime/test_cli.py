@@ -40,7 +40,7 @@ def test_run_of_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_each_command_loads_only_its_own_module(tmp_path: Path) -> None:
     """`rollbox run` pays no import of the service (pyarrow, functions-framework); --help lists all."""
-    code = ("import sys; from rollbox.functions.cli import main; rc = cli.main(['run', '--code', 'pass']); "
+    code = ("import sys; from rollbox.functions.cli import main; rc = main.main(['run', '--code', 'pass']); "
             "print(sorted(m for m in ('pyarrow', 'functions_framework', 'rollbox.functions.service.server') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=dict(os.environ, ROLLBOX_HOME=str(tmp_path)), timeout=120)
