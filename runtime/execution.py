@@ -16,7 +16,8 @@ import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from enum import StrEnum
+from typing import Any, Literal, cast
 
 from rollbox.runtime.channel import Channel, encode
 from rollbox.runtime.errors import IsolationError, SandboxDied
@@ -330,6 +331,19 @@ def zombie_end(pid: int, pidfd: int) -> Mapping[str, Any] | None:
     return proto.exit_report(Op.EXITED, int(fields[49]), ticks / _TICKS, 0)
 
 
+class SandboxState(StrEnum):
+    """Where a sandbox is in its life; once it has ended, ``Sandbox.end_reason`` says why."""
+
+    LIVE = "live"  # its init runs: it takes steps
+    DIED = "died"  # its init ended by itself (killed from outside, out of memory, its lifetime)
+    FINISHED = "finished"  # a one-shot step's program, its init, ended
+    ABANDONED = "abandoned"  # killed by the supervisor: its agent misbehaved or a caller gave up mid-frame
+    CLOSED = "closed"  # ended on purpose (destroyed, expired, shut down)
+
+
+Metered = Literal["sandbox", "run"]
+
+
 @dataclass
 class Sandbox:
     id: str
@@ -343,6 +357,7 @@ class Sandbox:
     source: WarmSource | None = None  # what spawned it, its pid there, and how its init ended
     source_pid: int = -1
     ended: asyncio.Future[dict[str, Any]] | None = None
+    release_slot: Callable[[Slot, bool], None] | None = None
     _stats_fresh: bool = True  # cg_base still describes the sandbox as no step has touched it
     extra_layers: tuple[str, ...] = ()
     cg_base: CgroupStats | None = None  # the (reused) cgroup's counters when this sandbox joined it
@@ -354,7 +369,6 @@ class Sandbox:
     mntns_fd: int = -1
     release_fd: Callable[[int], None] | None = None
     user_slot: Slot | None = None  # its user namespace (owned by a host uid of its own), if any
-    release_slot: Callable[[Slot, bool], None] | None = None
     nproc_first: bool = False  # RLIMIT_NPROC is its pids limit (runtime.rlimit_params): pids.peak tells a hit
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
@@ -367,12 +381,13 @@ class Sandbox:
     owed_exit: bool = False  # a timed-out step's "exit" is still to come from the agent (see settle)
     forked_from: str | None = None
     pooled: bool = False
-    metered: str | None = "sandbox"  # how its life is billed when it ends here: sandbox | run | None (elsewhere)
+    metered: Metered | None = "sandbox"  # how its life is billed when it ends here: sandbox | run | None (elsewhere)
     create_ms: float = 0.0
     cpu_s: float = 0.0
     peak_memory_bytes: int = 0
     busy: bool = False
-    dead: str | None = None
+    state: SandboxState = SandboxState.LIVE
+    end_reason: str | None = None  # why it ended ("died", "finished", "destroyed", ...), once it has
     usage: Usage | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _closing: asyncio.Future[Usage] | None = None
@@ -382,28 +397,58 @@ class Sandbox:
         """Notice the sandbox's death (killed, OOM of its init, lifetime) without polling."""
         loop = asyncio.get_running_loop()
 
-        def gone() -> None:
+        def init_exited() -> None:
             loop.remove_reader(self.pidfd)
             self.exited.set()
-            if self.dead is None:
-                self.dead = "died"
+            self._end(SandboxState.DIED, "died")
 
-        loop.add_reader(self.pidfd, gone)
+        loop.add_reader(self.pidfd, init_exited)
 
     def alive(self) -> bool:
         """True unless the sandbox's init has exited (asks the kernel through the pidfd, now)."""
-        if self.dead is not None:
+        if self.state is not SandboxState.LIVE:
             return False
         p = select.poll()
         p.register(self.pidfd, select.POLLIN)
         if p.poll(0):
-            self.dead = "died"
+            self._end(SandboxState.DIED, "died")
             self.exited.set()
             return False
         return True
 
-    def start_clock(self) -> None:
+    def _end(self, state: SandboxState, reason: str, *, overwrite: bool = False) -> None:
+        """It has ended (once: the first end is kept, unless ``overwrite``)."""
+        if self.state is SandboxState.LIVE or overwrite:
+            self.state, self.end_reason = state, reason
+
+    def gone(self, ran: bool = True) -> SandboxDied:
+        """The error for a request that found this sandbox ended (``ran``: the request reached it)."""
+        return SandboxDied(f"sandbox {self.id} is gone ({self.end_reason})", ran=ran, sandbox_id=self.id)
+
+    def take_up(self, sandbox_id: str | None, metadata: dict[str, str] | None, *, forked_from: str | None,
+                pooled: bool, create_ms: float, metered: Metered | None) -> None:
+        """It starts its life as a sandbox (restored just now, or taken from a pool): its id (None:
+        the one it was made with), metadata, where it was forked from, how it was made, how its life
+        is billed; its lifetime and idle clocks start now."""
+        if sandbox_id is not None:
+            self.id = sandbox_id
+        self.metadata = dict(metadata or {})
+        self.forked_from = forked_from
+        self.pooled = pooled
+        self.create_ms = create_ms
+        self.metered = metered
         self.created_at = self.last_used = time.monotonic()
+
+    def backdate(self, age_s: float) -> None:
+        """Its lifetime counts from ``age_s`` ago (a durable sandbox resumed: from its create)."""
+        self.created_at = time.monotonic() - age_s
+
+    def bill_elsewhere(self) -> None:
+        """Its life is billed by someone else (the durable layer, once at its end): not here."""
+        self.metered = None
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
 
     @property
     def upper_path(self) -> str:
@@ -445,8 +490,8 @@ class Sandbox:
         acquisition included), else from when this sandbox takes the step (the end of a previous
         timed-out step's wait included): the reply comes at the deadline, whatever came first."""
         async with self.lock:
-            if self.dead is not None:
-                raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
+            if self.state is not SandboxState.LIVE:
+                raise self.gone()
             self.busy = True
             deadline = (time.monotonic() if since is None else since) + req.timeout_s
             try:
@@ -463,8 +508,7 @@ class Sandbox:
 
     def abandon(self, why: str) -> None:
         """Kill the sandbox now: its control channel is out of step (or its agent misbehaved)."""
-        if self.dead is None:
-            self.dead = why
+        self._end(SandboxState.ABANDONED, why)
         self.kill()
 
     async def expect(self, *ops: str, timeout_s: float | None = None) -> dict[str, Any] | None:
@@ -476,7 +520,7 @@ class Sandbox:
             msg = await asyncio.wait_for(self.chan.recv(), timeout_s)
         if msg is not None and proto.op_of(msg) not in ops:
             self.abandon(f"protocol error: expected {'/'.join(ops)}, got {str(proto.op_of(msg))[:40]!r}")
-            raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
+            raise self.gone()
         return msg
 
     async def _exec(self, req: ExecRequest, last: bool, deadline: float) -> ExecResult:
@@ -520,10 +564,8 @@ class Sandbox:
             try:
                 await self.chan.send(msg, [in_r, out_w, err_w])
             except OSError as exc:  # the agent is gone (its init died): nothing ran
-                self.dead = self.dead or "died"
-                died = SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
-                died.ran = False
-                raise died from exc
+                self._end(SandboxState.DIED, "died")
+                raise self.gone(ran=False) from exc
             finally:
                 for fd in (in_r, out_w, err_w):
                     os.close(fd)
@@ -551,11 +593,11 @@ class Sandbox:
         if reply is not None and proto.init_ended(reply):  # its init was reaped: nothing of it runs
             self.cg_final = after
         self.execs += 1
-        alive = reply is not None and self.dead is None
+        alive = reply is not None and self.state is SandboxState.LIVE
         self.killed_step = timed_out
         if reply is None:
             # The agent is gone: the sandbox died under this exec (its init was OOM-killed, say).
-            self.dead = self.dead or "died"
+            self._end(SandboxState.DIED, "died")
             exit_code, sig = 137, "SIGKILL"  # type: tuple[int, str | None]
             files: dict[str, str | None] = {}
             cpu, peak = 0.0, 0
@@ -638,11 +680,10 @@ class Sandbox:
                 if self.group is not None:  # its processes' exits are all that runs in it now
                     self.group.boost(True)
                 await asyncio.wait({ended}, timeout=KILLED_REPLY_WAIT_S)
-            self.dead = self.dead or "finished"
+            self._end(SandboxState.FINISHED, "finished")
             if started is None and not timed_out:
-                died = SandboxDied(f"sandbox {self.id} ended before its program started", sandbox_id=self.id)
-                died.ran = False
-                raise died
+                raise SandboxDied(f"sandbox {self.id} ended before its program started", ran=False,
+                                  sandbox_id=self.id)
             report: Mapping[str, Any] | None = ended.result() \
                 if ended.done() and not ended.cancelled() and ended.exception() is None else None
             if report is None and exited.done() and not timed_out:
@@ -669,8 +710,8 @@ class Sandbox:
     async def inject(self, diff: Diff) -> None:
         """Apply a forked parent's filesystem diff (see ``pack_upper``) inside this sandbox."""
         async with self.lock:
-            if self.dead is not None:
-                raise SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
+            if self.state is not SandboxState.LIVE:
+                raise self.gone()
             try:
                 await self.settle()
             except asyncio.CancelledError:
@@ -706,7 +747,7 @@ class Sandbox:
             self.owed_exit = True
             return proto.exit_report(Op.EXIT, signal.SIGKILL, files={})
         except OSError:  # the agent is gone
-            self.dead = "killed: did not stop on timeout"
+            self._end(SandboxState.ABANDONED, "killed: did not stop on timeout", overwrite=True)
             self.kill()
             return None
 
@@ -722,9 +763,7 @@ class Sandbox:
             msg = None
         if msg is None:
             self.abandon("killed: did not stop on timeout")
-            died = SandboxDied(f"sandbox {self.id} is gone ({self.dead})", sandbox_id=self.id)
-            died.ran = False
-            raise died
+            raise self.gone(ran=False)
         self.owed_exit = False
 
     def _unboost(self) -> None:
@@ -741,8 +780,7 @@ class Sandbox:
     async def _close(self, reason: str) -> Usage:
         if self.usage is not None:
             return self.usage
-        if self.dead is None:
-            self.dead = reason
+        self._end(SandboxState.CLOSED, reason)
         self.kill()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.exited.wait(), 10)

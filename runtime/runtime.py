@@ -40,7 +40,7 @@ from rollbox.runtime.errors import (
     ShuttingDown,
     Unsupported,
 )
-from rollbox.runtime.execution import Sandbox, give_back, pack_upper
+from rollbox.runtime.execution import Metered, Sandbox, SandboxState, give_back, pack_upper
 from rollbox.runtime.inside import probe, proto
 from rollbox.runtime.inside.proto import Op
 from rollbox.runtime.isolation import cgroups, rlimits, seccomp, users
@@ -122,6 +122,17 @@ def rlimit_params(limits: Limits, in_cgroup: bool, nproc_first: bool = False) ->
         params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
         params["nice"] = rlimits.FALLBACK_NICE
     return params
+
+
+@dataclasses.dataclass(frozen=True)
+class _Origin:
+    """Where a sandbox being restored comes from: its source, its id, its cgroup and user namespace."""
+
+    source: WarmSource
+    sid: str
+    group: Group | None
+    slot: slots.Slot | None
+    nproc_first: bool
 
 
 class RuntimeConfig(BaseModel):
@@ -384,11 +395,11 @@ class Runtime:
         while the lock is held: no signal is sent."""
         sb = self.get(sandbox_id)
         async with sb.lock:
-            if sb.dead is not None:
-                raise SandboxDied(f"sandbox {sandbox_id} is gone ({sb.dead})", sandbox_id=sandbox_id)
+            if sb.state is not SandboxState.LIVE:
+                raise sb.gone()
             if (sb.alone and not sb.owed_exit) or await self._only_init_left(sb):
                 yield sb
-                sb.last_used = time.monotonic()
+                sb.touch()
                 return
             try:
                 await sb.settle()
@@ -401,12 +412,12 @@ class Runtime:
             try:
                 yield sb
             finally:
-                if sb.dead is None:
+                if sb.state is SandboxState.LIVE:
                     try:
                         await sb.chan.send(proto.bare(Op.THAW))  # no reply: the next frame is served after it
                     except OSError:
                         sb.abandon("lost while thawing")
-                sb.last_used = time.monotonic()
+                sb.touch()
 
     @staticmethod
     async def _only_init_left(sb: Sandbox) -> bool:
@@ -468,8 +479,7 @@ class Runtime:
 
         async def child() -> Sandbox:
             sb = await self._acquire(view.id, parent.limits, meta, pooled=diff is not None,
-                                     sandbox_id=next(ids, None))
-            sb.forked_from = sandbox_id
+                                     sandbox_id=next(ids, None), forked_from=sandbox_id)
             if diff is not None:
                 await sb.inject(diff)
             return sb  # no spare worker asked for: its first exec forks one (a fork stays ~1 ms per child)
@@ -606,13 +616,11 @@ class Runtime:
             nproc_first = slot is not None and group is not None and group.pids_peak() >= 0
             params.update(cast(proto.SpawnParams, rlimit_params(limits, group is not None, nproc_first)))
             try:
-                sb = await self._contain(view, limits, z, sid, group, params, slot)
+                return await self._contain(view, limits, _Origin(z, sid, group, slot, nproc_first), params)
             except BaseException:
                 if slot is not None:  # a child of a failed spawn may still be on its way: not reused
                     self.release_slot(slot, False)
                 raise
-            sb.user_slot, sb.release_slot, sb.nproc_first = slot, self.release_slot, nproc_first
-            return sb
         finally:
             self.restoring.pop(sid, None)
 
@@ -629,8 +637,9 @@ class Runtime:
                 log.warning("sandbox without a user namespace of its own: %s", exc.message)
             return None
 
-    async def _contain(self, view: SnapshotView, limits: Limits, z: WarmSource, sid: str, group: Group | None,
-                       params: proto.SpawnParams, slot: slots.Slot | None = None) -> Sandbox:
+    async def _contain(self, view: SnapshotView, limits: Limits, origin: _Origin,
+                       params: proto.SpawnParams) -> Sandbox:
+        z, group, slot = origin.source, origin.group, origin.slot
         try:
             fds = group.procs_fds() if group else []
             if slot is not None:  # the zygote takes it as the first fd after the socket
@@ -642,16 +651,16 @@ class Runtime:
                 self.drop_group(group)
             raise
         try:
-            sb = await self._handshake(view, limits, sid, group, sock, z)
+            return await self._handshake(view, limits, origin, sock, zpid)
         except BaseException:
             z.forget(zpid)
             raise
-        sb.source, sb.source_pid, sb.ended = z, zpid, z.exit_report(zpid)
-        return sb
 
-    async def _handshake(self, view: SnapshotView, limits: Limits, sid: str, group: Group | None,
-                         sock: socket.socket, source: WarmSource) -> Sandbox:
-        """The spawned sandbox's "ready": its host pid and its upper layer; it is in its cgroup already."""
+    async def _handshake(self, view: SnapshotView, limits: Limits, origin: _Origin, sock: socket.socket,
+                         zpid: int) -> Sandbox:
+        """The spawned sandbox's READY: its host pid and its upper layer; it is in its cgroup already.
+        ``zpid``: its pid in its source's namespace."""
+        source, group = origin.source, origin.group
         chan = Channel(sock, proto.SANDBOX_FRAME_BYTES)  # everything a sandbox sends is untrusted
         try:
             msg = await asyncio.wait_for(chan.recv(), 30)
@@ -691,9 +700,11 @@ class Runtime:
             if group:
                 self.drop_group(group)
             raise IsolationError(f"sandbox died during setup: {exc}", snapshot_id=view.id) from exc
-        sb = Sandbox(id=sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
-                     upper_fd=fds[0] if fds else -1, cg_base=cg_base, release_group=self.release_group,
-                     mntns_fd=_hold_mount_ns(pid, pidfd), release_fd=self._close_later)
+        sb = Sandbox(id=origin.sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
+                     upper_fd=fds[0] if fds else -1, source=source, source_pid=zpid, ended=source.exit_report(zpid),
+                     release_slot=self.release_slot, cg_base=cg_base, release_group=self.release_group,
+                     mntns_fd=_hold_mount_ns(pid, pidfd), release_fd=self._close_later, user_slot=origin.slot,
+                     nproc_first=origin.nproc_first)
         sb.watch()
         return sb
 
@@ -787,8 +798,7 @@ class Runtime:
                    step_next: bool = False) -> Sandbox:
         """``create`` without its reply (whose isolation report reads the sandbox's cgroup membership):
         the durable layer's resume, which replies with the step's result instead."""
-        sb = await self._acquire(snapshot, limits, metadata, sandbox_id=sandbox_id)
-        sb.forked_from = forked_from
+        sb = await self._acquire(snapshot, limits, metadata, sandbox_id=sandbox_id, forked_from=forked_from)
         if step_next:
             await sb.want_spare()
         return sb
@@ -799,7 +809,8 @@ class Runtime:
         await self.get(sandbox_id).inject(diff)
 
     async def _acquire(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
-                       pooled: bool = True, sandbox_id: str | None = None) -> Sandbox:
+                       pooled: bool = True, sandbox_id: str | None = None, forked_from: str | None = None,
+                       metered: Metered = "sandbox") -> Sandbox:
         if sandbox_id is not None and sandbox_id in self.sandboxes:
             raise InvalidRequest(f"sandbox {sandbox_id!r} is live already", sandbox_id=sandbox_id)
         if not self.started or self.closing:
@@ -822,12 +833,9 @@ class Runtime:
         finally:
             self._creating -= 1
         if sandbox_id is not None:
-            sb.id = sandbox_id
             self.usages.pop(sandbox_id, None)  # a resumed sandbox's earlier life on this replica
-        sb.metadata = dict(metadata or {})
-        sb.start_clock()
-        sb.create_ms = (time.perf_counter() - t0) * 1000
-        sb.pooled = pooled
+        sb.take_up(sandbox_id, metadata, forked_from=forked_from, pooled=pooled,
+                   create_ms=(time.perf_counter() - t0) * 1000, metered=metered)
         self.sandboxes[sb.id] = sb
         return sb
 
@@ -899,8 +907,7 @@ class Runtime:
         the run, and the reply comes at the deadline however long that took."""
         since = time.monotonic()
         for attempt in range(3):
-            sb = await self._acquire(snapshot, limits, metadata)
-            sb.metered = "run"
+            sb = await self._acquire(snapshot, limits, metadata, metered="run")
             try:
                 result = await self.exec(sb.id, request, last=True, since=since)
                 return result.model_copy(update={"pooled": sb.pooled, "create_ms": round(sb.create_ms, 3)})
@@ -951,7 +958,7 @@ class Runtime:
                     reason = "lifetime"
                 elif not sb.busy and now - sb.last_used > sb.limits.idle_s:
                     reason = "idle"
-                elif sb.dead == "died" and not sb.busy:
+                elif sb.state is SandboxState.DIED and not sb.busy:
                     reason = "died"
                 if reason and self.sandboxes.get(sid) is sb:  # (not a copy resumed under its id meanwhile)
                     with contextlib.suppress(Exception):

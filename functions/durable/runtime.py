@@ -615,7 +615,7 @@ class DurableRuntime:
         its tombstone), not by the runtime at each hibernation."""
         sb = self.rt.sandboxes.get(sandbox_id)
         if sb is not None:
-            sb.metered = None
+            sb.bill_elsewhere()
 
     def _drop(self, sandbox_id: str, reason: str) -> None:
         """Forget the live copy here without committing (stale, conflicted, died, hibernated): its id
@@ -793,7 +793,7 @@ class DurableRuntime:
         self._not_metered(sid)
         sb = self.rt.sandboxes.get(sid)
         if sb is not None:  # its lifetime counts from the sandbox's create, not from this resume (the reaper's)
-            sb.created_at = time.monotonic() - max(0.0, time.time() - head.created_at)
+            sb.backdate(max(0.0, time.time() - head.created_at))
         try:
             if head.files.entries or head.files.whiteouts or head.files.opaque:
                 diff = diff_of(head.files, contents)
