@@ -23,6 +23,7 @@ from rollbox.runtime.channel import Channel, encode
 from rollbox.runtime.errors import IsolationError, SandboxDied
 from rollbox.runtime.inside import proto
 from rollbox.runtime.inside.proto import Diff, DiffEntry, Kind, Op
+from rollbox.runtime.isolation.cgroup_pool import CgroupPool
 from rollbox.runtime.isolation.cgroups import CgroupStats, Group
 from rollbox.runtime.isolation.users import SANDBOX_UID
 from rollbox.runtime.restore import WarmSource
@@ -362,7 +363,7 @@ class Sandbox:
     extra_layers: tuple[str, ...] = ()
     cg_base: CgroupStats | None = None  # the (reused) cgroup's counters when this sandbox joined it
     cg_final: CgroupStats | None = None  # its counters once every process of the sandbox was gone
-    release_group: Callable[[Group], None] | None = None
+    cgroups: CgroupPool | None = None  # the pool ``group`` was lent from (and goes back to)
     # An fd of its mount namespace, held so that its init's exit does not tear that namespace down
     # (unmounting its overlay and tmpfs waits for expedited RCU grace periods: under load, seconds on
     # the path of a one-shot run's reply); ``release_fd`` closes it later, off the event loop.
@@ -789,10 +790,8 @@ class Sandbox:
             stats = self.cg_final or self.group.stats()
             self.cpu_s = max(self.cpu_s, stats.cpu_s - (self.cg_base.cpu_s if self.cg_base else 0.0))
             self.peak_memory_bytes = max(self.peak_memory_bytes, stats.peak_memory_bytes)
-            if self.release_group:
-                self.release_group(self.group)
-            else:
-                await asyncio.to_thread(self.group.close)
+            assert self.cgroups is not None  # (a group is lent from a pool)
+            self.cgroups.release(self.group)
         if self.user_slot is not None and self.release_slot is not None:
             self.release_slot(self.user_slot, self.exited.is_set())  # reused only once all its processes are gone
             self.user_slot = None

@@ -44,6 +44,7 @@ from rollbox.runtime.execution import Metered, Sandbox, SandboxState, give_back,
 from rollbox.runtime.inside import probe, proto
 from rollbox.runtime.inside.proto import Op
 from rollbox.runtime.isolation import cgroups, rlimits, seccomp, users
+from rollbox.runtime.isolation.cgroup_pool import CgroupPool
 from rollbox.runtime.isolation.cgroups import Backend, Group
 from rollbox.runtime.pool import Pool
 from rollbox.runtime.restore import WarmSource, Zygote
@@ -52,9 +53,6 @@ from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, U
 
 log = logging.getLogger("rollbox.runtime")
 
-# How long a released cgroup's killed processes may take to leave before it is removed rather than
-# reused (a fork bomb's pid namespace tears down in seconds; past it, removal is tried and logged).
-RELEASE_WAIT_S = 30.0
 KILLED_EXIT_WAIT_S = 0.5  # see Runtime._only_init_left
 MiB = 1024 * 1024
 
@@ -149,6 +147,8 @@ class RuntimeConfig(BaseModel):
         "sandbox is capped at the host's cores less this")
     rootless: bool = Field(default_factory=lambda: os.geteuid() != 0)
     max_live: Annotated[int, Field(ge=1)] = 4096
+    cgroup_pool_max: Annotated[int, Field(ge=0)] = Field(
+        default=64, description="emptied sandbox cgroups kept for reuse (each saves a mkdir and an rmdir)")
     pool_min: Annotated[int, Field(ge=0)] = 0
     pool_max: Annotated[int, Field(ge=0)] = 16
     pool_window_s: Annotated[float, Field(gt=0)] = 10.0
@@ -190,10 +190,8 @@ class Runtime:
         self.zygotes: dict[Any, WarmSource] = {}
         self._zygote_locks: dict[Any, asyncio.Lock] = {}
         self.pools: dict[Any, Pool] = {}
-        self.cgroup_backend: Backend | None = None
-        self.free_groups: list[Group] = []  # empty cgroups of destroyed sandboxes, reused: no mkdir/rmdir
-        self.releasing: set[Group] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.cgroups = CgroupPool(None, keep=self.config.cgroup_pool_max, background=self._background)
         self._unmounter: concurrent.futures.ThreadPoolExecutor | None = None  # see _close_later
         self.cgroup_reason = ""
         self.user_slots: slots.UserSlots | None = None  # as root: a user namespace per sandbox
@@ -204,12 +202,9 @@ class Runtime:
         # (runtime/inside/probe.py); held while the source is.
         self._probed: weakref.WeakKeyDictionary[WarmSource, dict[str, Any]] = weakref.WeakKeyDictionary()
         self._runtime_report: tuple[tuple[Any, ...], dict[str, str]] | None = None  # (its inputs, the report)
-        # Clean-up that failed, by what (each logged once): exported as rollbox_cleanup_failures_total.
-        self.cleanup_failures: collections.Counter[str] = collections.Counter({"cgroup": 0})
         self._reaper: asyncio.Task[None] | None = None
         self._creating = 0
         self.closing = False
-        self.restoring: dict[str, Group | None] = {}  # sandboxes being restored right now, with their cgroup
         self.started = False
         # Called after the reaper destroyed a sandbox for its lifetime or idle limit (the durable
         # layer records that the sandbox is gone): (sandbox id, reason, usage).
@@ -231,7 +226,8 @@ class Runtime:
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.layer_root.mkdir(parents=True, exist_ok=True)
         self.seccomp_bpf = await asyncio.to_thread(seccomp.build_filter)
-        self.cgroup_backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup, cfg.cpu_reserved_cores)
+        backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup, cfg.cpu_reserved_cores)
+        self.cgroups = CgroupPool(backend, keep=cfg.cgroup_pool_max, background=self._background)
         self.host_namespaces = probe.namespaces()
         # rootless, every sandbox's user namespace hangs off the caller's: each is capped at a share
         self.user_budgets = users.shared_budgets(cfg.rootless_budget_share) if cfg.rootless else {}
@@ -249,6 +245,7 @@ class Runtime:
             self.user_slots = slots.UserSlots(*uid_range, probe=[str(probe_dirs[0]), str(self.layer_root),
                                                                  str(probe_dirs[1])])
             self._background(self._prepare_slots(self.user_slots))  # beside the first zygotes
+        self.cgroups.open()
         self.started = True
 
     async def _prepare_slots(self, user_slots: slots.UserSlots) -> None:
@@ -273,7 +270,7 @@ class Runtime:
         pid that may be a zombie or reused): sandbox cgroups (processes still in one are killed, the
         cgroup goes on a later sweep), zygote staging directories and fork scratch layers. Returns
         how many remain; the reaper sweeps again until none do (and every 30 s anyway)."""
-        cgroups = self.cgroup_backend.leftovers() if self.cgroup_backend else []
+        cgroups = self.cgroups.leftovers()
         staging = self.config.state_dir / "zygotes"
         dirs = list(staging.iterdir()) if staging.is_dir() else []
         trees = list(self.layer_root.glob(proto.SCRATCH_PREFIX + "*"))
@@ -291,7 +288,7 @@ class Runtime:
             await pool.close()
         self.pools.clear()
         for _ in range(3000):  # creates in flight land in the tables before they are torn down
-            if not self._creating and not self.restoring:
+            if not self._creating and not self.cgroups.restoring:
                 break
             await asyncio.sleep(0.01)
         await asyncio.gather(*(self.destroy(sid, reason="shutdown") for sid in list(self.sandboxes)),
@@ -300,19 +297,16 @@ class Runtime:
             await z.close()
         self.zygotes.clear()
         self.started = False
+        self.cgroups.stop_reuse()
         awaited: set[asyncio.Task[None]] = set()
         while left := self._tasks - awaited:  # (and what they start: a sandbox ended releases its cgroup)
             for task in left:
                 awaited.add(task)
                 await task
-        for group in self.free_groups:
-            await self._remove_group(group)
-        self.free_groups.clear()
         if self._unmounter is not None:
             self._unmounter.shutdown(wait=True)  # (its closes were awaited above, as tasks)
             self._unmounter = None
-        if self.cgroup_backend:
-            self.cgroup_backend.close()
+        await self.cgroups.close()
         if self.user_slots is not None:
             self.user_slots.close()
         self.started = False
@@ -521,11 +515,17 @@ class Runtime:
         self._layers_in_use = frozenset(used)
 
     def held_cgroups(self) -> set[str]:
-        """Every cgroup directory this runtime holds: live, pooled, restoring, being emptied, reusable."""
-        groups = [sb.group for sb in self.sandboxes.values()]
-        groups += [sb.group for pool in self.pools.values() for sb in pool.ready]
-        groups += [*self.restoring.values(), *self.releasing, *self.free_groups]
-        return {path for g in groups if g is not None for path in g.paths()}
+        """Every cgroup directory this runtime holds: lent to sandboxes, being emptied, reusable."""
+        return self.cgroups.held()
+
+    @property
+    def cgroup_backend(self) -> Backend | None:
+        return self.cgroups.backend
+
+    @property
+    def cleanup_failures(self) -> collections.Counter[str]:
+        """Clean-up that failed, by what (each logged once): exported as rollbox_cleanup_failures_total."""
+        return collections.Counter({"cgroup": self.cgroups.failures})
 
     def isolation_report(self, sandbox_id: str | None = None) -> dict[str, str]:
         """What is in force, per layer (runtime/report.py): for the live sandbox ``sandbox_id``, or
@@ -587,31 +587,15 @@ class Runtime:
             self._note_layers(view)
         z = zygote or await self.zygote(view)
         sid = "sb-" + secrets.token_hex(8)
-        group = None
-        while self.free_groups:
-            group = self.free_groups.pop()
-            if group.pids_peak() < limits.pids_max:
-                break
-            # (its pids.peak, which is never reset, could not tell this sandbox reached its pids limit)
-            self.drop_group(group)
-            group = None
-        if group is not None:
-            try:
-                group.configure(limits.memory_max_bytes, limits.pids_max, limits.cpu_max_cores)
-            except OSError:
-                self.drop_group(group)
-                raise
-        elif self.cgroup_backend:
-            group = self.cgroup_backend.prepare(f"{owners.tag()}-{sid}", limits.memory_max_bytes, limits.pids_max,
-                                                limits.cpu_max_cores)
+        group = self.cgroups.acquire(f"{owners.tag()}-{sid}", limits.memory_max_bytes, limits.pids_max,
+                                     limits.cpu_max_cores)
         params: proto.SpawnParams = {
             "layers": list(view.layers),
             "disk_bytes": limits.disk_max_bytes,
         }
         if z not in self._probed:  # the first sandbox(es) of a source read back what is in force
             params["probe"] = True
-        self.restoring[sid] = group
-        try:
+        with self.cgroups.restore(sid, group):
             slot = await self._slot()
             nproc_first = slot is not None and group is not None and group.pids_peak() >= 0
             params.update(cast(proto.SpawnParams, rlimit_params(limits, group is not None, nproc_first)))
@@ -621,8 +605,6 @@ class Runtime:
                 if slot is not None:  # a child of a failed spawn may still be on its way: not reused
                     self.release_slot(slot, False)
                 raise
-        finally:
-            self.restoring.pop(sid, None)
 
     async def _slot(self) -> slots.Slot | None:
         """The user namespace (its own owner uid) a new sandbox joins, if sandboxes get one."""
@@ -648,7 +630,7 @@ class Runtime:
             zpid, sock = await z.spawn(params, fds)
         except BaseException:
             if group:
-                self.drop_group(group)
+                self.cgroups.drop(group)
             raise
         try:
             return await self._handshake(view, limits, origin, sock, zpid)
@@ -667,7 +649,7 @@ class Runtime:
         except asyncio.CancelledError:
             chan.close()  # the child sees its socket close and exits; its cgroup is released
             if group:
-                self.drop_group(group)
+                self.cgroups.drop(group)
             raise
         except (TimeoutError, OSError):
             msg = None
@@ -678,7 +660,7 @@ class Runtime:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(creds[0], 9)
             if group:
-                self.drop_group(group)
+                self.cgroups.drop(group)
             why = msg.get("error") if msg else "sandbox exited during setup"
             raise IsolationError(f"sandbox setup failed: {why}", snapshot_id=view.id)
         pid = creds[0]
@@ -698,11 +680,11 @@ class Runtime:
                 if fd >= 0:
                     os.close(fd)
             if group:
-                self.drop_group(group)
+                self.cgroups.drop(group)
             raise IsolationError(f"sandbox died during setup: {exc}", snapshot_id=view.id) from exc
         sb = Sandbox(id=origin.sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
                      upper_fd=fds[0] if fds else -1, source=source, source_pid=zpid, ended=source.exit_report(zpid),
-                     release_slot=self.release_slot, cg_base=cg_base, release_group=self.release_group,
+                     release_slot=self.release_slot, cg_base=cg_base, cgroups=self.cgroups,
                      mntns_fd=_hold_mount_ns(pid, pidfd), release_fd=self._close_later, user_slot=origin.slot,
                      nproc_first=origin.nproc_first)
         sb.watch()
@@ -720,47 +702,6 @@ class Runtime:
             await done
 
         self._background(closed())
-
-    def drop_group(self, group: Group) -> None:
-        """Remove a cgroup rather than reuse it: a spawn that failed may still have a child on its way
-        into it (it writes itself in first), and a group that could not be configured is suspect."""
-        group.reusable = False
-        self.release_group(group)
-
-    def release_group(self, group: Group) -> None:
-        """Keep an emptied cgroup for the next sandbox (its counters are read as deltas), or remove it."""
-        if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64 \
-                and not group.needs_reclaim():
-            self.free_groups.append(group)
-            return
-        self.releasing.add(group)
-        self._background(self._release_later(group))
-
-    async def _release_later(self, group: Group) -> None:
-        try:
-            wait_s = 0.01
-            deadline = time.monotonic() + RELEASE_WAIT_S
-            # the last processes of a killed sandbox may take a while to leave (a fork bomb's: seconds)
-            while not group.is_empty() and time.monotonic() < deadline:
-                await asyncio.sleep(wait_s)
-                wait_s = min(wait_s * 1.5, 0.4)  # a cgroup read each time: slower under load, not more often
-            if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64:
-                if group.needs_reclaim():
-                    await asyncio.to_thread(group.reclaim)
-                self.free_groups.append(group)
-            else:
-                await self._remove_group(group)
-        finally:
-            self.releasing.discard(group)
-
-    async def _remove_group(self, group: Group) -> None:
-        """Remove a cgroup for good; one that will not go is logged once, counted, and left in place."""
-        try:
-            await asyncio.to_thread(group.close)
-        except OSError as exc:
-            self.cleanup_failures["cgroup"] += 1
-            log.warning("a sandbox cgroup stays behind: %s", exc.strerror or exc,
-                        extra={"fields": {"cgroup": group.paths(), "errno": exc.errno}})
 
     def _pool_for(self, view: SnapshotView, limits: Limits) -> Pool:
         key = (view.id, limits)

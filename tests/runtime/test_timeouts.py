@@ -217,7 +217,7 @@ async def test_the_pids_limit_is_reported_once_reached_and_only_then(tmp_path: P
             bomb = await rt.run(ExecRequest(code=WILD_FORK_BOMB, timeout_s=1.0), limits=lim)
             assert bomb.timed_out and bomb.pids_limit_hit, bomb
             for _ in range(200):  # the bomb's group is released once its processes are gone
-                if not rt.sandboxes and not rt.releasing:
+                if not rt.sandboxes and not rt.cgroups.releasing:
                     break
                 await asyncio.sleep(0.05)
             info = await rt.create(limits=lim)
