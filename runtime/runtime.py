@@ -40,7 +40,7 @@ from rollbox.runtime.errors import (
     ShuttingDown,
     Unsupported,
 )
-from rollbox.runtime.execution import Metered, Sandbox, SandboxState, give_back, pack_upper
+from rollbox.runtime.execution import Metered, Sandbox, SandboxState
 from rollbox.runtime.inside import probe, proto
 from rollbox.runtime.inside.proto import Op
 from rollbox.runtime.isolation import cgroups, rlimits, seccomp, users
@@ -50,6 +50,7 @@ from rollbox.runtime.pool import Pool
 from rollbox.runtime.restore import WarmSource, Zygote
 from rollbox.runtime.snapshot import BuiltinResolver, SnapshotResolver, SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
+from rollbox.runtime.upper import give_back, pack_upper
 
 log = logging.getLogger("rollbox.runtime")
 

@@ -35,9 +35,9 @@ from typing import Annotated, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
 from rollbox.runtime import jsonio
 from rollbox.runtime.errors import IntegrityError, StoreError
-from rollbox.runtime.execution import UpperTooLarge, upper_diff, walk_upper
 from rollbox.runtime.inside.proto import Diff, DiffEntry, Kind
 from rollbox.runtime.spec import Limits
+from rollbox.runtime.upper import UpperTooLarge, upper_diff, walk_upper
 
 __all__ = [
     "INLINE_MAX_BYTES",

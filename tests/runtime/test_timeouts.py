@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from rollbox.runtime.execution import descendants
 from rollbox.runtime.isolation.cgroups import mounts_of
 from rollbox.runtime.isolation.cgroups_v1 import V1Group
 from rollbox.runtime.isolation.cgroups_v2 import V2Group
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.spec import ExecRequest, Limits
+from rollbox.runtime.step import descendants
 
 pytestmark = pytest.mark.asyncio
 
