@@ -82,7 +82,7 @@ async def main(n: int, cold_n: int) -> None:
         check = await rt.run(ExecRequest(code="import sys\nprint('numpy' in sys.modules, sys.modules['numpy'].__version__)"),
                              snapshot=view.id)
         assert check.stdout.split() == ["True", numpy.__version__], check
-        skel = rt._skel(view)
+        skel = rt.restorer.skel(view)
 
         cold: list[float] = []
         for _ in range(cold_n):

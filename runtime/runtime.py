@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -20,17 +19,13 @@ import os
 import resource
 import secrets
 import shutil
-import signal
-import socket
 import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from rollbox.runtime import owners, report, skeleton, slots
-from rollbox.runtime.channel import Channel
+from rollbox.runtime import owners, report, slots
 from rollbox.runtime.errors import (
     InvalidRequest,
     IsolationError,
@@ -38,16 +33,16 @@ from rollbox.runtime.errors import (
     SandboxDied,
     SandboxNotFound,
     ShuttingDown,
-    Unsupported,
 )
 from rollbox.runtime.execution import Metered, Sandbox, SandboxState
 from rollbox.runtime.inside import probe, proto
 from rollbox.runtime.inside.proto import Op
-from rollbox.runtime.isolation import cgroups, rlimits, seccomp, users
+from rollbox.runtime.isolation import cgroups, seccomp, users
 from rollbox.runtime.isolation.cgroup_pool import CgroupPool
-from rollbox.runtime.isolation.cgroups import Backend, Group
+from rollbox.runtime.isolation.cgroups import Backend
 from rollbox.runtime.pool import Pool
-from rollbox.runtime.restore import WarmSource, Zygote
+from rollbox.runtime.restore import WarmSource
+from rollbox.runtime.restorer import Restorer, rlimit_params
 from rollbox.runtime.snapshot import BuiltinResolver, SnapshotResolver, SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
 from rollbox.runtime.upper import give_back, pack_upper
@@ -87,51 +82,6 @@ def effective_limits(view: SnapshotView, limits: LimitsArg) -> Limits:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
         raise InvalidRequest(f"limits.{where}: {first['msg']}", snapshot_id=view.id) from None
-
-
-def _hold_mount_ns(pid: int, pidfd: int) -> int:
-    """An fd of the mount namespace of the sandbox whose init is ``pid`` (``pidfd``), or -1."""
-    try:
-        fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return -1
-    try:
-        signal.pidfd_send_signal(pidfd, 0)  # still that process: its pid was not reused meanwhile
-    except OSError:
-        os.close(fd)
-        return -1
-    return fd
-
-
-def rlimit_params(limits: Limits, in_cgroup: bool, nproc_first: bool = False) -> dict[str, int]:
-    """The rlimits a sandbox is given (runtime/isolation/rlimits.py). Without a cgroup, pids and memory
-    fall back to RLIMIT_NPROC (counted per user namespace) and RLIMIT_AS (with room for the mappings
-    an interpreter has that are not memory use), and CPU to a raised nice value.
-
-    ``nproc_first``: RLIMIT_NPROC at the pids limit in a cgroup too, for a sandbox whose processes
-    run as a host uid of its own (where it counts that sandbox alone) in a group that keeps its
-    pids.peak (which then tells that the limit was reached). The kernel checks RLIMIT_NPROC before it
-    copies a forking process, the pids cgroup only after: a fork bomb at its limit then fails each
-    fork at once, instead of copying its whole address space and tearing it down again, forever, under
-    locks it shares with every process mapping the same files (every sandbox of its snapshot)."""
-    params = {"nofile": limits.nofile_max, "fsize_bytes": limits.file_size_max_bytes}
-    if not in_cgroup or nproc_first:
-        params["nproc"] = limits.pids_max
-    if not in_cgroup:  # in a cgroup memory is the cgroup's: an address-space cap stops JVMs, V8 and lld
-        params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
-        params["nice"] = rlimits.FALLBACK_NICE
-    return params
-
-
-@dataclasses.dataclass(frozen=True)
-class _Origin:
-    """Where a sandbox being restored comes from: its source, its id, its cgroup and user namespace."""
-
-    source: WarmSource
-    sid: str
-    group: Group | None
-    slot: slots.Slot | None
-    nproc_first: bool
 
 
 class RuntimeConfig(BaseModel):
@@ -188,20 +138,16 @@ class Runtime:
         self._scratch: dict[str, set[str]] = {}  # fork scratch layer -> ids of the sandboxes on it
         self._layers_in_use: frozenset[str] = frozenset()
         self.usages: dict[str, Usage] = {}
-        self.zygotes: dict[Any, WarmSource] = {}
-        self._zygote_locks: dict[Any, asyncio.Lock] = {}
         self.pools: dict[Any, Pool] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.cgroups = CgroupPool(None, keep=self.config.cgroup_pool_max, background=self._background)
-        self._unmounter: concurrent.futures.ThreadPoolExecutor | None = None  # see _close_later
+        self.cgroups = CgroupPool(keep=self.config.cgroup_pool_max, background=self._background)
+        self.restorer = Restorer(state_dir=self.config.state_dir, rootless=self.config.rootless, cgroups=self.cgroups,
+                                 background=self._background, before_restore=self._before_restore)
+        self.zygotes = self.restorer.zygotes  # the warm source of each snapshot recipe in use
         self.cgroup_reason = ""
-        self.user_slots: slots.UserSlots | None = None  # as root: a user namespace per sandbox
         self.seccomp_bpf = b""
         self.host_namespaces: dict[str, int] = {}  # probed at start: what "unshared" is measured against
         self.user_budgets: dict[str, int] = {}
-        # What the first sandbox of each warm source read back from its own /proc after containment
-        # (runtime/inside/probe.py); held while the source is.
-        self._probed: weakref.WeakKeyDictionary[WarmSource, dict[str, Any]] = weakref.WeakKeyDictionary()
         self._runtime_report: tuple[tuple[Any, ...], dict[str, str]] | None = None  # (its inputs, the report)
         self._reaper: asyncio.Task[None] | None = None
         self._creating = 0
@@ -228,7 +174,7 @@ class Runtime:
         self.layer_root.mkdir(parents=True, exist_ok=True)
         self.seccomp_bpf = await asyncio.to_thread(seccomp.build_filter)
         backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup, cfg.cpu_reserved_cores)
-        self.cgroups = CgroupPool(backend, keep=cfg.cgroup_pool_max, background=self._background)
+        self.cgroups.open(backend)
         self.host_namespaces = probe.namespaces()
         # rootless, every sandbox's user namespace hangs off the caller's: each is capped at a share
         self.user_budgets = users.shared_budgets(cfg.rootless_budget_share) if cfg.rootless else {}
@@ -236,6 +182,7 @@ class Runtime:
         self._swept = time.monotonic()
         self._reaper = asyncio.create_task(self._reap_loop())
         uid_range = slots.parse_range(cfg.uid_range)
+        user_slots = None
         if uid_range and not cfg.rootless:
             # a scratch directory (a tmpfs goes over it in the probe's own mount namespace), then the
             # lower layers as sandboxes stack them: the layer store itself and, beside the skeletons, an
@@ -243,28 +190,10 @@ class Runtime:
             probe_dirs = [cfg.state_dir / "idmap-probe" / "scratch", cfg.state_dir / "idmap-probe" / "lower"]
             for d in probe_dirs:
                 d.mkdir(parents=True, exist_ok=True)
-            self.user_slots = slots.UserSlots(*uid_range, probe=[str(probe_dirs[0]), str(self.layer_root),
-                                                                 str(probe_dirs[1])])
-            self._background(self._prepare_slots(self.user_slots))  # beside the first zygotes
-        self.cgroups.open()
+            user_slots = slots.UserSlots(*uid_range, probe=[str(probe_dirs[0]), str(self.layer_root),
+                                                            str(probe_dirs[1])])
+        self.restorer.start(self.seccomp_bpf, self.user_budgets, user_slots)
         self.started = True
-
-    async def _prepare_slots(self, user_slots: slots.UserSlots) -> None:
-        try:
-            await user_slots.prepare()
-        except Exception as exc:
-            self._no_slots(exc)
-
-    def _no_slots(self, exc: Exception) -> None:
-        if self.user_slots is not None:
-            log.warning("no user namespace per sandbox (%s): every sandbox shares the sandbox uid's per-user "
-                        "budgets", getattr(exc, "message", None) or exc)
-            self.user_slots.close()
-            self.user_slots = None
-
-    def release_slot(self, slot: slots.Slot, gone: bool) -> None:
-        if self.user_slots is not None:
-            self.user_slots.release(slot, gone=gone)
 
     def _sweep(self) -> int:
         """Remove what runtimes that died left behind (``owners``: found by who made them, not by a
@@ -294,9 +223,7 @@ class Runtime:
             await asyncio.sleep(0.01)
         await asyncio.gather(*(self.destroy(sid, reason="shutdown") for sid in list(self.sandboxes)),
                              return_exceptions=True)
-        for z in list(self.zygotes.values()):
-            await z.close()
-        self.zygotes.clear()
+        await self.restorer.stop_zygotes()
         self.started = False
         self.cgroups.stop_reuse()
         awaited: set[asyncio.Task[None]] = set()
@@ -304,12 +231,9 @@ class Runtime:
             for task in left:
                 awaited.add(task)
                 await task
-        if self._unmounter is not None:
-            self._unmounter.shutdown(wait=True)  # (its closes were awaited above, as tasks)
-            self._unmounter = None
+        self.restorer.close_unmounter()  # (its closes were awaited above, as tasks)
         await self.cgroups.close()
-        if self.user_slots is not None:
-            self.user_slots.close()
+        self.restorer.close_slots()
         self.started = False
 
     async def __aenter__(self) -> Runtime:
@@ -501,6 +425,23 @@ class Runtime:
             del self._views[view_id]
         asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, self.layer_root / scratch, True)
 
+    def _before_restore(self, view: SnapshotView) -> None:
+        if not set(view.layers) <= self._layers_in_use:
+            self._note_layers(view)
+
+    async def restore(self, view: SnapshotView, limits: Limits, zygote: WarmSource | None = None) -> Sandbox:
+        """Fork one sandbox from the snapshot's zygote and contain it (no pool)."""
+        return await self.restorer.restore(view, limits, zygote)
+
+    async def zygote(self, view: SnapshotView) -> WarmSource:
+        """The running source of ``view``'s sandboxes, started (the cold path) if needed."""
+        return await self.restorer.zygote(view)
+
+    @property
+    def user_slots(self) -> slots.UserSlots | None:
+        """As root: the user namespaces sandboxes get, one each (None: they share the host's)."""
+        return self.restorer.user_slots
+
     def layers_in_use(self) -> frozenset[str]:
         """Layer ids that a zygote or a sandbox of this runtime has mounted (or is about to): never
         evict these. Safe to call from any thread: it reads a set the event loop replaces whole."""
@@ -533,7 +474,7 @@ class Runtime:
         for this runtime (its start-up probes and the latest sandbox read-back)."""
         if sandbox_id is not None:
             return self._report(self.get(sandbox_id))
-        facts = next(reversed(list(self._probed.values())), None)
+        facts = next(reversed(list(self.restorer.probed.values())), None)
         inputs = (facts, self.cgroup_backend, getattr(self.cgroup_backend, "cpu", None), self.cgroup_reason,
                   self.seccomp_bpf, self.host_namespaces)
         cached = self._runtime_report  # (a create committed hibernated replies with it: rendered once)
@@ -542,7 +483,7 @@ class Runtime:
         return dict(cached[1])
 
     def _report(self, sb: Sandbox) -> dict[str, str]:
-        facts = self._probed.get(sb.source) if sb.source is not None else None
+        facts = self.restorer.probed.get(sb.source) if sb.source is not None else None
         return self._render(facts, limits=sb.limits, group=sb.group, pid=sb.pid,
                             rlimit_params=rlimit_params(sb.limits, sb.group is not None, sb.nproc_first))
 
@@ -553,163 +494,12 @@ class Runtime:
                              facts=facts, **sandbox)
 
     # ----------------------------------------------------------------- restore
-    def _skel(self, view: SnapshotView) -> Path:
-        return skeleton.build(self.config.state_dir, view.host_binds, self.config.rootless)
-
-    def warm_source(self, view: SnapshotView, skel: Path) -> WarmSource:
-        """The source of this snapshot's sandboxes: a zygote re-made from its warm recipe; a
-        process-image source (CRIU) is the seam's other side, not wired on this host yet."""
-        if view.process_image is not None:
-            raise Unsupported(
-                f"snapshot {view.id!r} carries a process image; restoring process images (CRIU >= 4.1) is not "
-                "wired into this runtime yet: build the snapshot with a warm recipe instead", snapshot_id=view.id)
-        return Zygote(view, state_dir=self.config.state_dir, skel=skel, seccomp_bpf=self.seccomp_bpf,
-                      rootless=self.config.rootless, user_budgets=self.user_budgets)
-
-    async def zygote(self, view: SnapshotView) -> WarmSource:
-        """The running source of ``view``'s sandboxes, started (the cold path) if needed."""
-        key = view.zygote_key
-        lock = self._zygote_locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            z = self.zygotes.get(key)
-            if z is not None and z.alive:
-                return z
-            if z is not None:
-                await z.close()
-            skel = await asyncio.to_thread(self._skel, view)
-            z = self.warm_source(view, skel)
-            await z.start()
-            self.zygotes[key] = z
-            return z
-
-    async def restore(self, view: SnapshotView, limits: Limits, zygote: WarmSource | None = None) -> Sandbox:
-        """Fork one sandbox from the snapshot's zygote and contain it (no pool)."""
-        if not set(view.layers) <= self._layers_in_use:
-            self._note_layers(view)
-        z = zygote or await self.zygote(view)
-        sid = "sb-" + secrets.token_hex(8)
-        group = self.cgroups.acquire(f"{owners.tag()}-{sid}", limits.memory_max_bytes, limits.pids_max,
-                                     limits.cpu_max_cores)
-        params: proto.SpawnParams = {
-            "layers": list(view.layers),
-            "disk_bytes": limits.disk_max_bytes,
-        }
-        if z not in self._probed:  # the first sandbox(es) of a source read back what is in force
-            params["probe"] = True
-        with self.cgroups.restore(sid, group):
-            slot = await self._slot()
-            nproc_first = slot is not None and group is not None and group.pids_peak() >= 0
-            params.update(cast(proto.SpawnParams, rlimit_params(limits, group is not None, nproc_first)))
-            try:
-                return await self._contain(view, limits, _Origin(z, sid, group, slot, nproc_first), params)
-            except BaseException:
-                if slot is not None:  # a child of a failed spawn may still be on its way: not reused
-                    self.release_slot(slot, False)
-                raise
-
-    async def _slot(self) -> slots.Slot | None:
-        """The user namespace (its own owner uid) a new sandbox joins, if sandboxes get one."""
-        if self.user_slots is None:
-            return None
-        try:
-            return await self.user_slots.acquire()
-        except IsolationError as exc:
-            if self.user_slots is not None and self.user_slots.made == 0:  # the helper cannot make any
-                self._no_slots(exc)
-            else:  # none free and no more made: this sandbox shares the host's (rather than no sandbox)
-                log.warning("sandbox without a user namespace of its own: %s", exc.message)
-            return None
-
-    async def _contain(self, view: SnapshotView, limits: Limits, origin: _Origin,
-                       params: proto.SpawnParams) -> Sandbox:
-        z, group, slot = origin.source, origin.group, origin.slot
-        try:
-            fds = group.procs_fds() if group else []
-            if slot is not None:  # the zygote takes it as the first fd after the socket
-                params = {**params, "userns": True, "idmap": slot.uid if slot.shifted else 0}
-                fds = [slot.fd, *fds]
-            zpid, sock = await z.spawn(params, fds)
-        except BaseException:
-            if group:
-                self.cgroups.drop(group)
-            raise
-        try:
-            return await self._handshake(view, limits, origin, sock, zpid)
-        except BaseException:
-            z.forget(zpid)
-            raise
-
-    async def _handshake(self, view: SnapshotView, limits: Limits, origin: _Origin, sock: socket.socket,
-                         zpid: int) -> Sandbox:
-        """The spawned sandbox's READY: its host pid and its upper layer; it is in its cgroup already.
-        ``zpid``: its pid in its source's namespace."""
-        source, group = origin.source, origin.group
-        chan = Channel(sock, proto.SANDBOX_FRAME_BYTES)  # everything a sandbox sends is untrusted
-        try:
-            msg = await asyncio.wait_for(chan.recv(), 30)
-        except asyncio.CancelledError:
-            chan.close()  # the child sees its socket close and exits; its cgroup is released
-            if group:
-                self.cgroups.drop(group)
-            raise
-        except (TimeoutError, OSError):
-            msg = None
-        creds = chan.reader.creds
-        if msg is None or proto.op_of(msg) != Op.READY or creds is None:
-            chan.close()
-            if creds is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(creds[0], 9)
-            if group:
-                self.cgroups.drop(group)
-            why = msg.get("error") if msg else "sandbox exited during setup"
-            raise IsolationError(f"sandbox setup failed: {why}", snapshot_id=view.id)
-        pid = creds[0]
-        if isinstance(msg.get("probe"), dict):  # the uid/gid it runs as, seen from here: the host's view
-            self._probed[source] = {**msg["probe"], "host_uid": creds[1], "host_gid": creds[2]}
-        fds = chan.take_fds()
-        pidfd = -1
-        try:
-            pidfd = os.pidfd_open(pid)
-            cg_base = None
-            if group:
-                group.reset_peak()
-                cg_base = group.stats()
-        except (OSError, ProcessLookupError) as exc:  # it died right after "ready" (its zygote crashed)
-            chan.close()
-            for fd in (*fds, pidfd):
-                if fd >= 0:
-                    os.close(fd)
-            if group:
-                self.cgroups.drop(group)
-            raise IsolationError(f"sandbox died during setup: {exc}", snapshot_id=view.id) from exc
-        sb = Sandbox(id=origin.sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
-                     upper_fd=fds[0] if fds else -1, source=source, source_pid=zpid, ended=source.exit_report(zpid),
-                     release_slot=self.release_slot, cg_base=cg_base, cgroups=self.cgroups,
-                     mntns_fd=_hold_mount_ns(pid, pidfd), release_fd=self._close_later, user_slot=origin.slot,
-                     nproc_first=origin.nproc_first)
-        sb.watch()
-        return sb
-
-    def _close_later(self, fd: int) -> None:
-        """Close ``fd`` in a thread of its own pool (the last fd of a sandbox's mount namespace: its
-        unmounts wait for RCU grace periods, seconds on a loaded box, and must not hold up the default
-        executor's work); ``close`` waits for it."""
-        if self._unmounter is None:
-            self._unmounter = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="rollbox-unmount")
-        done = asyncio.get_running_loop().run_in_executor(self._unmounter, os.close, fd)
-
-        async def closed() -> None:
-            await done
-
-        self._background(closed())
-
     def _pool_for(self, view: SnapshotView, limits: Limits) -> Pool:
         key = (view.id, limits)
         pool = self.pools.get(key)
         if pool is None:
             async def make() -> Sandbox:
-                return await self.restore(view, limits)
+                return await self.restorer.restore(view, limits)
 
             pool = Pool(key, make, min_size=self.config.pool_min, max_size=self.config.pool_max,
                         window_s=self.config.pool_window_s, idle_s=self.config.pool_idle_s)
@@ -722,7 +512,7 @@ class Runtime:
         view = await self.resolve(snapshot)
         pool = self._pool_for(view, view.limits)
         pool.min_size = max(pool.min_size, count)
-        await self.zygote(view)
+        await self.restorer.zygote(view)
         await pool.wait_ready(count, timeout_s)
 
     # ----------------------------------------------------------------- the API
@@ -769,7 +559,7 @@ class Runtime:
             sb = pool.take() if pool else None
             pooled = sb is not None
             if sb is None:
-                sb = await self.restore(view, lim)
+                sb = await self.restorer.restore(view, lim)
                 if pool:
                     pool.observe_restore(time.perf_counter() - t0)
         finally:

@@ -1,6 +1,7 @@
 """The cgroups of sandboxes, one owner: made, lent to a sandbox, taken back, kept for reuse or removed.
 
-    pool = CgroupPool(backend, keep=64, background=spawn)
+    pool = CgroupPool(keep=64, background=spawn)
+    pool.open(backend)        # cgroups.select's backend, or None: no cgroups
     group = pool.acquire(name, memory_bytes, pids_max, cpu_cores)  # a reused empty group, or a new one
     pool.release(group)       # the sandbox ended: kept for the next once empty, else removed
     pool.drop(group)          # removed, never reused (a spawn that failed, a group that is suspect)
@@ -37,9 +38,8 @@ class CgroupPool:
     """``keep``: at most this many emptied groups are kept for reuse. ``background``: runs the
     release of a group that is not empty yet (the runtime's tasks, which its close awaits)."""
 
-    def __init__(self, backend: Backend | None, *, keep: int,
-                 background: Callable[[Coroutine[Any, Any, None]], None]) -> None:
-        self.backend = backend
+    def __init__(self, *, keep: int, background: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+        self.backend: Backend | None = None
         self.keep = keep
         self._background = background
         self.free: list[Group] = []  # empty groups of ended sandboxes, reused: no mkdir/rmdir
@@ -49,7 +49,9 @@ class CgroupPool:
         self.failures = 0  # groups that would not go (each logged)
         self.reusing = False  # emptied groups are kept (from open until close)
 
-    def open(self) -> None:
+    def open(self, backend: Backend | None) -> None:
+        """Make groups with ``backend`` (None: sandboxes get none) and keep emptied ones for reuse."""
+        self.backend = backend
         self.reusing = True
 
     def acquire(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> Group | None:

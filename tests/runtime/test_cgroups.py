@@ -86,8 +86,8 @@ def test_v1_cpu_cap_stays_under_an_ancestors_quota_and_bounds_every_sandbox() ->
 async def test_pool_keeps_at_most_its_size_reuses_and_removes_the_rest() -> None:
     backend = V1(f"rollbox-t3-{os.getpid()}")
     tasks: list[asyncio.Future[None]] = []
-    pool = CgroupPool(backend, keep=1, background=lambda work: tasks.append(asyncio.ensure_future(work)))
-    pool.open()
+    pool = CgroupPool(keep=1, background=lambda work: tasks.append(asyncio.ensure_future(work)))
+    pool.open(backend)
     a, b = (pool.acquire(name, 64 * MiB, 16, 0.5) for name in ("sb-a", "sb-b"))
     assert a is not None and b is not None
     assert pool.held() == {*a.paths(), *b.paths()}

@@ -237,7 +237,7 @@ async def test_a_run_replies_at_its_deadline_however_long_its_sandbox_took(tmp_p
     async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("since"), pool_max=0)) as rt:
         await rt.run(ExecRequest(code="pass"))  # its zygote is up
         view = await rt.resolve("python")
-        lock = rt._zygote_locks[view.zygote_key]
+        lock = rt.restorer.zygote_locks[view.zygote_key]
         await lock.acquire()
         asyncio.get_running_loop().call_later(1.5, lock.release)
         t0 = time.monotonic()
