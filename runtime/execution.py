@@ -32,6 +32,8 @@ from rollbox.runtime.step import KILL_GRACE_S, REPORT_WAIT_S, StepOutcome, StepR
 
 __all__ = ["Metered", "Sandbox", "SandboxState"]
 
+KILLED_EXIT_WAIT_S = 0.5  # see Sandbox.only_init_left
+
 
 class SandboxState(StrEnum):
     """Where a sandbox is in its life; once it has ended, ``Sandbox.end_reason`` says why."""
@@ -204,6 +206,22 @@ class Sandbox:
             self.alone = outcome.alone
         self.cpu_s += outcome.cpu_s
         self.peak_memory_bytes = max(self.peak_memory_bytes, outcome.peak_memory_bytes)
+
+    async def only_init_left(self) -> bool:
+        """Whether its cgroup holds its init alone: nothing but the agent can write. After a timed-out
+        step, whose processes the host killed, waited for up to KILLED_EXIT_WAIT_S while they exit.
+        Then its files are read without a word from its agent, which a busy box may take seconds to
+        give (it reaps the killed first, then stops the rest): a durable step's commit after a timeout
+        does not wait for that (the agent's report is read before its next frame)."""
+        if self.group is None:
+            return False
+        deadline = time.monotonic() + (KILLED_EXIT_WAIT_S if self.killed_step else 0.0)
+        while True:
+            if set(self.group.pids()) <= {self.pid}:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, OSError):

@@ -13,43 +13,40 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import resource
-import secrets
-import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from rollbox.runtime import owners, report, slots
+from rollbox.runtime import report, slots
 from rollbox.runtime.errors import (
     InvalidRequest,
-    IsolationError,
     Overloaded,
     SandboxDied,
     SandboxNotFound,
     ShuttingDown,
 )
 from rollbox.runtime.execution import Metered, Sandbox, SandboxState
+from rollbox.runtime.forks import Forks
 from rollbox.runtime.inside import probe, proto
 from rollbox.runtime.inside.proto import Op
 from rollbox.runtime.isolation import cgroups, seccomp, users
 from rollbox.runtime.isolation.cgroup_pool import CgroupPool
 from rollbox.runtime.isolation.cgroups import Backend
 from rollbox.runtime.pool import Pool
+from rollbox.runtime.reaper import Reaper
 from rollbox.runtime.restore import WarmSource
-from rollbox.runtime.restorer import Restorer, rlimit_params
+from rollbox.runtime.restorer import Restorer
 from rollbox.runtime.snapshot import BuiltinResolver, SnapshotResolver, SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
-from rollbox.runtime.upper import give_back, pack_upper
+from rollbox.runtime.views import Views
 
 log = logging.getLogger("rollbox.runtime")
 
-KILLED_EXIT_WAIT_S = 0.5  # see Runtime._only_init_left
 MiB = 1024 * 1024
 
 
@@ -130,12 +127,8 @@ class Runtime:
         self.layer_root = self.config.layer_root or self.config.state_dir / "layers"
         self.resolver: SnapshotResolver = resolver or BuiltinResolver(str(self.layer_root))
         self.sandboxes: dict[str, Sandbox] = {}
-        self._views: dict[str, tuple[SnapshotView, float | None]] = {}
-        self._resolving: dict[str, asyncio.Future[SnapshotView]] = {}  # one store lookup per name at a time
-        self.sweeper = owners.Sweep()  # leftovers of runtimes that died (cgroups, staging dirs, scratch layers)
-        self._leftovers = 0
-        self._swept = 0.0
-        self._scratch: dict[str, set[str]] = {}  # fork scratch layer -> ids of the sandboxes on it
+        self.views = Views(self.resolver)
+        self.forks = Forks(self)
         self._layers_in_use: frozenset[str] = frozenset()
         self.usages: dict[str, Usage] = {}
         self.pools: dict[Any, Pool] = {}
@@ -148,8 +141,9 @@ class Runtime:
         self.seccomp_bpf = b""
         self.host_namespaces: dict[str, int] = {}  # probed at start: what "unshared" is measured against
         self.user_budgets: dict[str, int] = {}
-        self._runtime_report: tuple[tuple[Any, ...], dict[str, str]] | None = None  # (its inputs, the report)
-        self._reaper: asyncio.Task[None] | None = None
+        self.reports = report.RuntimeReports(self)
+        self.reaper = Reaper(self)  # lifetimes, and what runtimes that died left behind
+        self.sweeper = self.reaper.sweeper
         self._creating = 0
         self.closing = False
         self.started = False
@@ -178,9 +172,7 @@ class Runtime:
         self.host_namespaces = probe.namespaces()
         # rootless, every sandbox's user namespace hangs off the caller's: each is capped at a share
         self.user_budgets = users.shared_budgets(cfg.rootless_budget_share) if cfg.rootless else {}
-        self._leftovers = await asyncio.to_thread(self._sweep)
-        self._swept = time.monotonic()
-        self._reaper = asyncio.create_task(self._reap_loop())
+        await self.reaper.start()
         uid_range = slots.parse_range(cfg.uid_range)
         user_slots = None
         if uid_range and not cfg.rootless:
@@ -195,25 +187,11 @@ class Runtime:
         self.restorer.start(self.seccomp_bpf, self.user_budgets, user_slots)
         self.started = True
 
-    def _sweep(self) -> int:
-        """Remove what runtimes that died left behind (``owners``: found by who made them, not by a
-        pid that may be a zombie or reused): sandbox cgroups (processes still in one are killed, the
-        cgroup goes on a later sweep), zygote staging directories and fork scratch layers. Returns
-        how many remain; the reaper sweeps again until none do (and every 30 s anyway)."""
-        cgroups = self.cgroups.leftovers()
-        staging = self.config.state_dir / "zygotes"
-        dirs = list(staging.iterdir()) if staging.is_dir() else []
-        trees = list(self.layer_root.glob(proto.SCRATCH_PREFIX + "*"))
-        return self.sweeper.run(cgroups, dirs, trees)
-
     async def close(self) -> None:
         """Destroy every sandbox and stop every zygote; creates still under way finish first (and
         are destroyed), new ones are refused."""
         self.closing = True
-        if self._reaper:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        await self.reaper.stop()
         for pool in list(self.pools.values()):
             await pool.close()
         self.pools.clear()
@@ -252,8 +230,19 @@ class Runtime:
 
     def env_version(self, snapshot_id: str) -> dict[str, Any] | None:
         """The VERSION block of a snapshot this runtime has resolved (None if it has not)."""
-        hit = self._views.get(snapshot_id)
-        return dict(hit[0].version) if hit is not None else None
+        return self.views.env_version(snapshot_id)
+
+    async def resolve(self, snapshot: str) -> SnapshotView:
+        """The snapshot's view (``Views.resolve``)."""
+        return await self.views.resolve(snapshot)
+
+    def forget_names(self) -> None:
+        """Resolve every name afresh (its store changed: the server attached S3 to its cache)."""
+        self.views.forget_names()
+
+    def register_view(self, view: SnapshotView) -> None:
+        """Make a snapshot known without the resolver (a fork's scratch layer, say)."""
+        self.views.register(view)
 
     def labels(self, sandbox_id: str) -> dict[str, str] | None:
         """The metadata of a sandbox live here, or ended here recently."""
@@ -262,49 +251,6 @@ class Runtime:
             return dict(sb.metadata)
         usage = self.usages.get(sandbox_id)
         return dict(usage.metadata) if usage is not None else None
-
-    async def resolve(self, snapshot: str) -> SnapshotView:
-        """The snapshot's view; a resolver that may download (S3) is asked off the event loop.
-        Views are cached by id (content-addressed, immutable) and by name for a few seconds."""
-        now = time.monotonic()
-        hit = self._views.get(snapshot)
-        if hit is not None and (hit[1] is None or now - hit[1] < 5.0):
-            return hit[0]
-        resolve_async = getattr(self.resolver, "resolve_async", None)
-        if resolve_async is None:
-            return self._keep_view(snapshot, self.resolver.resolve(snapshot), now)
-        task = self._resolving.get(snapshot)
-        if task is None:
-            task = self._resolving[snapshot] = asyncio.ensure_future(resolve_async(snapshot))
-            task.add_done_callback(lambda t: self._resolved(snapshot, t, now))
-        if hit is None:
-            view: SnapshotView = await asyncio.shield(task)
-            return view
-        try:  # a name seen before: its last view serves if the store is slow to say where it points now
-            return await asyncio.wait_for(asyncio.shield(task), 0.5)
-        except TimeoutError:
-            log.warning("the store is slow resolving %r: using its last known snapshot %s", snapshot, hit[0].id)
-            return hit[0]
-
-    def _resolved(self, snapshot: str, task: asyncio.Future[SnapshotView], asked: float) -> None:
-        self._resolving.pop(snapshot, None)
-        if not task.cancelled() and task.exception() is None:
-            self._keep_view(snapshot, task.result(), asked)
-
-    def _keep_view(self, snapshot: str, view: SnapshotView, now: float) -> SnapshotView:
-        self._views[view.id] = (view, None)
-        if snapshot != view.id:
-            self._views[snapshot] = (view, now)
-        return view
-
-    def forget_names(self) -> None:
-        """Resolve every name afresh (its store changed: the server attached S3 to its cache); views
-        by id stay (content-addressed)."""
-        self._views = {k: v for k, v in self._views.items() if v[1] is None}
-
-    def register_view(self, view: SnapshotView) -> None:
-        """Make a snapshot known without the resolver (a fork's scratch layer, say)."""
-        self._views[view.id] = (view, None)
 
     @contextlib.asynccontextmanager
     async def frozen(self, sandbox_id: str) -> AsyncIterator[Sandbox]:
@@ -316,7 +262,7 @@ class Runtime:
         async with sb.lock:
             if sb.state is not SandboxState.LIVE:
                 raise sb.gone()
-            if (sb.alone and not sb.owed_exit) or await self._only_init_left(sb):
+            if (sb.alone and not sb.owed_exit) or await sb.only_init_left():
                 yield sb
                 sb.touch()
                 return
@@ -338,96 +284,15 @@ class Runtime:
                         sb.abandon("lost while thawing")
                 sb.touch()
 
-    @staticmethod
-    async def _only_init_left(sb: Sandbox) -> bool:
-        """Whether the sandbox's cgroup holds its init alone: nothing but the agent can write. After a
-        timed-out step, whose processes the host killed, waited for up to KILLED_EXIT_WAIT_S while they
-        exit. Then its files are read without a word from its agent, which a busy box may take seconds
-        to give (it reaps the killed first, then stops the rest): a durable step's commit after a
-        timeout does not wait for that (the agent's report is read before its next frame)."""
-        if sb.group is None:
-            return False
-        deadline = time.monotonic() + (KILLED_EXIT_WAIT_S if sb.killed_step else 0.0)
-        while True:
-            if set(sb.group.pids()) <= {sb.pid}:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.01)
-
     async def fork(self, sandbox_id: str, count: int, metadata: dict[str, str] | None = None,
                    sandbox_ids: Sequence[str] | None = None) -> list[SandboxInfo]:
         """``count`` new sandboxes that see exactly the files of a live sandbox, isolated from it and
-        from each other afterwards.
-
-        A small diff (up to ``fork_inject_max_bytes``) is read once and applied inside sandboxes of
-        the parent's snapshot — taken from the warm pool, so a fork costs no restore on its path. A
-        larger one is copied once into a scratch layer stacked under fresh children (same zygote);
-        that layer goes with the last child."""
-        if not 1 <= count <= 1024:
-            raise InvalidRequest(f"count must be between 1 and 1024, got {count}", sandbox_id=sandbox_id)
-        if sandbox_ids is not None and len(sandbox_ids) != count:
-            raise InvalidRequest(f"{len(sandbox_ids)} sandbox ids for {count} children", sandbox_id=sandbox_id)
-        parent = self.get(sandbox_id)
-        ids = iter(sandbox_ids or ())
-        scratch = proto.scratch_layer_id(owners.tag(), secrets.token_hex(8))
-        dst = self.layer_root / scratch
-        async with self.frozen(sandbox_id) as sb:
-            diff = await asyncio.to_thread(pack_upper, sb.upper_path, self.config.fork_inject_max_bytes)
-            if diff is None:
-                proc = await asyncio.create_subprocess_exec(
-                    "cp", "-a", f"{sb.upper_path}/.", str(dst), stderr=asyncio.subprocess.PIPE)
-                _, err = await proc.communicate()
-                if proc.returncode != 0:
-                    shutil.rmtree(dst, ignore_errors=True)
-                    raise IsolationError(f"copying the sandbox's files failed: {err.decode(errors='replace')[-300:]}",
-                                         sandbox_id=sandbox_id)
-                if sb.owner_shift is not None:  # its children run as other uids: the layer's files are 1000's
-                    await asyncio.to_thread(give_back, str(dst), sb.owner_shift)
-        meta = metadata if metadata is not None else parent.metadata
-        if diff is not None:
-            view = parent.view
-        else:
-            view = dataclasses.replace(parent.view, id=proto.fork_view_id(parent.view.id, scratch),
-                                       layers=(scratch, *parent.view.layers))
-            self.register_view(view)
-            self._scratch[scratch] = set()
-
-        if diff is not None and parent.limits == view.limits:
-            self._pool_for(view, view.limits).note_burst(count)
-
-        async def child() -> Sandbox:
-            sb = await self._acquire(view.id, parent.limits, meta, pooled=diff is not None,
-                                     sandbox_id=next(ids, None), forked_from=sandbox_id)
-            if diff is not None:
-                await sb.inject(diff)
-            return sb  # no spare worker asked for: its first exec forks one (a fork stays ~1 ms per child)
-
-        try:
-            results = await asyncio.gather(*(child() for _ in range(count)), return_exceptions=True)
-        finally:
-            if diff is not None:
-                os.close(diff.fd)
-        made = [r for r in results if isinstance(r, Sandbox)]
-        if diff is None:
-            self._scratch[scratch].update(sb.id for sb in made)
-        if len(made) < count:
-            for sb in made:
-                await self.destroy(sb.id)
-            if diff is None:
-                self._drop_scratch(scratch)
-            raise next(r for r in results if isinstance(r, BaseException))
-        return [self._info(sb) for sb in made]
-
-    def _drop_scratch(self, scratch: str) -> None:
-        self._scratch.pop(scratch, None)
-        for view_id in [k for k in self._views if proto.is_view_of_scratch(k, scratch)]:  # the fork's view
-            del self._views[view_id]
-        asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, self.layer_root / scratch, True)
+        from each other afterwards (``Forks.fork``)."""
+        return [self._info(sb) for sb in await self.forks.fork(sandbox_id, count, metadata, sandbox_ids)]
 
     def _before_restore(self, view: SnapshotView) -> None:
         if not set(view.layers) <= self._layers_in_use:
-            self._note_layers(view)
+            self.note_layers(view)
 
     async def restore(self, view: SnapshotView, limits: Limits, zygote: WarmSource | None = None) -> Sandbox:
         """Fork one sandbox from the snapshot's zygote and contain it (no pool)."""
@@ -447,7 +312,7 @@ class Runtime:
         evict these. Safe to call from any thread: it reads a set the event loop replaces whole."""
         return self._layers_in_use
 
-    def _note_layers(self, view: SnapshotView | None = None) -> None:
+    def note_layers(self, view: SnapshotView | None = None) -> None:
         """On the event loop: recompute the layers in use (plus ``view``'s, about to be mounted)."""
         used = {layer for z in self.zygotes.values() for layer in z.view.layers}
         used |= {layer for sb in self.sandboxes.values() for layer in sb.view.layers}
@@ -455,10 +320,6 @@ class Runtime:
         if view is not None:
             used |= set(view.layers)
         self._layers_in_use = frozenset(used)
-
-    def held_cgroups(self) -> set[str]:
-        """Every cgroup directory this runtime holds: lent to sandboxes, being emptied, reusable."""
-        return self.cgroups.held()
 
     @property
     def cgroup_backend(self) -> Backend | None:
@@ -473,28 +334,11 @@ class Runtime:
         """What is in force, per layer (runtime/report.py): for the live sandbox ``sandbox_id``, or
         for this runtime (its start-up probes and the latest sandbox read-back)."""
         if sandbox_id is not None:
-            return self._report(self.get(sandbox_id))
-        facts = next(reversed(list(self.restorer.probed.values())), None)
-        inputs = (facts, self.cgroup_backend, getattr(self.cgroup_backend, "cpu", None), self.cgroup_reason,
-                  self.seccomp_bpf, self.host_namespaces)
-        cached = self._runtime_report  # (a create committed hibernated replies with it: rendered once)
-        if cached is None or any(a is not b for a, b in zip(cached[0], inputs, strict=True)):
-            cached = self._runtime_report = (inputs, self._render(facts))
-        return dict(cached[1])
-
-    def _report(self, sb: Sandbox) -> dict[str, str]:
-        facts = self.restorer.probed.get(sb.source) if sb.source is not None else None
-        return self._render(facts, limits=sb.limits, group=sb.group, pid=sb.pid,
-                            rlimit_params=rlimit_params(sb.limits, sb.group is not None, sb.nproc_first))
-
-    def _render(self, facts: dict[str, Any] | None, **sandbox: Any) -> dict[str, str]:
-        """``report.render`` with this runtime's side of it; ``sandbox``: one sandbox's own."""
-        return report.render(rootless=self.config.rootless, uid=os.geteuid(), host_ns=self.host_namespaces,
-                             backend=self.cgroup_backend, backend_reason=self.cgroup_reason, bpf=self.seccomp_bpf,
-                             facts=facts, **sandbox)
+            return self.reports.sandbox(self.get(sandbox_id))
+        return self.reports.runtime()
 
     # ----------------------------------------------------------------- restore
-    def _pool_for(self, view: SnapshotView, limits: Limits) -> Pool:
+    def pool_for(self, view: SnapshotView, limits: Limits) -> Pool:
         key = (view.id, limits)
         pool = self.pools.get(key)
         if pool is None:
@@ -510,7 +354,7 @@ class Runtime:
     async def prewarm(self, snapshot: str = "python", count: int = 1, timeout_s: float = 60.0) -> None:
         """Keep at least ``count`` ready sandboxes of a snapshot (its default limits) in the pool."""
         view = await self.resolve(snapshot)
-        pool = self._pool_for(view, view.limits)
+        pool = self.pool_for(view, view.limits)
         pool.min_size = max(pool.min_size, count)
         await self.restorer.zygote(view)
         await pool.wait_ready(count, timeout_s)
@@ -530,7 +374,7 @@ class Runtime:
                    step_next: bool = False) -> Sandbox:
         """``create`` without its reply (whose isolation report reads the sandbox's cgroup membership):
         the durable layer's resume, which replies with the step's result instead."""
-        sb = await self._acquire(snapshot, limits, metadata, sandbox_id=sandbox_id, forked_from=forked_from)
+        sb = await self.acquire(snapshot, limits, metadata, sandbox_id=sandbox_id, forked_from=forked_from)
         if step_next:
             await sb.want_spare()
         return sb
@@ -540,7 +384,7 @@ class Runtime:
         live sandbox: how a sandbox resumes its files from durable state."""
         await self.get(sandbox_id).inject(diff)
 
-    async def _acquire(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
+    async def acquire(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
                        pooled: bool = True, sandbox_id: str | None = None, forked_from: str | None = None,
                        metered: Metered = "sandbox") -> Sandbox:
         if sandbox_id is not None and sandbox_id in self.sandboxes:
@@ -555,7 +399,7 @@ class Runtime:
         t0 = time.perf_counter()
         self._creating += 1
         try:
-            pool = self._pool_for(view, lim) if pooled and lim == view.limits and not self.closing else None
+            pool = self.pool_for(view, lim) if pooled and lim == view.limits and not self.closing else None
             sb = pool.take() if pool else None
             pooled = sb is not None
             if sb is None:
@@ -575,7 +419,7 @@ class Runtime:
         return SandboxInfo(
             sandbox_id=sb.id, snapshot_id=sb.view.id, env_version=dict(sb.view.version), limits=sb.limits,
             metadata=sb.metadata, forked_from=sb.forked_from, pooled=sb.pooled, create_ms=round(sb.create_ms, 3),
-            isolation=self._report(sb),
+            isolation=self.reports.sandbox(sb),
         )
 
     def get(self, sandbox_id: str) -> Sandbox:
@@ -616,12 +460,7 @@ class Runtime:
 
     def _ended(self, sb: Sandbox, usage: Usage, keep_usage: bool = True) -> Usage:
         sandbox_id = sb.id
-        for scratch in sb.view.layers:
-            users = self._scratch.get(scratch)
-            if users is not None:
-                users.discard(sandbox_id)
-                if not users:
-                    self._drop_scratch(scratch)
+        self.forks.sandbox_ended(sb)
         if keep_usage:
             self.usages[sandbox_id] = usage
             if self.on_life_ended is not None and sb.metered is not None:
@@ -639,7 +478,7 @@ class Runtime:
         the run, and the reply comes at the deadline however long that took."""
         since = time.monotonic()
         for attempt in range(3):
-            sb = await self._acquire(snapshot, limits, metadata, metered="run")
+            sb = await self.acquire(snapshot, limits, metadata, metered="run")
             try:
                 result = await self.exec(sb.id, request, last=True, since=since)
                 return result.model_copy(update={"pooled": sb.pooled, "create_ms": round(sb.create_ms, 3)})
@@ -652,48 +491,15 @@ class Runtime:
                 if sb.exited.is_set():
                     await self.destroy(sb.id)
                 else:  # killed at its deadline and still tearing down (a fork bomb's pid namespace):
-                    self._destroy_later(sb.id)  # reply now, reap and bill in the background
+                    self._background(self._destroy_quietly(sb.id))  # reply now, reap and bill in the background
         raise AssertionError("unreachable")
 
-    def _destroy_later(self, sandbox_id: str) -> None:
-        async def end() -> None:
-            try:
-                await self.destroy(sandbox_id)
-            except SandboxNotFound:
-                pass  # destroyed meanwhile (shutdown)
-
-        self._background(end())
+    async def _destroy_quietly(self, sandbox_id: str) -> None:
+        with contextlib.suppress(SandboxNotFound):  # destroyed meanwhile (shutdown)
+            await self.destroy(sandbox_id)
 
     def _background(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` on its own; ``close`` waits for it."""
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    # ----------------------------------------------------------------- lifetimes
-    async def _reap_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.reaper_interval_s)
-            self._note_layers()
-            now = time.monotonic()
-            # what dead runtimes left: again soon while some of it stays, at once when a runtime whose
-            # things the last sweep left alone has died since, else every 30 s
-            if now - self._swept >= (1.0 if self._leftovers else 30.0) or self.sweeper.owner_died():
-                self._swept = now
-                try:
-                    self._leftovers = await asyncio.to_thread(self._sweep)
-                except Exception:
-                    log.exception("sweeping leftovers failed")
-            for sid, sb in list(self.sandboxes.items()):
-                reason = None
-                if now - sb.created_at > sb.limits.lifetime_s:
-                    reason = "lifetime"
-                elif not sb.busy and now - sb.last_used > sb.limits.idle_s:
-                    reason = "idle"
-                elif sb.state is SandboxState.DIED and not sb.busy:
-                    reason = "died"
-                if reason and self.sandboxes.get(sid) is sb:  # (not a copy resumed under its id meanwhile)
-                    with contextlib.suppress(Exception):
-                        usage = await self.destroy(sid, reason=reason)
-                        if self.on_reaped is not None and reason in ("lifetime", "idle"):
-                            await self.on_reaped(sid, reason, usage)

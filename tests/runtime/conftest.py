@@ -56,7 +56,7 @@ def host_state(rt: Runtime) -> dict[str, object]:
     assert all(g.is_empty() for g in rt.cgroups.free)
     cgs = rt.cgroup_backend.leftovers() if rt.cgroup_backend else []
     return {
-        "cgroups": sorted(set(cgs) - rt.held_cgroups()),
+        "cgroups": sorted(set(cgs) - rt.cgroups.held()),
         # a sandbox being restored may not have its process yet: count only what nothing explains
         "sandbox_children": max(0, sandbox_processes(rt) - len(known)),
     }
