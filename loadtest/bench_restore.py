@@ -90,16 +90,16 @@ async def main(n: int, cold_n: int) -> None:
             z = Zygote(view, state_dir=state, skel=skel, seccomp_bpf=rt.seccomp_bpf, rootless=rt.config.rootless,
                        user_budgets=rt.user_budgets)
             await z.start()
-            sb = await rt.restore(view, view.limits, zygote=z)
+            sb = await rt.restorer.restore(view, view.limits, zygote=z)
             cold.append((time.perf_counter() - t0) * 1000)
             await sb.close("destroyed")
             await z.close()
 
-        z = await rt.zygote(view)
+        z = await rt.restorer.zygote(view)
         unpooled: list[float] = []
         for _ in range(n):
             t0 = time.perf_counter()
-            sb = await rt.restore(view, view.limits, zygote=z)
+            sb = await rt.restorer.restore(view, view.limits, zygote=z)
             unpooled.append((time.perf_counter() - t0) * 1000)
             await sb.close("destroyed")
 
@@ -169,10 +169,10 @@ async def tenants_ab(view: SnapshotView, resolver: BuiltinResolver, base: Path, 
         for i in range(rounds):
             for name, rt in (list(runtimes.items()) if i % 2 == 0 else reversed(runtimes.items())):  # ABBA
                 lat, rates = out[name]
-                z = await rt.zygote(view)
+                z = await rt.restorer.zygote(view)
                 for _ in range(n // rounds):
                     t0 = time.perf_counter()
-                    sb = await rt.restore(view, view.limits, zygote=z)
+                    sb = await rt.restorer.restore(view, view.limits, zygote=z)
                     lat.append((time.perf_counter() - t0) * 1000)
                     await sb.close("destroyed")
                 sem = asyncio.Semaphore(16)

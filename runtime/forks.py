@@ -53,11 +53,11 @@ class Forks:
         else:
             view = dataclasses.replace(parent.view, id=proto.fork_view_id(parent.view.id, scratch),
                                        layers=(scratch, *parent.view.layers))
-            rt.register_view(view)
+            rt.views.register(view)
             self._scratch[scratch] = set()
 
         if diff is not None and parent.limits == view.limits:
-            rt.pool_for(view, view.limits).note_burst(count)
+            rt.residency.pool_for(view, view.limits).note_burst(count)
 
         async def child() -> Sandbox:
             sb = await rt.acquire(view.id, parent.limits, meta, pooled=diff is not None,

@@ -58,7 +58,7 @@ class Reaper:
         rt = self.rt
         while True:
             await asyncio.sleep(rt.config.reaper_interval_s)
-            rt.note_layers()
+            rt.residency.note_layers()
             now = time.monotonic()
             # what dead runtimes left: again soon while some of it stays, at once when a runtime whose
             # things the last sweep left alone has died since, else every 30 s

@@ -37,9 +37,8 @@ from rollbox.runtime.inside.proto import Op
 from rollbox.runtime.isolation import cgroups, seccomp, users
 from rollbox.runtime.isolation.cgroup_pool import CgroupPool
 from rollbox.runtime.isolation.cgroups import Backend
-from rollbox.runtime.pool import Pool
 from rollbox.runtime.reaper import Reaper
-from rollbox.runtime.restore import WarmSource
+from rollbox.runtime.residency import Residency
 from rollbox.runtime.restorer import Restorer
 from rollbox.runtime.snapshot import BuiltinResolver, SnapshotResolver, SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
@@ -129,13 +128,13 @@ class Runtime:
         self.sandboxes: dict[str, Sandbox] = {}
         self.views = Views(self.resolver)
         self.forks = Forks(self)
-        self._layers_in_use: frozenset[str] = frozenset()
         self.usages: dict[str, Usage] = {}
-        self.pools: dict[Any, Pool] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.cgroups = CgroupPool(keep=self.config.cgroup_pool_max, background=self._background)
+        self.residency = Residency(self)  # warm pools, and the layers in use
+        self.pools = self.residency.pools
         self.restorer = Restorer(state_dir=self.config.state_dir, rootless=self.config.rootless, cgroups=self.cgroups,
-                                 background=self._background, before_restore=self._before_restore)
+                                 background=self._background, before_restore=self.residency.before_restore)
         self.zygotes = self.restorer.zygotes  # the warm source of each snapshot recipe in use
         self.cgroup_reason = ""
         self.seccomp_bpf = b""
@@ -192,9 +191,7 @@ class Runtime:
         are destroyed), new ones are refused."""
         self.closing = True
         await self.reaper.stop()
-        for pool in list(self.pools.values()):
-            await pool.close()
-        self.pools.clear()
+        await self.residency.close()
         for _ in range(3000):  # creates in flight land in the tables before they are torn down
             if not self._creating and not self.cgroups.restoring:
                 break
@@ -226,7 +223,7 @@ class Runtime:
         return len(self.sandboxes)
 
     def pool_sizes(self) -> dict[str, int]:
-        return {str(k[0]): len(p.ready) for k, p in self.pools.items()}
+        return self.residency.sizes()
 
     def env_version(self, snapshot_id: str) -> dict[str, Any] | None:
         """The VERSION block of a snapshot this runtime has resolved (None if it has not)."""
@@ -290,36 +287,10 @@ class Runtime:
         from each other afterwards (``Forks.fork``)."""
         return [self._info(sb) for sb in await self.forks.fork(sandbox_id, count, metadata, sandbox_ids)]
 
-    def _before_restore(self, view: SnapshotView) -> None:
-        if not set(view.layers) <= self._layers_in_use:
-            self.note_layers(view)
-
-    async def restore(self, view: SnapshotView, limits: Limits, zygote: WarmSource | None = None) -> Sandbox:
-        """Fork one sandbox from the snapshot's zygote and contain it (no pool)."""
-        return await self.restorer.restore(view, limits, zygote)
-
-    async def zygote(self, view: SnapshotView) -> WarmSource:
-        """The running source of ``view``'s sandboxes, started (the cold path) if needed."""
-        return await self.restorer.zygote(view)
-
-    @property
-    def user_slots(self) -> slots.UserSlots | None:
-        """As root: the user namespaces sandboxes get, one each (None: they share the host's)."""
-        return self.restorer.user_slots
-
     def layers_in_use(self) -> frozenset[str]:
         """Layer ids that a zygote or a sandbox of this runtime has mounted (or is about to): never
-        evict these. Safe to call from any thread: it reads a set the event loop replaces whole."""
-        return self._layers_in_use
-
-    def note_layers(self, view: SnapshotView | None = None) -> None:
-        """On the event loop: recompute the layers in use (plus ``view``'s, about to be mounted)."""
-        used = {layer for z in self.zygotes.values() for layer in z.view.layers}
-        used |= {layer for sb in self.sandboxes.values() for layer in sb.view.layers}
-        used |= {layer for pool in self.pools.values() for sb in pool.ready for layer in sb.view.layers}
-        if view is not None:
-            used |= set(view.layers)
-        self._layers_in_use = frozenset(used)
+        evict these. Safe to call from any thread (``Residency.layers_in_use``)."""
+        return self.residency.layers_in_use()
 
     @property
     def cgroup_backend(self) -> Backend | None:
@@ -337,27 +308,9 @@ class Runtime:
             return self.reports.sandbox(self.get(sandbox_id))
         return self.reports.runtime()
 
-    # ----------------------------------------------------------------- restore
-    def pool_for(self, view: SnapshotView, limits: Limits) -> Pool:
-        key = (view.id, limits)
-        pool = self.pools.get(key)
-        if pool is None:
-            async def make() -> Sandbox:
-                return await self.restorer.restore(view, limits)
-
-            pool = Pool(key, make, min_size=self.config.pool_min, max_size=self.config.pool_max,
-                        window_s=self.config.pool_window_s, idle_s=self.config.pool_idle_s)
-            pool.start()
-            self.pools[key] = pool
-        return pool
-
     async def prewarm(self, snapshot: str = "python", count: int = 1, timeout_s: float = 60.0) -> None:
         """Keep at least ``count`` ready sandboxes of a snapshot (its default limits) in the pool."""
-        view = await self.resolve(snapshot)
-        pool = self.pool_for(view, view.limits)
-        pool.min_size = max(pool.min_size, count)
-        await self.restorer.zygote(view)
-        await pool.wait_ready(count, timeout_s)
+        await self.residency.prewarm(await self.resolve(snapshot), count, timeout_s)
 
     # ----------------------------------------------------------------- the API
     async def create(self, snapshot: str = "python", limits: LimitsArg = None,
@@ -399,7 +352,7 @@ class Runtime:
         t0 = time.perf_counter()
         self._creating += 1
         try:
-            pool = self.pool_for(view, lim) if pooled and lim == view.limits and not self.closing else None
+            pool = self.residency.pool_for(view, lim) if pooled and lim == view.limits and not self.closing else None
             sb = pool.take() if pool else None
             pooled = sb is not None
             if sb is None:
