@@ -133,6 +133,38 @@ def main(ctl_fd: int, resume: str = "") -> None:
 def _serve(ctl: socket.socket, reader: proto.Reader, cfg: ZygoteConfig, pidns: int) -> None:
     """In the snapshot's view: warm up, then fork a sandbox per spawn request until the socket closes."""
     bpf = libc.SeccompProgram(base64.b64decode(cfg.seccomp))
+    versions = _warm_up(cfg)
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    children: set[int] = set()
+    # per user slot (its host uid): the view's layer store and skeleton seen through its id map,
+    # made on the slot's first sandbox and shared by every later one (runtime/slots.py)
+    idmapped: dict[int, tuple[int, int]] = {}
+    proto.send(ctl, proto.WarmMsg(op=Op.WARM, python=sys.version.split()[0], modules=versions, pid=os.getpid()))
+
+    while True:
+        readable, exited = proto.wait(ctl, wake_r)
+        if exited:
+            _reap(ctl, children)
+        if not readable:
+            continue
+        data, anc, _f, _a = ctl.recvmsg(1 << 16, proto.ANC_SPACE, proto.RECV_FLAGS)
+        if not data:
+            for pid in children:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            os._exit(0)
+        reader.feed(data, anc)
+        while (msg := reader.next()) is not None:
+            fds = reader.take_fds()  # the sandbox's socket, then its cgroup.procs files
+            _spawn(ctl, cfg, bpf, pidns, msg, fds, idmapped, children)
+
+
+def _warm_up(cfg: ZygoteConfig) -> dict[str, str]:
+    """The environment and imports of the warm recipe; returns the imported modules' versions."""
     os.environ.clear()
     os.environ.update(cfg.env)
     # Leave the supervisor's package path out of what sandboxes see.
@@ -151,74 +183,58 @@ def _serve(ctl: socket.socket, reader: proto.Reader, cfg: ZygoteConfig, pidns: i
     sys.stderr.flush()
     gc.collect()
     gc.freeze()  # keep the warm heap's pages shared between sandboxes
+    return versions
 
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
-    children: set[int] = set()
-    # per user slot (its host uid): the view's layer store and skeleton seen through its id map,
-    # made on the slot's first sandbox and shared by every later one (runtime/slots.py)
-    idmapped: dict[int, tuple[int, int]] = {}
-    proto.send(ctl, proto.WarmMsg(op=Op.WARM, python=sys.version.split()[0], modules=versions, pid=os.getpid()))
 
+def _reap(ctl: socket.socket, children: set[int]) -> None:
+    """Reap every sandbox init that exited, reporting each (EXITED)."""
     while True:
-        readable, exited = proto.wait(ctl, wake_r)
-        if exited:
-            while True:
-                try:
-                    pid, status, ru = os.wait4(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                children.discard(pid)
-                # Only the parent learns how a sandbox's init ended; a one-shot run's program is that
-                # init (an inline EXEC in agent.Agent), so its exit status reaches the supervisor from here.
-                proto.send(ctl, proto.exit_report(Op.EXITED, status, ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024,
-                                                  pid=pid))
-        if not readable:
-            continue
-        data, anc, _f, _a = ctl.recvmsg(1 << 16, proto.ANC_SPACE, proto.RECV_FLAGS)
-        if not data:
-            for pid in children:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            os._exit(0)
-        reader.feed(data, anc)
-        while (msg := reader.next()) is not None:
-            fds = reader.take_fds()  # the sandbox's socket, then its cgroup.procs files
-            if proto.op_of(msg) != Op.SPAWN or not fds:
-                for fd in fds:
-                    os.close(fd)
-                proto.send(ctl, proto.ErrorMsg(op=Op.ERROR, req=msg.get("req"), error="bad spawn request"))
-                continue
-            keep: list[int] = []
-            try:
-                if msg.get("idmap"):  # (set only with "userns": its namespace is fds[1])
-                    lowers = idmapped.get(msg["idmap"])
-                    if lowers is None:
-                        lowers = idmapped[msg["idmap"]] = mounts.idmapped_lowers(fds[1])
-                    keep = msg["idmapped"] = list(lowers)
-                libc.unshare(libc.CLONE_NEWPID)
-                pid = os.fork()
-            except OSError as exc:
-                for fd in fds:
-                    os.close(fd)
-                proto.send(ctl, proto.ErrorMsg(op=Op.ERROR, req=msg["req"], error=str(exc)))
-                continue
-            if pid == 0:
-                signal.set_wakeup_fd(-1)
-                ctl.detach()  # closed below with every other fd: nothing of the zygote's crosses over
-                low = 3
-                for fd in sorted(fds + keep):
-                    os.closerange(low, fd)
-                    low = fd + 1
-                os.closerange(low, 1 << 16)
-                _sandbox_main(cfg, bpf, msg, socket.socket(fileno=fds[0]), fds[1:])
-            libc.setns(pidns, libc.CLONE_NEWPID)
-            for fd in fds:
-                os.close(fd)
-            children.add(pid)
-            proto.send(ctl, proto.SpawnedMsg(op=Op.SPAWNED, req=msg["req"], pid=pid))
+        try:
+            pid, status, ru = os.wait4(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        children.discard(pid)
+        # Only the parent learns how a sandbox's init ended; a one-shot run's program is that
+        # init (an inline EXEC in agent.Agent), so its exit status reaches the supervisor from here.
+        proto.send(ctl, proto.exit_report(Op.EXITED, status, ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024,
+                                          pid=pid))
+
+
+def _spawn(ctl: socket.socket, cfg: ZygoteConfig, bpf: libc.SeccompProgram, pidns: int, msg: dict[str, Any],
+           fds: list[int], idmapped: dict[int, tuple[int, int]], children: set[int]) -> None:
+    """One SPAWN: fork the sandbox into a new pid namespace (answered SPAWNED, or ERROR)."""
+    if proto.op_of(msg) != Op.SPAWN or not fds:
+        for fd in fds:
+            os.close(fd)
+        proto.send(ctl, proto.ErrorMsg(op=Op.ERROR, req=msg.get("req"), error="bad spawn request"))
+        return
+    keep: list[int] = []
+    try:
+        if msg.get("idmap"):  # (set only with "userns": its namespace is fds[1])
+            lowers = idmapped.get(msg["idmap"])
+            if lowers is None:
+                lowers = idmapped[msg["idmap"]] = mounts.idmapped_lowers(fds[1])
+            keep = msg["idmapped"] = list(lowers)
+        libc.unshare(libc.CLONE_NEWPID)
+        pid = os.fork()
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        proto.send(ctl, proto.ErrorMsg(op=Op.ERROR, req=msg["req"], error=str(exc)))
+        return
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        ctl.detach()  # closed below with every other fd: nothing of the zygote's crosses over
+        low = 3
+        for fd in sorted(fds + keep):
+            os.closerange(low, fd)
+            low = fd + 1
+        os.closerange(low, 1 << 16)
+        _sandbox_main(cfg, bpf, msg, socket.socket(fileno=fds[0]), fds[1:])
+    libc.setns(pidns, libc.CLONE_NEWPID)
+    for fd in fds:
+        os.close(fd)
+    children.add(pid)
+    proto.send(ctl, proto.SpawnedMsg(op=Op.SPAWNED, req=msg["req"], pid=pid))
