@@ -47,7 +47,6 @@ from rollbox.snapshots.store import copy_snapshot
 __all__ = ["SnapshotRuntime", "Snapshots", "builtin_manifest", "routes"]
 
 
-
 class SnapshotRuntime(SandboxRuntime, Protocol):
     """What these handlers need of ``rollbox.runtime.runtime.Runtime`` beyond the sandbox family."""
 
