@@ -337,7 +337,7 @@ async def in_process(args: argparse.Namespace) -> list[Combo]:
 
         async def settle() -> None:
             for _ in range(100):  # until the killed sandboxes are gone (at most 5 s)
-                if not rt.sandboxes and not rt.releasing:
+                if not rt.sandboxes and not rt.cgroups.releasing:
                     break
                 await asyncio.sleep(0.05)
 

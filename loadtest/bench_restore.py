@@ -82,7 +82,7 @@ async def main(n: int, cold_n: int) -> None:
         check = await rt.run(ExecRequest(code="import sys\nprint('numpy' in sys.modules, sys.modules['numpy'].__version__)"),
                              snapshot=view.id)
         assert check.stdout.split() == ["True", numpy.__version__], check
-        skel = rt._skel(view)
+        skel = rt.restorer.skel(view)
 
         cold: list[float] = []
         for _ in range(cold_n):
@@ -90,16 +90,16 @@ async def main(n: int, cold_n: int) -> None:
             z = Zygote(view, state_dir=state, skel=skel, seccomp_bpf=rt.seccomp_bpf, rootless=rt.config.rootless,
                        user_budgets=rt.user_budgets)
             await z.start()
-            sb = await rt.restore(view, view.limits, zygote=z)
+            sb = await rt.restorer.restore(view, view.limits, zygote=z)
             cold.append((time.perf_counter() - t0) * 1000)
             await sb.close("destroyed")
             await z.close()
 
-        z = await rt.zygote(view)
+        z = await rt.restorer.zygote(view)
         unpooled: list[float] = []
         for _ in range(n):
             t0 = time.perf_counter()
-            sb = await rt.restore(view, view.limits, zygote=z)
+            sb = await rt.restorer.restore(view, view.limits, zygote=z)
             unpooled.append((time.perf_counter() - t0) * 1000)
             await sb.close("destroyed")
 
@@ -169,10 +169,10 @@ async def tenants_ab(view: SnapshotView, resolver: BuiltinResolver, base: Path, 
         for i in range(rounds):
             for name, rt in (list(runtimes.items()) if i % 2 == 0 else reversed(runtimes.items())):  # ABBA
                 lat, rates = out[name]
-                z = await rt.zygote(view)
+                z = await rt.restorer.zygote(view)
                 for _ in range(n // rounds):
                     t0 = time.perf_counter()
-                    sb = await rt.restore(view, view.limits, zygote=z)
+                    sb = await rt.restorer.restore(view, view.limits, zygote=z)
                     lat.append((time.perf_counter() - t0) * 1000)
                     await sb.close("destroyed")
                 sem = asyncio.Semaphore(16)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import array
 import asyncio
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 from rollbox.runtime import jsonio
 from rollbox.runtime.inside import proto
 
 
-def encode(obj: dict[str, Any]) -> bytes:
+def encode(obj: Mapping[str, Any]) -> bytes:
     """``proto.encode`` on the supervisor's side: the same frame, its JSON by ``jsonio.dumps``."""
     return proto.encode(obj, jsonio.dumps)
 
@@ -72,12 +73,12 @@ class Channel:
     def take_fds(self) -> list[int]:
         return self.reader.take_fds()
 
-    async def send(self, obj: dict[str, Any] | bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
+    async def send(self, obj: Mapping[str, Any] | bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
         """Send one frame: a message, or one already encoded (``encode``) to send to many."""
         async with self._send_lock:
             await self._send(obj, fds)
 
-    async def _send(self, obj: dict[str, Any] | bytes, fds: list[int] | tuple[int, ...]) -> None:
+    async def _send(self, obj: Mapping[str, Any] | bytes, fds: list[int] | tuple[int, ...]) -> None:
         data = obj if isinstance(obj, bytes) else encode(obj)
         if fds:
             while True:

@@ -60,7 +60,9 @@ class SandboxDied(RollboxError):
     """The sandbox ended while it was being used (killed, lifetime over, supervisor lost it).
     ``ran`` is False when the request never reached it (so retrying elsewhere cannot run it twice)."""
 
-    ran: bool = True
+    def __init__(self, message: str, *, ran: bool = True, **kw: str | None):
+        super().__init__(message, **kw)
+        self.ran = ran
 
 
 class SnapshotNotFound(RollboxError):

@@ -84,6 +84,10 @@ class Pool:
         n = max([n, *(size for _, size in self.bursts)])
         return max(self.min_size, min(self.max_size, n))
 
+    def keep_at_least(self, n: int) -> None:
+        """Keep at least ``n`` ready sandboxes from now on (prewarm)."""
+        self.min_size = max(self.min_size, n)
+
     def note_burst(self, size: int) -> None:
         """``size`` sandboxes were asked for at once (a fork): keep that many ready while it recurs."""
         self.bursts.append((time.monotonic(), size))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollbox.runtime.isolation import rlimits as rlimit_values
 from rollbox.runtime.isolation import seccomp
@@ -24,7 +24,11 @@ from rollbox.runtime.isolation.cgroups_v1 import V1, V1Group
 from rollbox.runtime.isolation.cgroups_v2 import V2, V2Group
 from rollbox.runtime.spec import Limits
 
-__all__ = ["LAYERS", "cpu", "render", "summary"]
+if TYPE_CHECKING:
+    from rollbox.runtime.execution import Sandbox
+    from rollbox.runtime.runtime import Runtime
+
+__all__ = ["LAYERS", "RuntimeReports", "cpu", "render", "summary"]
 
 LAYERS = ("mode", "namespaces", "user", "filesystem", "cgroups", "cpu", "rlimits", "seccomp", "limits")
 NOT_READ = "not read back yet: no sandbox has started in this runtime"
@@ -365,3 +369,35 @@ def summary(report: Mapping[str, str]) -> str:
     if flagged:
         parts.append(f"see the full report for: {', '.join(flagged)}")
     return "; ".join(parts)
+
+
+class RuntimeReports:
+    """``render`` with a runtime's side of it: for one of its sandboxes, or for the runtime itself
+    (its start-up probes and the latest sandbox read-back; rendered again only when those change)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._cached: tuple[tuple[Any, ...], dict[str, str]] | None = None  # (its inputs, the report)
+
+    def runtime(self) -> dict[str, str]:
+        rt = self.rt
+        facts = next(reversed(list(rt.restorer.probed.values())), None)
+        inputs = (facts, rt.cgroup_backend, getattr(rt.cgroup_backend, "cpu", None), rt.cgroup_reason,
+                  rt.seccomp_bpf, rt.host_namespaces)
+        cached = self._cached  # (a create committed hibernated replies with it: rendered once)
+        if cached is None or any(a is not b for a, b in zip(cached[0], inputs, strict=True)):
+            cached = self._cached = (inputs, self._render(facts))
+        return dict(cached[1])
+
+    def sandbox(self, sb: Sandbox) -> dict[str, str]:
+        from rollbox.runtime.restorer import rlimit_params
+
+        facts = self.rt.restorer.probed.get(sb.source) if sb.source is not None else None
+        return self._render(facts, limits=sb.limits, group=sb.group, pid=sb.pid,
+                            rlimit_params=rlimit_params(sb.limits, sb.group is not None, sb.nproc_first))
+
+    def _render(self, facts: dict[str, Any] | None, **sandbox: Any) -> dict[str, str]:
+        rt = self.rt
+        return render(rootless=rt.config.rootless, uid=os.geteuid(), host_ns=rt.host_namespaces,
+                      backend=rt.cgroup_backend, backend_reason=rt.cgroup_reason, bpf=rt.seccomp_bpf,
+                      facts=facts, **sandbox)

@@ -28,7 +28,9 @@ import rollbox.runtime
 from rollbox.runtime import owners
 from rollbox.runtime.channel import Channel
 from rollbox.runtime.errors import IsolationError
+from rollbox.runtime.inside import proto
 from rollbox.runtime.inside.boot import BOOT as _BOOT
+from rollbox.runtime.inside.proto import Op, ZygoteConfig
 from rollbox.runtime.snapshot import SnapshotView, host_python
 
 RUNTIME_DIR = str(Path(rollbox.runtime.__file__).resolve().parent)
@@ -59,7 +61,7 @@ class WarmSource(Protocol):
 
     async def start(self, timeout_s: float = ...) -> None: ...
 
-    async def spawn(self, params: dict[str, Any], cgroup_fds: list[int]) -> tuple[int, socket.socket]: ...
+    async def spawn(self, params: proto.SpawnParams, cgroup_fds: list[int]) -> tuple[int, socket.socket]: ...
 
     def exit_report(self, pid: int) -> asyncio.Future[dict[str, Any]]:
         """How the sandbox ``pid`` (as ``spawn`` returned it) ended: wait status, CPU seconds and peak
@@ -125,27 +127,27 @@ class Zygote:
         self._stderr_task = asyncio.create_task(self._drain_stderr())
         self.chan = Channel(ours)
         warm_layers = list(view.layers[len(view.layers) - view.warm_layers :]) if view.warm_layers else []
-        await self.chan.send({
-            "rootless": self.rootless,
-            "user_budgets": self.user_budgets,
-            "staging": str(self.staging),
-            "skel": str(self.skel),
-            "layer_root": view.layer_root,
-            "warm_layers": warm_layers,
-            "host_binds": list(view.host_binds),
-            "host_masks": list(view.host_masks),
-            "sys_path": list(view.warm.sys_path),
-            "imports": list(view.warm.imports),
-            "env": self.env,
-            "seccomp": base64.b64encode(self.seccomp_bpf).decode(),
-            "runtime_dir": RUNTIME_DIR,
-            "reexec": inside,
-        })
+        await self.chan.send(ZygoteConfig(
+            rootless=self.rootless,
+            user_budgets=self.user_budgets,
+            staging=str(self.staging),
+            skel=str(self.skel),
+            layer_root=view.layer_root,
+            warm_layers=warm_layers,
+            host_binds=list(view.host_binds),
+            host_masks=list(view.host_masks),
+            sys_path=list(view.warm.sys_path),
+            imports=list(view.warm.imports),
+            env=self.env,
+            seccomp=base64.b64encode(self.seccomp_bpf).decode(),
+            runtime_dir=RUNTIME_DIR,
+            reexec=inside,
+        ).wire())
         try:
             msg = await asyncio.wait_for(self.chan.recv(), timeout_s)
         except TimeoutError:
             msg = None
-        if msg is None or msg.get("op") != "warm":
+        if msg is None or proto.op_of(msg) != Op.WARM:
             await self.close()
             tail = self._stderr_tail.decode(errors="replace").strip().splitlines()[-8:]
             raise IsolationError(
@@ -163,12 +165,12 @@ class Zygote:
     async def _read_replies(self) -> None:
         assert self.chan
         while (msg := await self.chan.recv()) is not None:
-            op = msg.get("op")
-            if op == "exited":
+            op = proto.op_of(msg)
+            if op == Op.EXITED:
                 fut = self._exits.get(msg.get("pid", -1))
             else:
                 fut = self._waiting.pop(msg.get("req", -1), None)
-                if op == "spawned" and fut and not fut.done():  # before any later frame: its exit may be next
+                if op == Op.SPAWNED and fut and not fut.done():  # before any later frame: its exit may be next
                     self._exits[int(msg["pid"])] = asyncio.get_running_loop().create_future()
             if fut and not fut.done():
                 fut.set_result(msg)
@@ -201,11 +203,11 @@ class Zygote:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None and not (self.chan and self.chan.closed)
 
-    async def spawn(self, params: dict[str, Any], cgroup_fds: list[int]) -> tuple[int, socket.socket]:
-        """Fork one sandbox; returns its pid in the zygote's pid namespace and the supervisor's end of
-        its control socket (which carries the host pid with the sandbox's first frame). The sandbox
-        moves itself into its cgroup through ``cgroup_fds`` (cgroup.procs files the supervisor opened)
-        before anything else."""
+    async def spawn(self, params: proto.SpawnParams, cgroup_fds: list[int]) -> tuple[int, socket.socket]:
+        """Fork one sandbox (``params``: what its SPAWN asks for); returns its pid in the zygote's pid
+        namespace and the supervisor's end of its control socket (which carries the host pid with the
+        sandbox's first frame). The sandbox moves itself into its cgroup through ``cgroup_fds``
+        (cgroup.procs files the supervisor opened) before anything else."""
         if not self.alive or self.chan is None:
             raise IsolationError("zygote is not running", snapshot_id=self.view.id)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -215,7 +217,7 @@ class Zygote:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[req] = fut
         try:
-            await self.chan.send({"op": "spawn", "req": req, **params}, [theirs.fileno(), *cgroup_fds])
+            await self.chan.send(proto.spawn_msg(req, params), [theirs.fileno(), *cgroup_fds])
         except BaseException:
             self._waiting.pop(req, None)
             ours.close()
@@ -229,7 +231,7 @@ class Zygote:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.forget(int(fut.result().get("pid", -1)))
             raise
-        if msg.get("op") != "spawned":
+        if proto.op_of(msg) != Op.SPAWNED:
             ours.close()
             raise IsolationError(f"spawn failed: {msg.get('error')}", snapshot_id=self.view.id)
         return int(msg["pid"]), ours

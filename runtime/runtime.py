@@ -12,49 +12,40 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import os
 import resource
-import secrets
-import shutil
-import signal
-import socket
 import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from rollbox.runtime import owners, report, skeleton, slots
-from rollbox.runtime.channel import Channel
+from rollbox.runtime import report, slots
 from rollbox.runtime.errors import (
     InvalidRequest,
-    IsolationError,
     Overloaded,
     SandboxDied,
     SandboxNotFound,
     ShuttingDown,
-    Unsupported,
 )
-from rollbox.runtime.execution import Sandbox, give_back, pack_upper
+from rollbox.runtime.execution import Metered, Sandbox, SandboxState
+from rollbox.runtime.forks import Forks
 from rollbox.runtime.inside import probe, proto
-from rollbox.runtime.isolation import cgroups, rlimits, seccomp, users
-from rollbox.runtime.isolation.cgroups import Backend, Group
-from rollbox.runtime.pool import Pool
-from rollbox.runtime.restore import WarmSource, Zygote
+from rollbox.runtime.inside.proto import Op
+from rollbox.runtime.isolation import cgroups, seccomp, users
+from rollbox.runtime.isolation.cgroup_pool import CgroupPool
+from rollbox.runtime.isolation.cgroups import Backend
+from rollbox.runtime.reaper import Reaper
+from rollbox.runtime.residency import Residency
+from rollbox.runtime.restorer import Restorer
 from rollbox.runtime.snapshot import BuiltinResolver, SnapshotResolver, SnapshotView
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits, SandboxInfo, Usage
+from rollbox.runtime.views import Views
 
 log = logging.getLogger("rollbox.runtime")
 
-# How long a released cgroup's killed processes may take to leave before it is removed rather than
-# reused (a fork bomb's pid namespace tears down in seconds; past it, removal is tried and logged).
-RELEASE_WAIT_S = 30.0
-KILLED_EXIT_WAIT_S = 0.5  # see Runtime._only_init_left
 MiB = 1024 * 1024
 
 
@@ -89,40 +80,6 @@ def effective_limits(view: SnapshotView, limits: LimitsArg) -> Limits:
         raise InvalidRequest(f"limits.{where}: {first['msg']}", snapshot_id=view.id) from None
 
 
-def _hold_mount_ns(pid: int, pidfd: int) -> int:
-    """An fd of the mount namespace of the sandbox whose init is ``pid`` (``pidfd``), or -1."""
-    try:
-        fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return -1
-    try:
-        signal.pidfd_send_signal(pidfd, 0)  # still that process: its pid was not reused meanwhile
-    except OSError:
-        os.close(fd)
-        return -1
-    return fd
-
-
-def rlimit_params(limits: Limits, in_cgroup: bool, nproc_first: bool = False) -> dict[str, int]:
-    """The rlimits a sandbox is given (runtime/isolation/rlimits.py). Without a cgroup, pids and memory
-    fall back to RLIMIT_NPROC (counted per user namespace) and RLIMIT_AS (with room for the mappings
-    an interpreter has that are not memory use), and CPU to a raised nice value.
-
-    ``nproc_first``: RLIMIT_NPROC at the pids limit in a cgroup too, for a sandbox whose processes
-    run as a host uid of its own (where it counts that sandbox alone) in a group that keeps its
-    pids.peak (which then tells that the limit was reached). The kernel checks RLIMIT_NPROC before it
-    copies a forking process, the pids cgroup only after: a fork bomb at its limit then fails each
-    fork at once, instead of copying its whole address space and tearing it down again, forever, under
-    locks it shares with every process mapping the same files (every sandbox of its snapshot)."""
-    params = {"nofile": limits.nofile_max, "fsize_bytes": limits.file_size_max_bytes}
-    if not in_cgroup or nproc_first:
-        params["nproc"] = limits.pids_max
-    if not in_cgroup:  # in a cgroup memory is the cgroup's: an address-space cap stops JVMs, V8 and lld
-        params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
-        params["nice"] = rlimits.FALLBACK_NICE
-    return params
-
-
 class RuntimeConfig(BaseModel):
     """Supervisor settings. The defaults are the embedded single-box setup."""
 
@@ -137,6 +94,8 @@ class RuntimeConfig(BaseModel):
         "sandbox is capped at the host's cores less this")
     rootless: bool = Field(default_factory=lambda: os.geteuid() != 0)
     max_live: Annotated[int, Field(ge=1)] = 4096
+    cgroup_pool_max: Annotated[int, Field(ge=0)] = Field(
+        default=64, description="emptied sandbox cgroups kept for reuse (each saves a mkdir and an rmdir)")
     pool_min: Annotated[int, Field(ge=0)] = 0
     pool_max: Annotated[int, Field(ge=0)] = 16
     pool_window_s: Annotated[float, Field(gt=0)] = 10.0
@@ -167,37 +126,25 @@ class Runtime:
         self.layer_root = self.config.layer_root or self.config.state_dir / "layers"
         self.resolver: SnapshotResolver = resolver or BuiltinResolver(str(self.layer_root))
         self.sandboxes: dict[str, Sandbox] = {}
-        self._views: dict[str, tuple[SnapshotView, float | None]] = {}
-        self._resolving: dict[str, asyncio.Future[SnapshotView]] = {}  # one store lookup per name at a time
-        self.sweeper = owners.Sweep()  # leftovers of runtimes that died (cgroups, staging dirs, scratch layers)
-        self._leftovers = 0
-        self._swept = 0.0
-        self._scratch: dict[str, set[str]] = {}  # fork scratch layer -> ids of the sandboxes on it
-        self._layers_in_use: frozenset[str] = frozenset()
+        self.views = Views(self.resolver)
+        self.forks = Forks(self)
         self.usages: dict[str, Usage] = {}
-        self.zygotes: dict[Any, WarmSource] = {}
-        self._zygote_locks: dict[Any, asyncio.Lock] = {}
-        self.pools: dict[Any, Pool] = {}
-        self.cgroup_backend: Backend | None = None
-        self.free_groups: list[Group] = []  # empty cgroups of destroyed sandboxes, reused: no mkdir/rmdir
-        self.releasing: set[Group] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._unmounter: concurrent.futures.ThreadPoolExecutor | None = None  # see _close_later
+        self.cgroups = CgroupPool(keep=self.config.cgroup_pool_max, background=self._background)
+        self.residency = Residency(self)  # warm pools, and the layers in use
+        self.pools = self.residency.pools
+        self.restorer = Restorer(state_dir=self.config.state_dir, rootless=self.config.rootless, cgroups=self.cgroups,
+                                 background=self._background, before_restore=self.residency.before_restore)
+        self.zygotes = self.restorer.zygotes  # the warm source of each snapshot recipe in use
         self.cgroup_reason = ""
-        self.user_slots: slots.UserSlots | None = None  # as root: a user namespace per sandbox
         self.seccomp_bpf = b""
         self.host_namespaces: dict[str, int] = {}  # probed at start: what "unshared" is measured against
         self.user_budgets: dict[str, int] = {}
-        # What the first sandbox of each warm source read back from its own /proc after containment
-        # (runtime/inside/probe.py); held while the source is.
-        self._probed: weakref.WeakKeyDictionary[WarmSource, dict[str, Any]] = weakref.WeakKeyDictionary()
-        self._runtime_report: tuple[tuple[Any, ...], dict[str, str]] | None = None  # (its inputs, the report)
-        # Clean-up that failed, by what (each logged once): exported as rollbox_cleanup_failures_total.
-        self.cleanup_failures: collections.Counter[str] = collections.Counter({"cgroup": 0})
-        self._reaper: asyncio.Task[None] | None = None
+        self.reports = report.RuntimeReports(self)
+        self.reaper = Reaper(self)  # lifetimes, and what runtimes that died left behind
+        self.sweeper = self.reaper.sweeper
         self._creating = 0
         self.closing = False
-        self.restoring: dict[str, Group | None] = {}  # sandboxes being restored right now, with their cgroup
         self.started = False
         # Called after the reaper destroyed a sandbox for its lifetime or idle limit (the durable
         # layer records that the sandbox is gone): (sandbox id, reason, usage).
@@ -219,14 +166,14 @@ class Runtime:
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.layer_root.mkdir(parents=True, exist_ok=True)
         self.seccomp_bpf = await asyncio.to_thread(seccomp.build_filter)
-        self.cgroup_backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup, cfg.cpu_reserved_cores)
+        backend, self.cgroup_reason = cgroups.select(cfg.cgroup_parent, cfg.cgroup, cfg.cpu_reserved_cores)
+        self.cgroups.open(backend)
         self.host_namespaces = probe.namespaces()
         # rootless, every sandbox's user namespace hangs off the caller's: each is capped at a share
         self.user_budgets = users.shared_budgets(cfg.rootless_budget_share) if cfg.rootless else {}
-        self._leftovers = await asyncio.to_thread(self._sweep)
-        self._swept = time.monotonic()
-        self._reaper = asyncio.create_task(self._reap_loop())
+        await self.reaper.start()
         uid_range = slots.parse_range(cfg.uid_range)
+        user_slots = None
         if uid_range and not cfg.rootless:
             # a scratch directory (a tmpfs goes over it in the probe's own mount namespace), then the
             # lower layers as sandboxes stack them: the layer store itself and, beside the skeletons, an
@@ -234,75 +181,34 @@ class Runtime:
             probe_dirs = [cfg.state_dir / "idmap-probe" / "scratch", cfg.state_dir / "idmap-probe" / "lower"]
             for d in probe_dirs:
                 d.mkdir(parents=True, exist_ok=True)
-            self.user_slots = slots.UserSlots(*uid_range, probe=[str(probe_dirs[0]), str(self.layer_root),
-                                                                 str(probe_dirs[1])])
-            self._background(self._prepare_slots(self.user_slots))  # beside the first zygotes
+            user_slots = slots.UserSlots(*uid_range, probe=[str(probe_dirs[0]), str(self.layer_root),
+                                                            str(probe_dirs[1])])
+        self.restorer.start(self.seccomp_bpf, self.user_budgets, user_slots)
         self.started = True
-
-    async def _prepare_slots(self, user_slots: slots.UserSlots) -> None:
-        try:
-            await user_slots.prepare()
-        except Exception as exc:
-            self._no_slots(exc)
-
-    def _no_slots(self, exc: Exception) -> None:
-        if self.user_slots is not None:
-            log.warning("no user namespace per sandbox (%s): every sandbox shares the sandbox uid's per-user "
-                        "budgets", getattr(exc, "message", None) or exc)
-            self.user_slots.close()
-            self.user_slots = None
-
-    def release_slot(self, slot: slots.Slot, gone: bool) -> None:
-        if self.user_slots is not None:
-            self.user_slots.release(slot, gone=gone)
-
-    def _sweep(self) -> int:
-        """Remove what runtimes that died left behind (``owners``: found by who made them, not by a
-        pid that may be a zombie or reused): sandbox cgroups (processes still in one are killed, the
-        cgroup goes on a later sweep), zygote staging directories and fork scratch layers. Returns
-        how many remain; the reaper sweeps again until none do (and every 30 s anyway)."""
-        cgroups = self.cgroup_backend.leftovers() if self.cgroup_backend else []
-        staging = self.config.state_dir / "zygotes"
-        dirs = list(staging.iterdir()) if staging.is_dir() else []
-        trees = list(self.layer_root.glob("scratch-*"))
-        return self.sweeper.run(cgroups, dirs, trees)
 
     async def close(self) -> None:
         """Destroy every sandbox and stop every zygote; creates still under way finish first (and
         are destroyed), new ones are refused."""
         self.closing = True
-        if self._reaper:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-        for pool in list(self.pools.values()):
-            await pool.close()
-        self.pools.clear()
+        await self.reaper.stop()
+        await self.residency.close()
         for _ in range(3000):  # creates in flight land in the tables before they are torn down
-            if not self._creating and not self.restoring:
+            if not self._creating and not self.cgroups.restoring:
                 break
             await asyncio.sleep(0.01)
         await asyncio.gather(*(self.destroy(sid, reason="shutdown") for sid in list(self.sandboxes)),
                              return_exceptions=True)
-        for z in list(self.zygotes.values()):
-            await z.close()
-        self.zygotes.clear()
+        await self.restorer.stop_zygotes()
         self.started = False
+        self.cgroups.stop_reuse()
         awaited: set[asyncio.Task[None]] = set()
         while left := self._tasks - awaited:  # (and what they start: a sandbox ended releases its cgroup)
             for task in left:
                 awaited.add(task)
                 await task
-        for group in self.free_groups:
-            await self._remove_group(group)
-        self.free_groups.clear()
-        if self._unmounter is not None:
-            self._unmounter.shutdown(wait=True)  # (its closes were awaited above, as tasks)
-            self._unmounter = None
-        if self.cgroup_backend:
-            self.cgroup_backend.close()
-        if self.user_slots is not None:
-            self.user_slots.close()
+        self.restorer.close_unmounter()  # (its closes were awaited above, as tasks)
+        await self.cgroups.close()
+        self.restorer.close_slots()
         self.started = False
 
     async def __aenter__(self) -> Runtime:
@@ -317,12 +223,23 @@ class Runtime:
         return len(self.sandboxes)
 
     def pool_sizes(self) -> dict[str, int]:
-        return {str(k[0]): len(p.ready) for k, p in self.pools.items()}
+        return self.residency.sizes()
 
     def env_version(self, snapshot_id: str) -> dict[str, Any] | None:
         """The VERSION block of a snapshot this runtime has resolved (None if it has not)."""
-        hit = self._views.get(snapshot_id)
-        return dict(hit[0].version) if hit is not None else None
+        return self.views.env_version(snapshot_id)
+
+    async def resolve(self, snapshot: str) -> SnapshotView:
+        """The snapshot's view (``Views.resolve``)."""
+        return await self.views.resolve(snapshot)
+
+    def forget_names(self) -> None:
+        """Resolve every name afresh (its store changed: the server attached S3 to its cache)."""
+        self.views.forget_names()
+
+    def register_view(self, view: SnapshotView) -> None:
+        """Make a snapshot known without the resolver (a fork's scratch layer, say)."""
+        self.views.register(view)
 
     def labels(self, sandbox_id: str) -> dict[str, str] | None:
         """The metadata of a sandbox live here, or ended here recently."""
@@ -332,49 +249,6 @@ class Runtime:
         usage = self.usages.get(sandbox_id)
         return dict(usage.metadata) if usage is not None else None
 
-    async def resolve(self, snapshot: str) -> SnapshotView:
-        """The snapshot's view; a resolver that may download (S3) is asked off the event loop.
-        Views are cached by id (content-addressed, immutable) and by name for a few seconds."""
-        now = time.monotonic()
-        hit = self._views.get(snapshot)
-        if hit is not None and (hit[1] is None or now - hit[1] < 5.0):
-            return hit[0]
-        resolve_async = getattr(self.resolver, "resolve_async", None)
-        if resolve_async is None:
-            return self._keep_view(snapshot, self.resolver.resolve(snapshot), now)
-        task = self._resolving.get(snapshot)
-        if task is None:
-            task = self._resolving[snapshot] = asyncio.ensure_future(resolve_async(snapshot))
-            task.add_done_callback(lambda t: self._resolved(snapshot, t, now))
-        if hit is None:
-            view: SnapshotView = await asyncio.shield(task)
-            return view
-        try:  # a name seen before: its last view serves if the store is slow to say where it points now
-            return await asyncio.wait_for(asyncio.shield(task), 0.5)
-        except TimeoutError:
-            log.warning("the store is slow resolving %r: using its last known snapshot %s", snapshot, hit[0].id)
-            return hit[0]
-
-    def _resolved(self, snapshot: str, task: asyncio.Future[SnapshotView], asked: float) -> None:
-        self._resolving.pop(snapshot, None)
-        if not task.cancelled() and task.exception() is None:
-            self._keep_view(snapshot, task.result(), asked)
-
-    def _keep_view(self, snapshot: str, view: SnapshotView, now: float) -> SnapshotView:
-        self._views[view.id] = (view, None)
-        if snapshot != view.id:
-            self._views[snapshot] = (view, now)
-        return view
-
-    def forget_names(self) -> None:
-        """Resolve every name afresh (its store changed: the server attached S3 to its cache); views
-        by id stay (content-addressed)."""
-        self._views = {k: v for k, v in self._views.items() if v[1] is None}
-
-    def register_view(self, view: SnapshotView) -> None:
-        """Make a snapshot known without the resolver (a fork's scratch layer, say)."""
-        self._views[view.id] = (view, None)
-
     @contextlib.asynccontextmanager
     async def frozen(self, sandbox_id: str) -> AsyncIterator[Sandbox]:
         """Hold a sandbox still (no exec in flight, every process but its init stopped) while its
@@ -383,16 +257,16 @@ class Runtime:
         while the lock is held: no signal is sent."""
         sb = self.get(sandbox_id)
         async with sb.lock:
-            if sb.dead is not None:
-                raise SandboxDied(f"sandbox {sandbox_id} is gone ({sb.dead})", sandbox_id=sandbox_id)
-            if (sb.alone and not sb.owed_exit) or await self._only_init_left(sb):
+            if sb.state is not SandboxState.LIVE:
+                raise sb.gone()
+            if (sb.alone and not sb.owed_exit) or await sb.only_init_left():
                 yield sb
-                sb.last_used = time.monotonic()
+                sb.touch()
                 return
             try:
                 await sb.settle()
-                await sb.chan.send({"op": "freeze"})
-                if await sb.expect("frozen") is None:
+                await sb.chan.send(proto.bare(Op.FREEZE))
+                if await sb.expect(Op.FROZEN) is None:
                     raise SandboxDied(f"sandbox {sandbox_id} died while freezing", sandbox_id=sandbox_id)
             except asyncio.CancelledError:
                 sb.abandon("cancelled while freezing")
@@ -400,376 +274,43 @@ class Runtime:
             try:
                 yield sb
             finally:
-                if sb.dead is None:
+                if sb.state is SandboxState.LIVE:
                     try:
-                        await sb.chan.send({"op": "thaw"})  # no reply: the next frame is served after it
+                        await sb.chan.send(proto.bare(Op.THAW))  # no reply: the next frame is served after it
                     except OSError:
                         sb.abandon("lost while thawing")
-                sb.last_used = time.monotonic()
-
-    @staticmethod
-    async def _only_init_left(sb: Sandbox) -> bool:
-        """Whether the sandbox's cgroup holds its init alone: nothing but the agent can write. After a
-        timed-out step, whose processes the host killed, waited for up to KILLED_EXIT_WAIT_S while they
-        exit. Then its files are read without a word from its agent, which a busy box may take seconds
-        to give (it reaps the killed first, then stops the rest): a durable step's commit after a
-        timeout does not wait for that (the agent's report is read before its next frame)."""
-        if sb.group is None:
-            return False
-        deadline = time.monotonic() + (KILLED_EXIT_WAIT_S if sb.killed_step else 0.0)
-        while True:
-            if set(sb.group.pids()) <= {sb.pid}:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.01)
+                sb.touch()
 
     async def fork(self, sandbox_id: str, count: int, metadata: dict[str, str] | None = None,
                    sandbox_ids: Sequence[str] | None = None) -> list[SandboxInfo]:
         """``count`` new sandboxes that see exactly the files of a live sandbox, isolated from it and
-        from each other afterwards.
-
-        A small diff (up to ``fork_inject_max_bytes``) is read once and applied inside sandboxes of
-        the parent's snapshot — taken from the warm pool, so a fork costs no restore on its path. A
-        larger one is copied once into a scratch layer stacked under fresh children (same zygote);
-        that layer goes with the last child."""
-        if not 1 <= count <= 1024:
-            raise InvalidRequest(f"count must be between 1 and 1024, got {count}", sandbox_id=sandbox_id)
-        if sandbox_ids is not None and len(sandbox_ids) != count:
-            raise InvalidRequest(f"{len(sandbox_ids)} sandbox ids for {count} children", sandbox_id=sandbox_id)
-        parent = self.get(sandbox_id)
-        ids = iter(sandbox_ids or ())
-        scratch = f"scratch-{owners.tag()}-{secrets.token_hex(8)}"
-        dst = self.layer_root / scratch
-        async with self.frozen(sandbox_id) as sb:
-            diff = await asyncio.to_thread(pack_upper, sb.upper_path, self.config.fork_inject_max_bytes)
-            if diff is None:
-                proc = await asyncio.create_subprocess_exec(
-                    "cp", "-a", f"{sb.upper_path}/.", str(dst), stderr=asyncio.subprocess.PIPE)
-                _, err = await proc.communicate()
-                if proc.returncode != 0:
-                    shutil.rmtree(dst, ignore_errors=True)
-                    raise IsolationError(f"copying the sandbox's files failed: {err.decode(errors='replace')[-300:]}",
-                                         sandbox_id=sandbox_id)
-                if sb.owner_shift is not None:  # its children run as other uids: the layer's files are 1000's
-                    await asyncio.to_thread(give_back, str(dst), sb.owner_shift)
-        meta = metadata if metadata is not None else parent.metadata
-        if diff is not None:
-            view = parent.view
-        else:
-            view = dataclasses.replace(parent.view, id=f"{parent.view.id}+{scratch}",
-                                       layers=(scratch, *parent.view.layers))
-            self.register_view(view)
-            self._scratch[scratch] = set()
-
-        if diff is not None and parent.limits == view.limits:
-            self._pool_for(view, view.limits).note_burst(count)
-
-        async def child() -> Sandbox:
-            sb = await self._acquire(view.id, parent.limits, meta, pooled=diff is not None,
-                                     sandbox_id=next(ids, None))
-            sb.forked_from = sandbox_id
-            if diff is not None:
-                await sb.inject(diff)
-            return sb  # no spare worker asked for: its first exec forks one (a fork stays ~1 ms per child)
-
-        try:
-            results = await asyncio.gather(*(child() for _ in range(count)), return_exceptions=True)
-        finally:
-            if diff is not None:
-                os.close(diff["fd"])
-        made = [r for r in results if isinstance(r, Sandbox)]
-        if diff is None:
-            self._scratch[scratch].update(sb.id for sb in made)
-        if len(made) < count:
-            for sb in made:
-                await self.destroy(sb.id)
-            if diff is None:
-                self._drop_scratch(scratch)
-            raise next(r for r in results if isinstance(r, BaseException))
-        return [self._info(sb) for sb in made]
-
-    def _drop_scratch(self, scratch: str) -> None:
-        self._scratch.pop(scratch, None)
-        for view_id in [k for k in self._views if k.endswith("+" + scratch)]:  # the fork's view
-            del self._views[view_id]
-        asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, self.layer_root / scratch, True)
+        from each other afterwards (``Forks.fork``)."""
+        return [self._info(sb) for sb in await self.forks.fork(sandbox_id, count, metadata, sandbox_ids)]
 
     def layers_in_use(self) -> frozenset[str]:
         """Layer ids that a zygote or a sandbox of this runtime has mounted (or is about to): never
-        evict these. Safe to call from any thread: it reads a set the event loop replaces whole."""
-        return self._layers_in_use
+        evict these. Safe to call from any thread (``Residency.layers_in_use``)."""
+        return self.residency.layers_in_use()
 
-    def _note_layers(self, view: SnapshotView | None = None) -> None:
-        """On the event loop: recompute the layers in use (plus ``view``'s, about to be mounted)."""
-        used = {layer for z in self.zygotes.values() for layer in z.view.layers}
-        used |= {layer for sb in self.sandboxes.values() for layer in sb.view.layers}
-        used |= {layer for pool in self.pools.values() for sb in pool.ready for layer in sb.view.layers}
-        if view is not None:
-            used |= set(view.layers)
-        self._layers_in_use = frozenset(used)
+    @property
+    def cgroup_backend(self) -> Backend | None:
+        return self.cgroups.backend
 
-    def held_cgroups(self) -> set[str]:
-        """Every cgroup directory this runtime holds: live, pooled, restoring, being emptied, reusable."""
-        groups = [sb.group for sb in self.sandboxes.values()]
-        groups += [sb.group for pool in self.pools.values() for sb in pool.ready]
-        groups += [*self.restoring.values(), *self.releasing, *self.free_groups]
-        return {path for g in groups if g is not None for path in g.paths()}
+    @property
+    def cleanup_failures(self) -> collections.Counter[str]:
+        """Clean-up that failed, by what (each logged once): exported as rollbox_cleanup_failures_total."""
+        return collections.Counter({"cgroup": self.cgroups.failures})
 
     def isolation_report(self, sandbox_id: str | None = None) -> dict[str, str]:
         """What is in force, per layer (runtime/report.py): for the live sandbox ``sandbox_id``, or
         for this runtime (its start-up probes and the latest sandbox read-back)."""
         if sandbox_id is not None:
-            return self._report(self.get(sandbox_id))
-        facts = next(reversed(list(self._probed.values())), None)
-        inputs = (facts, self.cgroup_backend, getattr(self.cgroup_backend, "cpu", None), self.cgroup_reason,
-                  self.seccomp_bpf, self.host_namespaces)
-        cached = self._runtime_report  # (a create committed hibernated replies with it: rendered once)
-        if cached is None or any(a is not b for a, b in zip(cached[0], inputs, strict=True)):
-            cached = self._runtime_report = (inputs, self._render(facts))
-        return dict(cached[1])
-
-    def _report(self, sb: Sandbox) -> dict[str, str]:
-        facts = self._probed.get(sb.source) if sb.source is not None else None
-        return self._render(facts, limits=sb.limits, group=sb.group, pid=sb.pid,
-                            rlimit_params=rlimit_params(sb.limits, sb.group is not None, sb.nproc_first))
-
-    def _render(self, facts: dict[str, Any] | None, **sandbox: Any) -> dict[str, str]:
-        """``report.render`` with this runtime's side of it; ``sandbox``: one sandbox's own."""
-        return report.render(rootless=self.config.rootless, uid=os.geteuid(), host_ns=self.host_namespaces,
-                             backend=self.cgroup_backend, backend_reason=self.cgroup_reason, bpf=self.seccomp_bpf,
-                             facts=facts, **sandbox)
-
-    # ----------------------------------------------------------------- restore
-    def _skel(self, view: SnapshotView) -> Path:
-        return skeleton.build(self.config.state_dir, view.host_binds, self.config.rootless)
-
-    def warm_source(self, view: SnapshotView, skel: Path) -> WarmSource:
-        """The source of this snapshot's sandboxes: a zygote re-made from its warm recipe; a
-        process-image source (CRIU) is the seam's other side, not wired on this host yet."""
-        if view.process_image is not None:
-            raise Unsupported(
-                f"snapshot {view.id!r} carries a process image; restoring process images (CRIU >= 4.1) is not "
-                "wired into this runtime yet: build the snapshot with a warm recipe instead", snapshot_id=view.id)
-        return Zygote(view, state_dir=self.config.state_dir, skel=skel, seccomp_bpf=self.seccomp_bpf,
-                      rootless=self.config.rootless, user_budgets=self.user_budgets)
-
-    async def zygote(self, view: SnapshotView) -> WarmSource:
-        """The running source of ``view``'s sandboxes, started (the cold path) if needed."""
-        key = view.zygote_key
-        lock = self._zygote_locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            z = self.zygotes.get(key)
-            if z is not None and z.alive:
-                return z
-            if z is not None:
-                await z.close()
-            skel = await asyncio.to_thread(self._skel, view)
-            z = self.warm_source(view, skel)
-            await z.start()
-            self.zygotes[key] = z
-            return z
-
-    async def restore(self, view: SnapshotView, limits: Limits, zygote: WarmSource | None = None) -> Sandbox:
-        """Fork one sandbox from the snapshot's zygote and contain it (no pool)."""
-        if not set(view.layers) <= self._layers_in_use:
-            self._note_layers(view)
-        z = zygote or await self.zygote(view)
-        sid = "sb-" + secrets.token_hex(8)
-        group = None
-        while self.free_groups:
-            group = self.free_groups.pop()
-            if group.pids_peak() < limits.pids_max:
-                break
-            # (its pids.peak, which is never reset, could not tell this sandbox reached its pids limit)
-            self.drop_group(group)
-            group = None
-        if group is not None:
-            try:
-                group.configure(limits.memory_max_bytes, limits.pids_max, limits.cpu_max_cores)
-            except OSError:
-                self.drop_group(group)
-                raise
-        elif self.cgroup_backend:
-            group = self.cgroup_backend.prepare(f"{owners.tag()}-{sid}", limits.memory_max_bytes, limits.pids_max,
-                                                limits.cpu_max_cores)
-        params: dict[str, Any] = {
-            "layers": list(view.layers),
-            "disk_bytes": limits.disk_max_bytes,
-        }
-        if z not in self._probed:  # the first sandbox(es) of a source read back what is in force
-            params["probe"] = True
-        self.restoring[sid] = group
-        try:
-            slot = await self._slot()
-            nproc_first = slot is not None and group is not None and group.pids_peak() >= 0
-            params.update(rlimit_params(limits, group is not None, nproc_first))
-            try:
-                sb = await self._contain(view, limits, z, sid, group, params, slot)
-            except BaseException:
-                if slot is not None:  # a child of a failed spawn may still be on its way: not reused
-                    self.release_slot(slot, False)
-                raise
-            sb.user_slot, sb.release_slot, sb.nproc_first = slot, self.release_slot, nproc_first
-            return sb
-        finally:
-            self.restoring.pop(sid, None)
-
-    async def _slot(self) -> slots.Slot | None:
-        """The user namespace (its own owner uid) a new sandbox joins, if sandboxes get one."""
-        if self.user_slots is None:
-            return None
-        try:
-            return await self.user_slots.acquire()
-        except IsolationError as exc:
-            if self.user_slots is not None and self.user_slots.made == 0:  # the helper cannot make any
-                self._no_slots(exc)
-            else:  # none free and no more made: this sandbox shares the host's (rather than no sandbox)
-                log.warning("sandbox without a user namespace of its own: %s", exc.message)
-            return None
-
-    async def _contain(self, view: SnapshotView, limits: Limits, z: WarmSource, sid: str, group: Group | None,
-                       params: dict[str, Any], slot: slots.Slot | None = None) -> Sandbox:
-        try:
-            fds = group.procs_fds() if group else []
-            if slot is not None:  # the zygote takes it as the first fd after the socket
-                params = {**params, "userns": True, "idmap": slot.uid if slot.shifted else 0}
-                fds = [slot.fd, *fds]
-            zpid, sock = await z.spawn(params, fds)
-        except BaseException:
-            if group:
-                self.drop_group(group)
-            raise
-        try:
-            sb = await self._handshake(view, limits, sid, group, sock, z)
-        except BaseException:
-            z.forget(zpid)
-            raise
-        sb.source, sb.source_pid, sb.ended = z, zpid, z.exit_report(zpid)
-        return sb
-
-    async def _handshake(self, view: SnapshotView, limits: Limits, sid: str, group: Group | None,
-                         sock: socket.socket, source: WarmSource) -> Sandbox:
-        """The spawned sandbox's "ready": its host pid and its upper layer; it is in its cgroup already."""
-        chan = Channel(sock, proto.SANDBOX_FRAME_BYTES)  # everything a sandbox sends is untrusted
-        try:
-            msg = await asyncio.wait_for(chan.recv(), 30)
-        except asyncio.CancelledError:
-            chan.close()  # the child sees its socket close and exits; its cgroup is released
-            if group:
-                self.drop_group(group)
-            raise
-        except (TimeoutError, OSError):
-            msg = None
-        creds = chan.reader.creds
-        if msg is None or msg.get("op") != "ready" or creds is None:
-            chan.close()
-            if creds is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(creds[0], 9)
-            if group:
-                self.drop_group(group)
-            why = msg.get("error") if msg else "sandbox exited during setup"
-            raise IsolationError(f"sandbox setup failed: {why}", snapshot_id=view.id)
-        pid = creds[0]
-        if isinstance(msg.get("probe"), dict):  # the uid/gid it runs as, seen from here: the host's view
-            self._probed[source] = {**msg["probe"], "host_uid": creds[1], "host_gid": creds[2]}
-        fds = chan.take_fds()
-        pidfd = -1
-        try:
-            pidfd = os.pidfd_open(pid)
-            cg_base = None
-            if group:
-                group.reset_peak()
-                cg_base = group.stats()
-        except (OSError, ProcessLookupError) as exc:  # it died right after "ready" (its zygote crashed)
-            chan.close()
-            for fd in (*fds, pidfd):
-                if fd >= 0:
-                    os.close(fd)
-            if group:
-                self.drop_group(group)
-            raise IsolationError(f"sandbox died during setup: {exc}", snapshot_id=view.id) from exc
-        sb = Sandbox(id=sid, view=view, limits=limits, pid=pid, pidfd=pidfd, chan=chan, group=group,
-                     upper_fd=fds[0] if fds else -1, cg_base=cg_base, release_group=self.release_group,
-                     mntns_fd=_hold_mount_ns(pid, pidfd), release_fd=self._close_later)
-        sb.watch()
-        return sb
-
-    def _close_later(self, fd: int) -> None:
-        """Close ``fd`` in a thread of its own pool (the last fd of a sandbox's mount namespace: its
-        unmounts wait for RCU grace periods, seconds on a loaded box, and must not hold up the default
-        executor's work); ``close`` waits for it."""
-        if self._unmounter is None:
-            self._unmounter = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="rollbox-unmount")
-        done = asyncio.get_running_loop().run_in_executor(self._unmounter, os.close, fd)
-
-        async def closed() -> None:
-            await done
-
-        self._background(closed())
-
-    def drop_group(self, group: Group) -> None:
-        """Remove a cgroup rather than reuse it: a spawn that failed may still have a child on its way
-        into it (it writes itself in first), and a group that could not be configured is suspect."""
-        group.reusable = False
-        self.release_group(group)
-
-    def release_group(self, group: Group) -> None:
-        """Keep an emptied cgroup for the next sandbox (its counters are read as deltas), or remove it."""
-        if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64 \
-                and not group.needs_reclaim():
-            self.free_groups.append(group)
-            return
-        self.releasing.add(group)
-        self._background(self._release_later(group))
-
-    async def _release_later(self, group: Group) -> None:
-        try:
-            wait_s = 0.01
-            deadline = time.monotonic() + RELEASE_WAIT_S
-            # the last processes of a killed sandbox may take a while to leave (a fork bomb's: seconds)
-            while not group.is_empty() and time.monotonic() < deadline:
-                await asyncio.sleep(wait_s)
-                wait_s = min(wait_s * 1.5, 0.4)  # a cgroup read each time: slower under load, not more often
-            if group.reusable and group.is_empty() and self.started and len(self.free_groups) < 64:
-                if group.needs_reclaim():
-                    await asyncio.to_thread(group.reclaim)
-                self.free_groups.append(group)
-            else:
-                await self._remove_group(group)
-        finally:
-            self.releasing.discard(group)
-
-    async def _remove_group(self, group: Group) -> None:
-        """Remove a cgroup for good; one that will not go is logged once, counted, and left in place."""
-        try:
-            await asyncio.to_thread(group.close)
-        except OSError as exc:
-            self.cleanup_failures["cgroup"] += 1
-            log.warning("a sandbox cgroup stays behind: %s", exc.strerror or exc,
-                        extra={"fields": {"cgroup": group.paths(), "errno": exc.errno}})
-
-    def _pool_for(self, view: SnapshotView, limits: Limits) -> Pool:
-        key = (view.id, limits)
-        pool = self.pools.get(key)
-        if pool is None:
-            async def make() -> Sandbox:
-                return await self.restore(view, limits)
-
-            pool = Pool(key, make, min_size=self.config.pool_min, max_size=self.config.pool_max,
-                        window_s=self.config.pool_window_s, idle_s=self.config.pool_idle_s)
-            pool.start()
-            self.pools[key] = pool
-        return pool
+            return self.reports.sandbox(self.get(sandbox_id))
+        return self.reports.runtime()
 
     async def prewarm(self, snapshot: str = "python", count: int = 1, timeout_s: float = 60.0) -> None:
         """Keep at least ``count`` ready sandboxes of a snapshot (its default limits) in the pool."""
-        view = await self.resolve(snapshot)
-        pool = self._pool_for(view, view.limits)
-        pool.min_size = max(pool.min_size, count)
-        await self.zygote(view)
-        await pool.wait_ready(count, timeout_s)
+        await self.residency.prewarm(await self.resolve(snapshot), count, timeout_s)
 
     # ----------------------------------------------------------------- the API
     async def create(self, snapshot: str = "python", limits: LimitsArg = None,
@@ -786,19 +327,19 @@ class Runtime:
                    step_next: bool = False) -> Sandbox:
         """``create`` without its reply (whose isolation report reads the sandbox's cgroup membership):
         the durable layer's resume, which replies with the step's result instead."""
-        sb = await self._acquire(snapshot, limits, metadata, sandbox_id=sandbox_id)
-        sb.forked_from = forked_from
+        sb = await self.acquire(snapshot, limits, metadata, sandbox_id=sandbox_id, forked_from=forked_from)
         if step_next:
             await sb.want_spare()
         return sb
 
-    async def inject(self, sandbox_id: str, diff: dict[str, Any]) -> None:
-        """Apply a filesystem diff (``pack_upper``'s form: entries, whiteouts, opaque, and an fd of
-        the contents) inside a live sandbox: how a sandbox resumes its files from durable state."""
+    async def inject(self, sandbox_id: str, diff: proto.Diff) -> None:
+        """Apply a filesystem diff (entries, whiteouts, opaque, and an fd of the contents) inside a
+        live sandbox: how a sandbox resumes its files from durable state."""
         await self.get(sandbox_id).inject(diff)
 
-    async def _acquire(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
-                       pooled: bool = True, sandbox_id: str | None = None) -> Sandbox:
+    async def acquire(self, snapshot: str, limits: LimitsArg, metadata: dict[str, str] | None,
+                       pooled: bool = True, sandbox_id: str | None = None, forked_from: str | None = None,
+                       metered: Metered = "sandbox") -> Sandbox:
         if sandbox_id is not None and sandbox_id in self.sandboxes:
             raise InvalidRequest(f"sandbox {sandbox_id!r} is live already", sandbox_id=sandbox_id)
         if not self.started or self.closing:
@@ -811,22 +352,19 @@ class Runtime:
         t0 = time.perf_counter()
         self._creating += 1
         try:
-            pool = self._pool_for(view, lim) if pooled and lim == view.limits and not self.closing else None
+            pool = self.residency.pool_for(view, lim) if pooled and lim == view.limits and not self.closing else None
             sb = pool.take() if pool else None
             pooled = sb is not None
             if sb is None:
-                sb = await self.restore(view, lim)
+                sb = await self.restorer.restore(view, lim)
                 if pool:
                     pool.observe_restore(time.perf_counter() - t0)
         finally:
             self._creating -= 1
         if sandbox_id is not None:
-            sb.id = sandbox_id
             self.usages.pop(sandbox_id, None)  # a resumed sandbox's earlier life on this replica
-        sb.metadata = dict(metadata or {})
-        sb.start_clock()
-        sb.create_ms = (time.perf_counter() - t0) * 1000
-        sb.pooled = pooled
+        sb.take_up(sandbox_id, metadata, forked_from=forked_from, pooled=pooled,
+                   create_ms=(time.perf_counter() - t0) * 1000, metered=metered)
         self.sandboxes[sb.id] = sb
         return sb
 
@@ -834,7 +372,7 @@ class Runtime:
         return SandboxInfo(
             sandbox_id=sb.id, snapshot_id=sb.view.id, env_version=dict(sb.view.version), limits=sb.limits,
             metadata=sb.metadata, forked_from=sb.forked_from, pooled=sb.pooled, create_ms=round(sb.create_ms, 3),
-            isolation=self._report(sb),
+            isolation=self.reports.sandbox(sb),
         )
 
     def get(self, sandbox_id: str) -> Sandbox:
@@ -875,12 +413,7 @@ class Runtime:
 
     def _ended(self, sb: Sandbox, usage: Usage, keep_usage: bool = True) -> Usage:
         sandbox_id = sb.id
-        for scratch in sb.view.layers:
-            users = self._scratch.get(scratch)
-            if users is not None:
-                users.discard(sandbox_id)
-                if not users:
-                    self._drop_scratch(scratch)
+        self.forks.sandbox_ended(sb)
         if keep_usage:
             self.usages[sandbox_id] = usage
             if self.on_life_ended is not None and sb.metered is not None:
@@ -898,8 +431,7 @@ class Runtime:
         the run, and the reply comes at the deadline however long that took."""
         since = time.monotonic()
         for attempt in range(3):
-            sb = await self._acquire(snapshot, limits, metadata)
-            sb.metered = "run"
+            sb = await self.acquire(snapshot, limits, metadata, metered="run")
             try:
                 result = await self.exec(sb.id, request, last=True, since=since)
                 return result.model_copy(update={"pooled": sb.pooled, "create_ms": round(sb.create_ms, 3)})
@@ -912,48 +444,15 @@ class Runtime:
                 if sb.exited.is_set():
                     await self.destroy(sb.id)
                 else:  # killed at its deadline and still tearing down (a fork bomb's pid namespace):
-                    self._destroy_later(sb.id)  # reply now, reap and bill in the background
+                    self._background(self._destroy_quietly(sb.id))  # reply now, reap and bill in the background
         raise AssertionError("unreachable")
 
-    def _destroy_later(self, sandbox_id: str) -> None:
-        async def end() -> None:
-            try:
-                await self.destroy(sandbox_id)
-            except SandboxNotFound:
-                pass  # destroyed meanwhile (shutdown)
-
-        self._background(end())
+    async def _destroy_quietly(self, sandbox_id: str) -> None:
+        with contextlib.suppress(SandboxNotFound):  # destroyed meanwhile (shutdown)
+            await self.destroy(sandbox_id)
 
     def _background(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` on its own; ``close`` waits for it."""
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    # ----------------------------------------------------------------- lifetimes
-    async def _reap_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.reaper_interval_s)
-            self._note_layers()
-            now = time.monotonic()
-            # what dead runtimes left: again soon while some of it stays, at once when a runtime whose
-            # things the last sweep left alone has died since, else every 30 s
-            if now - self._swept >= (1.0 if self._leftovers else 30.0) or self.sweeper.owner_died():
-                self._swept = now
-                try:
-                    self._leftovers = await asyncio.to_thread(self._sweep)
-                except Exception:
-                    log.exception("sweeping leftovers failed")
-            for sid, sb in list(self.sandboxes.items()):
-                reason = None
-                if now - sb.created_at > sb.limits.lifetime_s:
-                    reason = "lifetime"
-                elif not sb.busy and now - sb.last_used > sb.limits.idle_s:
-                    reason = "idle"
-                elif sb.dead == "died" and not sb.busy:
-                    reason = "died"
-                if reason and self.sandboxes.get(sid) is sb:  # (not a copy resumed under its id meanwhile)
-                    with contextlib.suppress(Exception):
-                        usage = await self.destroy(sid, reason=reason)
-                        if self.on_reaped is not None and reason in ("lifetime", "idle"):
-                            await self.on_reaped(sid, reason, usage)

@@ -30,13 +30,14 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Generator
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
 from rollbox.runtime import jsonio
 from rollbox.runtime.errors import IntegrityError, StoreError
-from rollbox.runtime.execution import UpperTooLarge, upper_diff, walk_upper
+from rollbox.runtime.inside.proto import Diff, DiffEntry, Kind
 from rollbox.runtime.spec import Limits
+from rollbox.runtime.upper import UpperTooLarge, upper_diff, walk_upper
 
 __all__ = [
     "INLINE_MAX_BYTES",
@@ -227,15 +228,24 @@ def blob_key(sha: str) -> str:
     return f"blobs/{sha}"
 
 
+def _parse_entries(value: Any) -> list[DiffEntry]:
+    if not isinstance(value, list):
+        raise ValueError("entries must be a list")
+    return [e if isinstance(e, DiffEntry) else DiffEntry.parse(e) for e in value]
+
+
+Entries = Annotated[list[DiffEntry], PlainValidator(_parse_entries),
+                    PlainSerializer(lambda entries: [e.wire() for e in entries])]
+
+
 class Files(BaseModel):
-    """A sandbox's files as a diff over its snapshot, in ``pack_upper``'s entry form, contents by
-    sha256: ``{"p", "t": "f", "m", "mt", "sha", "n"[, "g"]}`` (``g``: the generation whose record
-    holds the content inline; absent: a blob), ``"d"`` directories, ``"l"`` symlinks, ``"h"`` hard
-    links to an earlier path."""
+    """A sandbox's files as a diff over its snapshot (``upper_diff``'s entries), each file's content
+    by sha256 (``DiffEntry.sha``; ``generation``: the generation whose record holds it inline, None:
+    a blob). Stored in the entries' compact wire form (``DiffEntry.wire``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    entries: list[dict[str, Any]] = Field(default_factory=list)
+    entries: Entries = Field(default_factory=list)
     whiteouts: list[str] = Field(default_factory=list)
     opaque: list[str] = Field(default_factory=list)
 
@@ -327,9 +337,9 @@ def scan_upper(upper: str, hashes: FileHashes, small: bool = False) -> tuple[Fil
     fresh: FileHashes = {}
     to_read = SMALL_SCAN[1] if small else -1
 
-    def hashed(path: str, st: os.stat_result, host_path: str) -> dict[str, Any]:
+    def hashed(entry: DiffEntry, st: os.stat_result, host_path: str) -> bool:
         nonlocal to_read
-        ident = (path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        ident = (entry.path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         sha = hashes.get(ident)
         if sha is None:
             if to_read >= 0:
@@ -339,25 +349,26 @@ def scan_upper(upper: str, hashes: FileHashes, small: bool = False) -> tuple[Fil
             sha = _sha256_file(host_path)
         fresh[ident] = sha
         paths.setdefault(sha, host_path)
-        return {"sha": sha, "n": st.st_size}
+        entry.sha, entry.size = sha, st.st_size
+        return True
 
     diff = upper_diff(upper, hashed, SMALL_SCAN[0] if small else None)
     assert diff is not None  # ``hashed`` never gives up
     hashes.clear()
     hashes.update(fresh)
-    return Files(**diff), paths
+    return Files(entries=diff.entries, whiteouts=diff.whiteouts, opaque=diff.opaque), paths
 
 
 def prefill_hashes(upper: str, files: Files, hashes: FileHashes, limit: int | None = None) -> None:
     """After ``files`` were injected into ``upper``: know their hashes without reading them (a file
     whose size matches the record is the one injected; nothing else ran in the sandbox yet). It reads
     no contents: one stat per entry. ``limit``: UpperTooLarge, ``hashes`` untouched, past that many."""
-    want = {e["p"]: e for e in files.entries if e["t"] == "f"}
+    want = {e.path: e for e in files.entries if e.kind == Kind.FILE}
     found = {}
     for path, kind, st, _host in walk_upper(upper, limit):
         e = want.get(path)
-        if kind == "f" and e is not None and e["n"] == st.st_size:
-            found[(path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)] = e["sha"]
+        if kind == "f" and e is not None and e.size == st.st_size:
+            found[(path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)] = e.sha
     hashes.update(found)
 
 
@@ -371,42 +382,42 @@ def place_contents(files: Files, previous: SandboxRecord | None, generation: int
     blobs to upload: sha -> host path)."""
     where: dict[str, int | None] = {}
     if previous is not None:
-        where = {e["sha"]: e.get("g") for e in previous.files.entries if e["t"] == "f"}
-    older = {where[e["sha"]] for e in files.entries if e["t"] == "f" and where.get(e["sha"]) is not None}
+        where = {e.sha: e.generation for e in previous.files.entries if e.kind == Kind.FILE}
+    older = {where[e.sha] for e in files.entries if e.kind == Kind.FILE and where.get(e.sha) is not None}
     reinline = len(older) > MAX_INLINE_GENERATIONS
     inline: dict[str, bytes] = {}
     blobs: dict[str, str] = {}
     for e in files.entries:
-        if e["t"] != "f":
+        if e.kind != Kind.FILE:
             continue
-        sha = e["sha"]
-        e.pop("g", None)
+        sha = e.sha
+        e.generation = None
         if sha in inline:
-            e["g"] = generation
+            e.generation = generation
         elif sha in where and not (reinline and where[sha] is not None):
             if where[sha] is not None:
-                e["g"] = where[sha]
-        elif e["n"] <= INLINE_MAX_BYTES:
+                e.generation = where[sha]
+        elif e.size <= INLINE_MAX_BYTES:
             inline[sha] = _read(paths[sha], sha)
-            e["g"] = generation
+            e.generation = generation
         else:
             blobs[sha] = paths[sha]
     return inline, blobs
 
 
-def diff_of(files: Files, contents: dict[str, bytes]) -> dict[str, Any]:
+def diff_of(files: Files, contents: dict[str, bytes]) -> Diff:
     """The diff a sandbox's agent applies (``Runtime.inject``): the entries with offsets into a memfd
     that holds every file's content (``contents``: sha256 -> bytes). The caller closes ``fd``."""
     fd = os.memfd_create("rollbox-resume", os.MFD_CLOEXEC)
-    entries: list[dict[str, Any]] = []
+    entries: list[DiffEntry] = []
     offsets: dict[str, tuple[int, int]] = {}
     offset = 0
     try:
         for e in files.entries:
-            if e["t"] != "f":
-                entries.append({k: e[k] for k in e if k in ("p", "t", "m", "mt", "l")})
+            if e.kind != Kind.FILE:
+                entries.append(DiffEntry(e.path, e.kind, e.mode, e.mtime, link=e.link))
                 continue
-            sha = e["sha"]
+            sha = e.sha
             if sha not in offsets:
                 data = contents[sha]
                 view = memoryview(data)
@@ -415,11 +426,11 @@ def diff_of(files: Files, contents: dict[str, bytes]) -> dict[str, Any]:
                 offsets[sha] = (offset, len(data))
                 offset += len(data)
             o, n = offsets[sha]
-            entries.append({"p": e["p"], "t": "f", "m": e["m"], "mt": e["mt"], "o": o, "n": n})
+            entries.append(DiffEntry(e.path, Kind.FILE, e.mode, e.mtime, size=n, offset=o))
     except BaseException:
         os.close(fd)
         raise
-    return {"fd": fd, "entries": entries, "whiteouts": list(files.whiteouts), "opaque": list(files.opaque)}
+    return Diff(entries, list(files.whiteouts), list(files.opaque), fd)
 
 
 def check_content(sha: str, data: bytes, where: str) -> bytes:

@@ -165,14 +165,14 @@ class Generations:
         self.not_metered(sid)
         sb = self.rt.sandboxes.get(sid)
         if sb is not None:  # its lifetime counts from the sandbox's create, not from this resume (the reaper's)
-            sb.created_at = time.monotonic() - max(0.0, time.time() - head.created_at)
+            sb.backdate(max(0.0, time.time() - head.created_at))
         try:
             if head.files.entries or head.files.whiteouts or head.files.opaque:
                 diff = diff_of(head.files, contents)
                 try:
                     await self.rt.inject(sid, diff)
                 finally:
-                    os.close(diff["fd"])
+                    os.close(diff.fd)
         except BaseException:
             with contextlib.suppress(RollboxError):
                 await self.rt.destroy(sid, reason="resume failed")
@@ -213,7 +213,7 @@ class Generations:
         its tombstone), not by the runtime at each hibernation."""
         sb = self.rt.sandboxes.get(sandbox_id)
         if sb is not None:
-            sb.metered = None
+            sb.bill_elsewhere()
 
     async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:  # local files, off the event loop
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -228,8 +228,8 @@ class StateStore:
     async def contents(self, head: SandboxRecord) -> dict[str, bytes]:
         """Every file content ``head`` names: inline in its records, or blobs."""
         sid = head.sandbox_id
-        gens = {e["g"] for e in head.files.entries if e["t"] == "f" and e.get("g") is not None}
-        need_blobs = {e["sha"] for e in head.files.entries if e["t"] == "f" and e.get("g") is None}
+        gens = {e.generation for e in head.files.entries if e.kind == "f" and e.generation is not None}
+        need_blobs = {e.sha for e in head.files.entries if e.kind == "f" and e.generation is None}
         records = {head.generation: head}
         # one order for the reads and for pairing their results: a set of ints iterates unsorted
         # once they pass its table size (list({3, 9}) == [9, 3]), which paired records with wrong generations
@@ -241,8 +241,8 @@ class StateStore:
             records[g] = rec
         contents: dict[str, bytes] = {}
         for e in head.files.entries:
-            if e["t"] == "f" and e.get("g") is not None and e["sha"] not in contents:
-                contents[e["sha"]] = records[e["g"]].inline[e["sha"]]  # checked when the record was read
+            if e.kind == "f" and e.generation is not None and e.sha not in contents:
+                contents[e.sha] = records[e.generation].inline[e.sha]  # checked when the record was read
         blobs = sorted(need_blobs)
         datas = await asyncio.gather(*(self.io(self.get_blob, s) for s in blobs))
         for sha, data in zip(blobs, datas, strict=True):

@@ -34,6 +34,7 @@ from rollbox.functions.contract.models import (
 from rollbox.functions.durable.runtime import DurableRuntime
 from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime, route
 from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreError
+from rollbox.runtime.inside.proto import split_fork_view_id
 from rollbox.runtime.runtime import LimitsArg
 from rollbox.runtime.snapshot import ROLLBOX_VERSION, SnapshotView
 from rollbox.runtime.spec import DEFAULT_LIMITS, Usage
@@ -47,7 +48,6 @@ from rollbox.snapshots.store import copy_snapshot
 __all__ = ["SnapshotRuntime", "Snapshots", "builtin_manifest", "routes"]
 
 logger = logging.getLogger("rollbox.functions")  # the service's (service.logs formats it)
-SCRATCH_SEP = "+"  # a live fork's view id: "<parent view id>+<scratch layer>[+<scratch layer>...]"
 
 
 class SnapshotRuntime(Protocol):
@@ -107,7 +107,7 @@ class Snapshots:
     async def snapshot(self, data: SnapshotData) -> SnapshotRecord:
         t0 = time.perf_counter()
         view: SnapshotView = self.rt.get(data.sandbox_id).view
-        base_id, *scratches = view.id.split(SCRATCH_SEP)
+        base_id, scratches = split_fork_view_id(view.id)
         # the parent, and a live fork's scratch layers (immutable) as intermediate snapshots
         parent = await asyncio.to_thread(self._parent, view, base_id, scratches)
         t1 = time.perf_counter()

@@ -21,9 +21,11 @@ import sys
 import threading
 import traceback
 import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rollbox.runtime.inside import proto
+from rollbox.runtime.inside.proto import DiffEntry, Kind, Op
 
 HOME = "/home/sandbox"
 MAX_READ_FILE_BYTES = 16 * 1024 * 1024
@@ -213,7 +215,7 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _inject(msg: dict[str, Any], fds: list[int]) -> None:
+def _inject(msg: Mapping[str, Any], fds: list[int]) -> None:
     """Make this sandbox's files those of a forked parent: apply its overlay diff (opaque dirs
     emptied, whiteouts deleted, then its entries recreated, file contents copied in the kernel from
     the passed memfd), as the sandbox user. Metadata the user may not set (on a root-owned
@@ -227,9 +229,9 @@ def _inject(msg: dict[str, Any], fds: list[int]) -> None:
         for path in msg.get("whiteouts") or []:
             _remove(path)
         dirs = []
-        for e in msg.get("entries") or []:
-            path, kind = e["p"], e["t"]
-            if kind == "d":
+        for e in proto.inject_entries(msg):
+            path, kind = e.path, e.kind
+            if kind == Kind.DIR:
                 if not os.path.isdir(path):
                     if os.path.lexists(path):
                         _remove(path)
@@ -238,27 +240,27 @@ def _inject(msg: dict[str, Any], fds: list[int]) -> None:
                 continue
             if os.path.lexists(path):
                 _remove(path)
-            if kind == "l":
-                os.symlink(e["l"], path)
-            elif kind == "h":
-                os.link(e["l"], path)
+            if kind == Kind.SYMLINK:
+                os.symlink(e.link, path)
+            elif kind == Kind.HARDLINK:
+                os.link(e.link, path)
             else:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
-                    done, n = 0, e["n"]
+                    done, n = 0, e.size
                     while done < n:
-                        sent = os.sendfile(fd, src, e["o"] + done, n - done)
+                        sent = os.sendfile(fd, src, e.offset + done, n - done)
                         if sent == 0:
                             raise OSError(f"short diff for {path}")
                         done += sent
-                    os.fchmod(fd, e["m"])
-                    os.utime(fd, (e["mt"], e["mt"]))
+                    os.fchmod(fd, e.mode)
+                    os.utime(fd, (e.mtime, e.mtime))
                 finally:
                     os.close(fd)
         for e in reversed(dirs):  # modes and mtimes last: creating the files changed them
             try:
-                os.chmod(e["p"], e["m"])
-                os.utime(e["p"], (e["mt"], e["mt"]))
+                os.chmod(e.path, e.mode)
+                os.utime(e.path, (e.mtime, e.mtime))
             except PermissionError:
                 pass
     finally:
@@ -271,15 +273,14 @@ def _prime() -> None:
     the copy-on-write faults it takes in this fresh fork of the zygote (its objects' refcounts are
     written) are paid now, while pooled, and not by the fork that will use this sandbox."""
     reader = proto.Reader()
-    reader.feed(proto.encode({"op": "inject", "entries": [{"p": "/", "t": "d", "m": 0o755, "mt": 0.0}],
-                              "whiteouts": [], "opaque": []}), [])
+    reader.feed(proto.encode(proto.inject_msg([DiffEntry("/", Kind.DIR, 0o755, 0.0)], [], [])), [])
     msg = reader.next() or {}
-    msg["entries"].append({"p": "/proc/.rollbox-prime", "t": "f", "m": 0o600, "mt": 0.0, "o": 0, "n": 0})
+    msg["entries"].append(DiffEntry("/proc/.rollbox-prime", Kind.FILE, 0o600, 0.0).wire())
     try:
         _inject(msg, [])
     except OSError:  # the file entry cannot be made under /proc: that is the point
         pass
-    proto.encode({"op": "injected"})
+    proto.encode(proto.InjectedMsg(op=Op.INJECTED))
 
 
 def _spare_main(chan: socket.socket, env: dict[str, str]) -> None:
@@ -301,7 +302,7 @@ def _spare_main(chan: socket.socket, env: dict[str, str]) -> None:
 
 def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[str, Any] | None = None) -> None:
     """The agent loop. Never returns: when the supervisor hangs up, the sandbox ends. ``probed``: what
-    containment put in force, read back (runtime/inside/probe.py), sent with "ready" when asked for."""
+    containment put in force, read back (runtime/inside/probe.py), sent with READY when asked for."""
     devnull = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
@@ -309,15 +310,98 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.signal(signal.SIGCHLD, _noop)
     signal.set_wakeup_fd(wake_w)
-    proto.send(sock, {"op": "ready"} if probed is None else {"op": "ready", "probe": probed}, [upper_fd])
+    ready = proto.ReadyMsg(op=Op.READY) if probed is None else proto.ReadyMsg(op=Op.READY, probe=probed)
+    proto.send(sock, ready, [upper_fd])
     os.close(upper_fd)
-    reader = proto.Reader()
-    worker: int | None = None
-    spare: tuple[int, socket.socket] | None = None
-    pending: dict[str, Any] = {}
+    Agent(sock, env).run(wake_r)
 
-    def fork_spare() -> None:
-        nonlocal spare
+
+class Agent:
+    """A sandbox's init after containment: one method per op the supervisor sends (``handlers``).
+    It holds the running step's worker, an idle spare worker forked ahead of a step, and the step's
+    EXEC frame (what to read back when its worker ends)."""
+
+    def __init__(self, sock: socket.socket, env: dict[str, str]) -> None:
+        self.sock = sock
+        self.env = env
+        self.reader = proto.Reader()
+        self.worker: int | None = None
+        self.spare: tuple[int, socket.socket] | None = None
+        self.pending: dict[str, Any] = {}  # the running (or last) step's EXEC
+        # This process moved itself into its cgroup before anything else (zygote.contain), so every
+        # fork is counted. When asked for (SPARE: a step is on its way) or when an exec says its
+        # steps come fast, keep one spare worker while idle. A pooled sandbox has none: a one-shot
+        # run needs none.
+        self.wants_spare = False
+        self.handlers: dict[str, Callable[[dict[str, Any]], None]] = {
+            Op.EXEC: self.on_exec, Op.SPARE: self.on_spare, Op.PRIME: self.on_prime, Op.KILL: self.on_kill,
+            Op.PING: self.on_ping, Op.INJECT: self.on_inject, Op.FREEZE: self.on_freeze, Op.THAW: self.on_thaw,
+        }
+
+    def run(self, wake_r: int) -> None:
+        """Serve frames in order, reaping children as they exit. Never returns."""
+        sock, reader = self.sock, self.reader
+        while True:
+            if self.wants_spare and self.spare is None and self.worker is None and not self.pending.get("last"):
+                self.fork_spare()
+            readable, exited = proto.wait(sock, wake_r)
+            if exited:
+                self.reap()
+            if readable:
+                data, anc, _f, _a = sock.recvmsg(1 << 16, proto.ANC_SPACE, proto.RECV_FLAGS)
+                if not data:
+                    self.kill_all()
+                    os._exit(0)
+                reader.feed(data, anc)
+                while (msg := reader.next()) is not None:
+                    handler = self.handlers.get(proto.op_of(msg) or "")
+                    if handler is not None:
+                        handler(msg)
+
+    # ------------------------------------------------------------- ops
+    def on_exec(self, msg: dict[str, Any]) -> None:
+        self.pending = msg
+        self.wants_spare = bool(msg.get("spare"))  # the steps come fast: the next one is near
+        self.start(msg, self.reader.take_fds())
+
+    def on_spare(self, _msg: dict[str, Any]) -> None:
+        self.wants_spare = True
+
+    def on_prime(self, _msg: dict[str, Any]) -> None:
+        _prime()
+
+    def on_kill(self, _msg: dict[str, Any]) -> None:
+        self.kill_all()
+        # no spare worker after a timed-out step: the supervisor reads the sandbox's files as soon as
+        # its cgroup holds this init alone (Runtime.frozen)
+        self.wants_spare = False
+
+    def on_ping(self, _msg: dict[str, Any]) -> None:
+        proto.send(self.sock, proto.bare(Op.PONG))
+
+    def on_inject(self, msg: dict[str, Any]) -> None:
+        try:
+            _inject(msg, self.reader.take_fds())
+            proto.send(self.sock, proto.InjectedMsg(op=Op.INJECTED))
+        except Exception as exc:
+            proto.send(self.sock, proto.InjectedMsg(op=Op.INJECTED, error=f"{type(exc).__name__}: {exc}"))
+
+    def on_freeze(self, _msg: dict[str, Any]) -> None:
+        """Hold every other process still while the files are read."""
+        try:
+            os.kill(-1, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+        proto.send(self.sock, proto.bare(Op.FROZEN))
+
+    def on_thaw(self, _msg: dict[str, Any]) -> None:
+        try:  # (no answer: frames are handled in order)
+            os.kill(-1, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    # ------------------------------------------------------------- processes
+    def fork_spare(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             pid = os.fork()
@@ -327,12 +411,11 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
             return
         if pid == 0:
             ours.close()
-            _spare_main(theirs, env)
+            _spare_main(theirs, self.env)
         theirs.close()
-        spare = (pid, ours)
+        self.spare = (pid, ours)
 
-    def reap() -> None:
-        nonlocal worker, spare
+    def reap(self) -> None:
         while True:
             try:
                 pid, status, ru = os.wait4(-1, os.WNOHANG)
@@ -340,51 +423,49 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
                 return
             if pid == 0:
                 return
-            if spare is not None and pid == spare[0]:
-                spare[1].close()
-                spare = None
-            if pid == worker:
-                worker = None
-                files = _read_files(pending.get("read_files") or [])
-                proto.send(sock, {
-                    "op": "exit", "status": status, "cpu_s": ru.ru_utime + ru.ru_stime,
-                    "maxrss_bytes": ru.ru_maxrss * 1024, "files": files, "alone": alone(),
-                })
+            if self.spare is not None and pid == self.spare[0]:
+                self.spare[1].close()
+                self.spare = None
+            if pid == self.worker:
+                self.worker = None
+                files = _read_files(self.pending.get("read_files") or [])
+                proto.send(self.sock, proto.exit_report(
+                    Op.EXIT, status, ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024, files=files, alone=self.alone()))
 
-    def alone() -> bool:
+    def alone(self) -> bool:
         """Nothing of the step outlived it: this pid namespace holds only init (and an idle spare).
         Orphans are this init's children before their parent is reaped, so none is missed."""
-        keep = {1, spare[0]} if spare is not None else {1}
+        keep = {1, self.spare[0]} if self.spare is not None else {1}
         try:
             return all(int(p) in keep for p in os.listdir("/proc") if p.isdigit())
         except OSError:
             return False
 
-    def kill_all() -> None:
+    def kill_all(self) -> None:
         for _ in range(1000):
             try:
                 os.kill(-1, signal.SIGKILL)
             except ProcessLookupError:
                 break
-            reap()
-        reap()
+            self.reap()
+        self.reap()
 
-    def start(msg: dict[str, Any], fds: list[int]) -> None:
-        nonlocal worker, spare
+    def start(self, msg: dict[str, Any], fds: list[int]) -> None:
         try:
             _write_files(msg.get("files") or {})
             if msg.get("inline"):
                 # A one-shot step: the program becomes this process (pid 1). _worker closes the
                 # supervisor's channel first; the zygote reports the exit; its end ends the sandbox.
-                # "started" tells the supervisor the program ran (else a run may take another sandbox)
+                # STARTED tells the supervisor the program ran (else a run may take another sandbox)
                 # and what the agent had used so far (CPU is metered from the zygote's report).
                 me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-                proto.send(sock, {"op": "started", "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime})
-                _worker(msg, fds, env)
+                cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+                proto.send(self.sock, proto.StartedMsg(op=Op.STARTED, cpu_s=cpu))
+                _worker(msg, fds, self.env)
             pid = 0
-            if spare is not None:
-                pid, chan = spare
-                spare = None
+            if self.spare is not None:
+                pid, chan = self.spare
+                self.spare = None
                 try:
                     proto.send(chan, msg, fds)
                 except OSError:  # the spare died (killed with everything else): fork afresh
@@ -393,64 +474,16 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
             if pid == 0:
                 pid = os.fork()
                 if pid == 0:
-                    _worker(msg, fds, env)
+                    _worker(msg, fds, self.env)
         except Exception as exc:  # files that cannot be written, no process to fork: the step is refused
             if isinstance(exc, FileNotWritten):
                 why = f"{exc}; the program did not run"
             else:
                 why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
                 why = f"could not start the process: {why}"
-            proto.send(sock, {"op": "exit", "error": why, "status": 126 << 8,
-                              "cpu_s": 0.0, "maxrss_bytes": 0, "files": {}})
+            proto.send(self.sock, proto.exit_report(Op.EXIT, 126 << 8, files={}, error=why))
             return
         finally:
             for fd in fds:
                 os.close(fd)
-        worker = pid
-
-    # This process moved itself into its cgroup before anything else (zygote.contain), so every fork
-    # is counted. When asked for ("spare": a step is on its way) or when an exec says its steps come
-    # fast, keep one spare worker while idle. A pooled sandbox has none: a one-shot run needs none.
-    wants_spare = False
-    while True:
-        if wants_spare and spare is None and worker is None and not pending.get("last"):
-            fork_spare()
-        readable, exited = proto.wait(sock, wake_r)
-        if exited:
-            reap()
-        if readable:
-            data, anc, _f, _a = sock.recvmsg(1 << 16, proto.ANC_SPACE, proto.RECV_FLAGS)
-            if not data:
-                kill_all()
-                os._exit(0)
-            reader.feed(data, anc)
-            while (msg := reader.next()) is not None:
-                op = msg.get("op")
-                if op == "exec":
-                    pending = msg
-                    wants_spare = bool(msg.get("spare"))  # the steps come fast: the next one is near
-                    start(msg, reader.take_fds())
-                elif op == "spare":
-                    wants_spare = True
-                elif op == "prime":
-                    _prime()
-                elif op == "kill":
-                    kill_all()
-                    # no spare worker after a timed-out step: the supervisor reads the sandbox's files as
-                    # soon as its cgroup holds this init alone (Runtime.frozen)
-                    wants_spare = False
-                elif op == "ping":
-                    proto.send(sock, {"op": "pong"})
-                elif op == "inject":
-                    try:
-                        _inject(msg, reader.take_fds())
-                        proto.send(sock, {"op": "injected"})
-                    except Exception as exc:
-                        proto.send(sock, {"op": "injected", "error": f"{type(exc).__name__}: {exc}"})
-                elif op in ("freeze", "thaw"):  # hold every other process still while the files are read
-                    try:
-                        os.kill(-1, signal.SIGSTOP if op == "freeze" else signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
-                    if op == "freeze":  # thaw needs no answer: frames are handled in order
-                        proto.send(sock, {"op": "frozen"})
+        self.worker = pid

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rollbox.runtime.isolation.cgroups import (
+from rollbox.runtime.isolation.cgroupfs import (
     CLEANUP_BOOST,
     CPU_PERIOD_US,
     RECLAIM_ABOVE_BYTES,
@@ -29,8 +29,8 @@ from rollbox.runtime.isolation.cgroups import (
     remove_dir,
     sandboxes_cores,
 )
-from rollbox.runtime.isolation.cgroups import read as _read
-from rollbox.runtime.isolation.cgroups import write as _write
+from rollbox.runtime.isolation.cgroupfs import read as _read
+from rollbox.runtime.isolation.cgroupfs import write as _write
 
 NEEDED = ("memory", "pids", "cpu")
 

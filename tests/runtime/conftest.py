@@ -52,11 +52,11 @@ def sandbox_processes(rt: Runtime, zombies: bool = False) -> int:
 def host_state(rt: Runtime) -> dict[str, object]:
     """What exists on the host beyond what the runtime holds (live sandboxes, the warm pool, cgroups
     kept for reuse — which must be empty)."""
-    known = set(rt.sandboxes) | {sb.id for pool in rt.pools.values() for sb in pool.ready} | set(rt.restoring)
-    assert all(g.is_empty() for g in rt.free_groups)
+    known = set(rt.sandboxes) | {sb.id for pool in rt.pools.values() for sb in pool.ready} | set(rt.cgroups.restoring)
+    assert all(g.is_empty() for g in rt.cgroups.free)
     cgs = rt.cgroup_backend.leftovers() if rt.cgroup_backend else []
     return {
-        "cgroups": sorted(set(cgs) - rt.held_cgroups()),
+        "cgroups": sorted(set(cgs) - rt.cgroups.held()),
         # a sandbox being restored may not have its process yet: count only what nothing explains
         "sandbox_children": max(0, sandbox_processes(rt) - len(known)),
     }

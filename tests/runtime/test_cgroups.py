@@ -8,6 +8,7 @@ missing controllers) when limits are asked of a hierarchy that cannot enforce th
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from rollbox.runtime.isolation import cgroups
+from rollbox.runtime.isolation.cgroup_pool import CgroupPool
 from rollbox.runtime.isolation.cgroups_v1 import V1
 from rollbox.runtime.isolation.cgroups_v2 import V2
 
@@ -76,6 +78,28 @@ def test_v1_cpu_cap_stays_under_an_ancestors_quota_and_bounds_every_sandbox() ->
         for d in dict.fromkeys(outer):
             d.rmdir()
     assert not any(d.exists() for d in outer)
+
+
+@needs_root
+@pytest.mark.skipif("memory" not in cgroups.mounts_of("cgroup"), reason="no cgroup v1 memory hierarchy")
+@pytest.mark.asyncio
+async def test_pool_keeps_at_most_its_size_reuses_and_removes_the_rest() -> None:
+    backend = V1(f"rollbox-t3-{os.getpid()}")
+    tasks: list[asyncio.Future[None]] = []
+    pool = CgroupPool(keep=1, background=lambda work: tasks.append(asyncio.ensure_future(work)))
+    pool.open(backend)
+    a, b = (pool.acquire(name, 64 * MiB, 16, 0.5) for name in ("sb-a", "sb-b"))
+    assert a is not None and b is not None
+    assert pool.held() == {*a.paths(), *b.paths()}
+    pool.release(a)
+    pool.release(b)  # past the pool's size: removed
+    await asyncio.gather(*tasks)
+    assert pool.free == [a] and not any(Path(p).exists() for p in b.paths())
+    assert pool.acquire("sb-c", 32 * MiB, 8, 0.25) is a  # reused, with the new limits
+    assert (a.dirs["pids"] / "pids.max").read_text().strip() == "8"  # type: ignore[attr-defined]
+    pool.release(a)
+    await pool.close()
+    assert pool.held() == set() and not any(Path(p).exists() for p in a.paths())
 
 
 def test_v2_without_controllers_refuses_and_names_them() -> None:

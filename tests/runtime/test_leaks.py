@@ -37,7 +37,7 @@ async def test_thousand_sandboxes_leave_nothing_behind(rt: Runtime) -> None:
             break
         await asyncio.sleep(0.05)
     # reusable cgroups keep their stat files open (a cache bounded by the free-group list)
-    cached = tuple(f"{d}/" for g in rt.free_groups
+    cached = tuple(f"{d}/" for g in rt.cgroups.free
                    for d in (g.dirs.values() if hasattr(g, "dirs") else [g.path]))  # type: ignore[union-attr]
     now = {fd: t for fd, t in fd_targets().items() if not t.startswith(cached)}
     assert len(now) <= len(fds), {fd: t for fd, t in now.items() if fds.get(fd) != t}

@@ -75,8 +75,8 @@ async def test_sandbox_report_matches_the_kernel(rt: Runtime) -> None:
         else:  # the owner of its namespace, as the host reads it (NS_GET_OWNER_UID)
             owner = ns_owner(sb.pid)
             assert owner >= 65536, owner
-            assert rt.user_slots is not None
-            if rt.user_slots.shifted:  # its processes run as that owner, its layers idmapped onto it
+            assert rt.restorer.user_slots is not None
+            if rt.restorer.user_slots.shifted:  # its processes run as that owner, its layers idmapped onto it
                 assert _host_uid(sb.pid) == owner
                 assert f"a user namespace of its own owned by host uid {owner}, which its processes run as" \
                     in rep["user"], rep["user"]

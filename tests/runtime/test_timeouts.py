@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from rollbox.runtime.execution import descendants
 from rollbox.runtime.isolation.cgroups import mounts_of
 from rollbox.runtime.isolation.cgroups_v1 import V1Group
 from rollbox.runtime.isolation.cgroups_v2 import V2Group
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.spec import ExecRequest, Limits
+from rollbox.runtime.step import descendants
 
 pytestmark = pytest.mark.asyncio
 
@@ -217,7 +217,7 @@ async def test_the_pids_limit_is_reported_once_reached_and_only_then(tmp_path: P
             bomb = await rt.run(ExecRequest(code=WILD_FORK_BOMB, timeout_s=1.0), limits=lim)
             assert bomb.timed_out and bomb.pids_limit_hit, bomb
             for _ in range(200):  # the bomb's group is released once its processes are gone
-                if not rt.sandboxes and not rt.releasing:
+                if not rt.sandboxes and not rt.cgroups.releasing:
                     break
                 await asyncio.sleep(0.05)
             info = await rt.create(limits=lim)
@@ -237,7 +237,7 @@ async def test_a_run_replies_at_its_deadline_however_long_its_sandbox_took(tmp_p
     async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("since"), pool_max=0)) as rt:
         await rt.run(ExecRequest(code="pass"))  # its zygote is up
         view = await rt.resolve("python")
-        lock = rt._zygote_locks[view.zygote_key]
+        lock = rt.restorer.zygote_locks[view.zygote_key]
         await lock.acquire()
         asyncio.get_running_loop().call_later(1.5, lock.release)
         t0 = time.monotonic()

@@ -42,7 +42,7 @@ def test_an_upper_too_large_for_the_loop_is_refused_and_leaves_the_hashes_alone(
         scan_upper(str(tmp_path), hashes, small=True)
     assert hashes == {("/old", 1, 2, 3, 4): "x" * 64}
     files_seen, _ = scan_upper(str(tmp_path), hashes)  # (the thread's scan: no budget)
-    assert len([e for e in files_seen.entries if e["t"] == "f"]) == files + (1 if big else 0)
+    assert len([e for e in files_seen.entries if e.kind == "f"]) == files + (1 if big else 0)
 
 
 def test_files_known_already_cost_the_small_scan_nothing(tmp_path: Path) -> None:
