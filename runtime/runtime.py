@@ -153,6 +153,11 @@ class Runtime:
         # "sandbox" | "run"). Durable sandboxes are billed by the durable layer, once, at their end.
         self.on_life_ended: Callable[[Usage, Limits, str], None] | None = None
 
+    @property
+    def creating(self) -> int:
+        """Sandboxes being made now (not yet in ``sandboxes``): what a capacity check adds to them."""
+        return self._creating
+
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         cfg = self.config

@@ -10,12 +10,13 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 
+from rollbox.runtime.errors import RollboxError
 from rollbox.runtime.inside.proto import Diff, DiffEntry, Kind
 
 __all__ = ["UpperTooLarge", "give_back", "pack_upper", "upper_diff", "walk_upper"]
 
 
-class UpperTooLarge(Exception):
+class UpperTooLarge(RollboxError):
     """An upper directory with more entries than a walk's ``limit`` (``walk_upper``)."""
 
 

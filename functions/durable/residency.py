@@ -126,7 +126,7 @@ class Residency:
         ``ROOM_WAIT_S``, then 429)."""
         cap = self.cap.max_live
         deadline: float | None = None
-        while not self.cap.fits(len(self.rt.sandboxes) + self.rt._creating, n):
+        while not self.cap.fits(len(self.rt.sandboxes) + self.rt.creating, n):
             idle = [(live.last_used, sid) for sid, live in self.live.items() if not self.wanted(sid)]
             if not idle:
                 loop = asyncio.get_running_loop()
