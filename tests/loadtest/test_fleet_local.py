@@ -23,6 +23,22 @@ APPEND = "open('log.txt', 'a').write('{0}\\n'); print(open('log.txt').read(), en
 pytestmark = pytest.mark.slow
 
 
+def haproxy_stat(fleet: Any, proxy: str, server: str, column: str) -> int:
+    """One number from HAProxy's stats (its socket), e.g. the frontend's most concurrent sessions."""
+    import csv
+    import socket
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(fleet.base / "haproxy.sock"))
+        sock.sendall(b"show stat\n")
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    rows = list(csv.reader(raw.decode().lstrip("# ").splitlines()))
+    col = {name: i for i, name in enumerate(rows[0])}
+    row = next(r for r in rows[1:] if r[col["pxname"]] == proxy and r[col["svname"]] == server)
+    return int(row[col[column]] or 0)
+
+
 def load_fleet_local() -> ModuleType:
     spec = importlib.util.spec_from_file_location("fleet_local", ROOT / "loadtest" / "fleet_local.py")
     assert spec is not None and spec.loader is not None
@@ -87,3 +103,33 @@ def test_episodes_across_replicas_survive_scale_to_zero_and_back(fleet: Any) -> 
             steps[sid] += f"{sid} after\n"
             assert r.status_code == 200, r.text
             assert r.json()["stdout"] == steps[sid] and r.json()["resumed"] is True, r.json()
+
+
+def test_distributed_locust_shares_connections_and_sums_workers(fleet: Any, tmp_path: Path) -> None:
+    """Locust as a 100k run drives it, in small: a master and 2 worker processes, 24 users, each
+    process's users sharing 2 connections; the summary sums both workers' counters."""
+    import json
+    import os
+    import subprocess
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOX_")}
+    out_json = tmp_path / "summary.json"
+    pids = ",".join(str(p) for k, p in fleet.pids().items() if k.startswith("replica") or k == "haproxy")
+    p = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
+         "--only-summary", "--processes", "2", "-u", "24", "-r", "24", "-t", "8s", "--stop-timeout", "10",
+         "--host", fleet.url.rstrip("/"), "--think-min-s", "0.2", "--think-max-s", "0.5", "--connections", "2",
+         "--server-pid", pids, "--summary-json", str(out_json)],
+        capture_output=True, text=True, timeout=90, env={**clean, "ROLLBOX_LOCUST_SHAPE": "none"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    summary = json.loads(out_json.read_text())
+    assert summary["processes"] == 2, summary
+    assert summary["failures"] == 0 and summary["episodes_done"] > 0 and summary["steps"] > 0, summary
+    assert summary["step_p50_ms"] > 0 and summary["step_p99_ms"] >= summary["step_p50_ms"], summary
+    assert max(n for _, n in summary["open_series"]) > 0, summary  # open episodes, summed over workers
+    assert summary["targets_peak_pss_bytes"] > 50 * 2**20 and summary["locust_rss_peak_bytes"] > 0, summary
+    assert "users' processes: 2" in out and "open episodes: peak" in out, out[-3000:]
+    # 24 users, 2 processes x 2 shared connections (+1: the summary reads /metrics through it at the end):
+    # HAProxy never had more than 5 client connections at once (a pool per user: up to 24)
+    assert 1 <= haproxy_stat(fleet, "rollbox", "FRONTEND", "smax") <= 5, out[-2000:]
