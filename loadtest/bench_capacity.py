@@ -3,7 +3,8 @@ driven by distributed Locust (a master and --processes workers, loadtest/locustf
 scale-to-zero-and-back wave with every episode open.
 
 Prints the machine CPU per request by component (each component's process tree, its reaped children
-included: replicas with their zygotes and sandboxes, SeaweedFS, HAProxy, Locust's master and workers),
+included: the replicas' servers (their threads included), their zygotes and sandboxes, SeaweedFS,
+HAProxy, Locust's master and workers),
 summed over the requests Locust sent (retries included) while the fleet was up; step p50/p99; the
 peak memory (PSS) of each component; open episodes; and for the wave: how long the replicas took to
 start and be routed, the time from their start to the first reply (an exec of an episode opened
@@ -80,6 +81,14 @@ def tree_cpu_s(root: int, children: dict[int, list[int]]) -> float:
     return total / TICK
 
 
+def own_cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return sum(int(x) for x in f.read().rpartition(")")[2].split()[11:13]) / TICK
+    except (OSError, ValueError):
+        return 0.0
+
+
 def tree_pss(root: int, children: dict[int, list[int]]) -> int:
     total = 0
     for pid in _tree(root, children):
@@ -110,8 +119,12 @@ class Components:
                 "seaweedfs": [pids["seaweedfs"]], "haproxy": [pids["haproxy"]], "locust": [self.locust_pid]}
 
     def cpu(self) -> dict[str, float]:
+        """CPU seconds by component; the replicas split into the servers' own processes (their threads
+        included) and their descendants (zygotes and sandboxes)."""
         ch = _children()
-        return {name: sum(tree_cpu_s(r, ch) for r in roots) for name, roots in self.roots().items()}
+        out = {name: sum(tree_cpu_s(r, ch) for r in roots) for name, roots in self.roots().items()}
+        servers = sum(own_cpu_s(r) for r in self.roots()["replicas"])
+        return {"servers": servers, "sandboxes": out.pop("replicas") - servers, **out}
 
 
 @dataclass

@@ -3,9 +3,9 @@ next generation's record, a 404 when no other replica moved on; the create-only 
 If-None-Match: *), through rollbox's own S3Objects, against SeaweedFS on 127.0.0.1, one thread.
 
 Prints the CPU per step of this process (the client: botocore, urllib3, signing) and of SeaweedFS,
-for botocore's default configuration and with its flexible checksums asked for only where an
+for botocore's default configuration, with its flexible checksums asked for only where an
 operation requires them (``request_checksum_calculation`` / ``response_checksum_validation`` =
-``when_required``); then a cProfile of the client side by package and the top functions.
+``when_required``), and with its parameter validation off too; then a cProfile of the client side by package and the top functions.
 
     .venv/bin/python loadtest/profile_s3_step.py -n 400
 """
@@ -59,8 +59,9 @@ def main() -> int:
     try:
         bucket = s3.new_bucket()
         make = store_factory(s3)
-        variants = {"botocore default": {}, "checksums when_required": {
-            "request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"}}
+        checksums = {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"}
+        variants = {"botocore default": {}, "checksums when_required": checksums,
+                    "+ no parameter validation": {**checksums, "parameter_validation": False}}
         stores = {}
         for name, extra in variants.items():
             store = make(f"s3://{bucket}/p{len(stores)}")
