@@ -92,6 +92,7 @@ MIB = 1024 * 1024
 # the python snapshot's default limits, sent explicitly as a trainer does: equal to the defaults,
 # creates can come from the warm pool; other values load the restore path instead
 LIMITS = {"memory_max_bytes": 512 * MIB, "cpu_max_cores": 1.0}
+DEFAULT_IDLE_S, DEFAULT_LIFETIME_S = 300.0, 900.0  # the python snapshot's idle and lifetime limits
 STATE_FILE = "trajectory.txt"
 WRONG_ACTION_RATIO = 0.25  # a policy's actions are mostly right, sometimes not (exit code 1)
 EXEC_TIMEOUT_S = 30.0
@@ -304,6 +305,18 @@ class EpisodeUser(FastHttpUser):
         self.episodes = 0
         self.live: str | None = None  # the sandbox to destroy if the user is stopped mid-episode
 
+    def limits(self) -> dict[str, Any]:
+        """LIMITS, with the idle and lifetime limits raised when the think times outlast them (a trainer
+        thinking 10-20 min between steps must, or its sandboxes expire while it thinks). Limits other
+        than the snapshot's defaults are not served from its warm pool: such creates and resumes restore."""
+        lim: dict[str, Any] = dict(LIMITS)
+        idle_s = self.cfg.think_max_s + 60  # a think, and the step's own wait and retries
+        lifetime_s = self.cfg.steps * self.cfg.think_max_s + 120
+        if idle_s > DEFAULT_IDLE_S or lifetime_s > DEFAULT_LIFETIME_S:  # then with room to spare
+            lim["idle_s"] = min(max(1.5 * idle_s, DEFAULT_IDLE_S), 24 * 3600)
+            lim["lifetime_s"] = min(max(1.5 * lifetime_s, DEFAULT_LIFETIME_S), 7 * 24 * 3600)
+        return lim
+
     def wait_time(self) -> float:
         return self.think_s()
 
@@ -388,7 +401,8 @@ class EpisodeUser(FastHttpUser):
         """create, steps, destroy; True if every request passed."""
         episode = uuid.uuid4().hex[:12]
         meta = {"experiment": self.cfg.experiment, "episode": episode}
-        created = self.send("create", {"snapshot": "python", "metadata": meta, "limits": LIMITS}, "created", _created)
+        created = self.send("create", {"snapshot": "python", "metadata": meta, "limits": self.limits()}, "created",
+                            _created)
         if created.data is None:
             return False
         sid = self.live = created.data["sandbox_id"]
