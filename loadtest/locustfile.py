@@ -33,8 +33,21 @@ memory (PSS) of `--server-pid` and all its descendants sampled every 2 s, the se
 rollbox_resumes_total and rollbox_hibernations_total, or n/a) and the exit code is 1 if the outcome
 rows (retry rows left out) fail more than `--max-fail-ratio` or their p99 is over `--max-p99-ms`.
 Every flag also reads an environment variable: see `_flags` below (Locust's --help prints before
-it imports the locustfile, so it does not list them). The summary's counters are this process's
-own (with --processes or workers, each worker counts its requests, the master none).
+it imports the locustfile, so it does not list them).
+
+Distributed, as a 100k run is driven: one master, one worker per core (`--processes -1` on one box;
+`--master` / `--worker --master-host H` across boxes, as knative/loadtest/ deploys them). Each worker
+sends its counters (episodes, retries by code, open episodes, its own peak RSS) with every stats
+report; the master's summary sums the latest of each, beside Locust's own aggregated rows (step
+p50/p99 from the `exec` row) and the open episodes sampled every 5 s. The users of one worker process
+share one connection pool per host (`--connections`, 64): a trainer multiplexes its rollouts over a
+client's pool, so 100k users are not 100k sockets; a user waits for a free connection, and that wait
+is in its request's time. `--server-pid` takes several pids (replicas, SeaweedFS, HAProxy): the peak of
+their trees' summed PSS. `--summary-json F` writes the summary for scripts (loadtest/bench_capacity.py).
+
+    python loadtest/fleet_local.py --replicas 2 --port 18400 -- --hibernate-after-s 30 &   # prints pids
+    ROLLBOX_LOCUST_SHAPE=none locust -f loadtest/locustfile.py --headless --processes -1 -u 5000 -r 50 \
+        -t 10m --host http://127.0.0.1:18400 --think-min-s 60 --think-max-s 120 --server-pid P1,P2,P3,P4
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ import json
 import logging
 import os
 import random
+import resource
 import shlex
 import sys
 import time
@@ -59,9 +73,10 @@ from typing import Any
 
 import gevent
 import locust.argument_parser
+from geventhttpclient.client import HTTPClientPool
 from locust import FastHttpUser, LoadTestShape, events, run_single_user, task
 from locust.exception import StopUser
-from locust.runners import WorkerRunner
+from locust.runners import MasterRunner, WorkerRunner
 from locust.stats import RequestStats, StatsEntry
 
 SHAPES = ("burst", "none")
@@ -77,10 +92,14 @@ MIB = 1024 * 1024
 # the python snapshot's default limits, sent explicitly as a trainer does: equal to the defaults,
 # creates can come from the warm pool; other values load the restore path instead
 LIMITS = {"memory_max_bytes": 512 * MIB, "cpu_max_cores": 1.0}
+DEFAULT_IDLE_S, DEFAULT_LIFETIME_S = 300.0, 900.0  # the python snapshot's idle and lifetime limits
 STATE_FILE = "trajectory.txt"
 WRONG_ACTION_RATIO = 0.25  # a policy's actions are mostly right, sometimes not (exit code 1)
 EXEC_TIMEOUT_S = 30.0
 SERVER_METRICS = ("rollbox_resumes_total", "rollbox_hibernations_total")
+NETWORK_TIMEOUT_S = 180.0  # a reply's wait: above the server's --request-deadline-s plus an exec's timeout
+CONNECT_TIMEOUT_S = 10.0
+OPEN_SAMPLE_S = 5.0  # open episodes are sampled this often for the summary's series
 
 log = logging.getLogger("rollbox.locust")
 
@@ -107,7 +126,12 @@ def _flags(parser: Any) -> None:
     flag("--retry-after-max-s", "ROLLBOX_LOCUST_RETRY_AFTER_MAX_S", float, 10.0, "cap on one Retry-After wait")
     flag("--max-fail-ratio", "ROLLBOX_LOCUST_MAX_FAIL_RATIO", float, 0.01, "exit 1 above this failure ratio")
     flag("--max-p99-ms", "ROLLBOX_LOCUST_MAX_P99_MS", float, 5000.0, "exit 1 above this p99")
-    flag("--server-pid", "ROLLBOX_LOCUST_SERVER_PID", int, None, "report the peak memory (PSS) of this pid and descendants")
+    flag("--server-pid", "ROLLBOX_LOCUST_SERVER_PID", str, "",
+         "comma-separated pids (the targets: replicas, the store, the load balancer): the peak memory (PSS) of "
+         "them and their descendants is reported")
+    flag("--connections", "ROLLBOX_LOCUST_CONNECTIONS", int, 64,
+         "connections per host shared by all users of a worker process (a trainer's pool); 0: one pool per user")
+    flag("--summary-json", "ROLLBOX_LOCUST_SUMMARY_JSON", str, "", "also write the summary as JSON to this file")
     flag("--experiment", "ROLLBOX_LOCUST_EXPERIMENT", str, "locust", "the experiment label of every episode")
     flag("--burst-users", "ROLLBOX_LOCUST_USERS", int, 50, "users in each burst of the burst shape")
     flag("--stage-s", "ROLLBOX_LOCUST_STAGE_S", float, 30.0, "seconds per stage of the burst shape")
@@ -127,12 +151,14 @@ class Settings:
     retry_after_max_s: float
     max_fail_ratio: float
     max_p99_ms: float
-    server_pid: int | None
+    server_pids: tuple[int, ...]
     experiment: str = "locust"
+    connections: int = 64
 
     @classmethod
     def of(cls, o: Any) -> Settings:
         hosts = tuple(h.strip().rstrip("/") for h in o.hosts.split(",") if h.strip())
+        pids = [p.strip() for p in str(o.server_pid or "").split(",") if p.strip()]
         checks = [
             (o.think_min_s >= 0, "--think-min-s must be >= 0"),
             (o.think_max_s >= o.think_min_s, "--think-max-s must be >= --think-min-s"),
@@ -142,27 +168,59 @@ class Settings:
             (o.retry_attempts >= 1, "--retry-attempts must be >= 1 (1: no retry)"),
             (o.retry_budget_s >= 0 and o.retry_after_max_s >= 0, "--retry-budget-s/--retry-after-max-s must be >= 0"),
             (0 <= o.max_fail_ratio <= 1, "--max-fail-ratio must be in [0, 1]"),
-            (o.server_pid is None or o.server_pid > 0, "--server-pid must be > 0"),
+            (all(p.isdigit() and int(p) > 0 for p in pids), "--server-pid: each must be a pid > 0"),
+            (o.connections >= 0, "--connections must be >= 0"),
             (o.burst_users >= 1 and o.stage_s > 0, "--burst-users must be >= 1 and --stage-s > 0"),
         ]
         if problems := [text for ok, text in checks if not ok]:
             raise ValueError("; ".join(problems))
         return cls(o.think_min_s, o.think_max_s, o.steps, o.episodes, hosts, o.retry_attempts, o.retry_budget_s,
-                   o.retry_after_max_s, o.max_fail_ratio, o.max_p99_ms, o.server_pid, o.experiment)
+                   o.retry_after_max_s, o.max_fail_ratio, o.max_p99_ms, tuple(int(p) for p in pids), o.experiment,
+                   o.connections)
 
 
 @dataclass
 class Tally:
-    """This process's counters for the summary (Locust's own stats hold the rows)."""
+    """This process's counters for the summary (Locust's own stats hold the rows). Each worker sends
+    its own, whole, with every stats report; the master sums the latest of each worker."""
 
     episodes_done: int = 0
     episodes_cut: int = 0  # ended early: a failure, a gone sandbox, or the user was stopped
+    open: int = 0  # episodes created and not yet destroyed (their sandboxes exist now)
+    open_peak: int = 0
     retries: Counter[str] = field(default_factory=Counter)  # "exec 429 overloaded" -> n
     gave_up: Counter[str] = field(default_factory=Counter)
     per_host: Counter[int] = field(default_factory=Counter)  # position in --hosts -> requests
+    rss_peak_bytes: int = 0  # this Locust process's own peak resident memory
+
+    def opened(self, n: int) -> None:
+        self.open += n
+        self.open_peak = max(self.open_peak, self.open)
+
+    def as_dict(self) -> dict[str, Any]:
+        self.rss_peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"episodes_done": self.episodes_done, "episodes_cut": self.episodes_cut, "open": self.open,
+                "open_peak": self.open_peak, "retries": dict(self.retries), "gave_up": dict(self.gave_up),
+                "per_host": {str(k): v for k, v in self.per_host.items()}, "rss_peak_bytes": self.rss_peak_bytes}
+
+    @classmethod
+    def total(cls, parts: list[dict[str, Any]]) -> Tally:
+        t = cls()
+        for d in parts:
+            t.episodes_done += d["episodes_done"]
+            t.episodes_cut += d["episodes_cut"]
+            t.open += d["open"]
+            t.open_peak += d["open_peak"]  # (each worker's own peak: an upper bound of the sum's)
+            t.retries.update(d["retries"])
+            t.gave_up.update(d["gave_up"])
+            t.per_host.update({int(k): v for k, v in d["per_host"].items()})
+            t.rss_peak_bytes += d["rss_peak_bytes"]
+        return t
 
 
 TALLY = Tally()
+WORKER_TALLIES: dict[str, dict[str, Any]] = {}  # on the master: each worker's latest report
+OPEN_SERIES: list[tuple[float, int]] = []  # on the master (or alone): (seconds since start, open episodes)
 
 
 @dataclass(frozen=True)
@@ -246,6 +304,18 @@ class EpisodeUser(FastHttpUser):
         self.turn = next(self._numbers)  # users start at different hosts, then take them in turn
         self.episodes = 0
         self.live: str | None = None  # the sandbox to destroy if the user is stopped mid-episode
+
+    def limits(self) -> dict[str, Any]:
+        """LIMITS, with the idle and lifetime limits raised when the think times outlast them (a trainer
+        thinking 10-20 min between steps must, or its sandboxes expire while it thinks). Limits other
+        than the snapshot's defaults are not served from its warm pool: such creates and resumes restore."""
+        lim: dict[str, Any] = dict(LIMITS)
+        idle_s = self.cfg.think_max_s + 60  # a think, and the step's own wait and retries
+        lifetime_s = self.cfg.steps * self.cfg.think_max_s + 120
+        if idle_s > DEFAULT_IDLE_S or lifetime_s > DEFAULT_LIFETIME_S:  # then with room to spare
+            lim["idle_s"] = min(max(1.5 * idle_s, DEFAULT_IDLE_S), 24 * 3600)
+            lim["lifetime_s"] = min(max(1.5 * lifetime_s, DEFAULT_LIFETIME_S), 7 * 24 * 3600)
+        return lim
 
     def wait_time(self) -> float:
         return self.think_s()
@@ -331,10 +401,12 @@ class EpisodeUser(FastHttpUser):
         """create, steps, destroy; True if every request passed."""
         episode = uuid.uuid4().hex[:12]
         meta = {"experiment": self.cfg.experiment, "episode": episode}
-        created = self.send("create", {"snapshot": "python", "metadata": meta, "limits": LIMITS}, "created", _created)
+        created = self.send("create", {"snapshot": "python", "metadata": meta, "limits": self.limits()}, "created",
+                            _created)
         if created.data is None:
             return False
         sid = self.live = created.data["sandbox_id"]
+        TALLY.opened(1)
         trajectory, replied, unanswered, complete = b"", 0, 0, True
         for step in range(1, self.cfg.steps + 1):
             gevent.sleep(self.think_s())  # the model writes its next action
@@ -344,6 +416,7 @@ class EpisodeUser(FastHttpUser):
             unanswered += out.status == 0
             if out.status == 410:  # sandbox_gone / sandbox_died: destroyed or expired, nothing to destroy
                 self.live = None
+                TALLY.opened(-1)
                 return False
             if out.data is None:
                 complete = False
@@ -362,6 +435,7 @@ class EpisodeUser(FastHttpUser):
         outcome = {"reward": 1.0 if complete and replied == self.cfg.steps else 0.0}
         done = self.send("destroy", {"sandbox_id": sid, "outcome": outcome}, "destroyed", usage)
         self.live = None
+        TALLY.opened(-1)
         return complete and done.data is not None
 
     def on_stop(self) -> None:
@@ -369,6 +443,7 @@ class EpisodeUser(FastHttpUser):
             sid, self.live = self.live, None
             TALLY.episodes_cut += 1
             self.send("destroy", {"sandbox_id": sid}, "destroyed")
+            TALLY.opened(-1)
 
 
 class BurstAndScaleToZero(LoadTestShape):
@@ -413,28 +488,39 @@ def _proc_tree_pss_bytes(root: int) -> int | None:
 
 
 class MemorySampler:
-    """Samples the PSS of a process tree every 2 s in a greenlet; keeps the peak."""
+    """Samples the PSS of process trees every 2 s (5 s for more than one) in a greenlet; keeps the peak
+    of their sum and of each."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, pids: tuple[int, ...]) -> None:
+        self.pids = pids
         self.peak_bytes = 0
+        self.peaks = dict.fromkeys(pids, 0)
         self.samples = 0
         self.greenlet = gevent.spawn(self._run)
 
     def _run(self) -> None:
         while True:
-            if (pss := _proc_tree_pss_bytes(self.pid)) is not None:
-                self.peak_bytes = max(self.peak_bytes, pss)
+            found = {pid: pss for pid in self.pids if (pss := _proc_tree_pss_bytes(pid)) is not None}
+            if found:
+                self.peak_bytes = max(self.peak_bytes, sum(found.values()))
+                for pid, pss in found.items():
+                    self.peaks[pid] = max(self.peaks[pid], pss)
                 self.samples += 1
-            gevent.sleep(2.0)
+            gevent.sleep(2.0 if len(self.pids) == 1 else 5.0)
 
     def report(self) -> str:
         if not self.samples:
-            return f"n/a (no process {self.pid})"
-        return f"{self.peak_bytes / MIB:.1f} MiB (pid {self.pid} and descendants, peak of {self.samples} samples)"
+            return f"n/a (no process {', '.join(map(str, self.pids))})"
+        if len(self.pids) == 1:
+            return (f"{self.peak_bytes / MIB:.1f} MiB (pid {self.pids[0]} and descendants, peak of {self.samples} "
+                    "samples)")
+        each = ", ".join(f"{pid} {peak / MIB:.1f}" for pid, peak in self.peaks.items())
+        return (f"{self.peak_bytes / MIB:.1f} MiB (pids {', '.join(map(str, self.pids))} and descendants, peak of the "
+                f"sum over {self.samples} samples; each tree's peak MiB: {each})")
 
 
-SAMPLER: list[MemorySampler] = []  # the one sampler of this process, once the test started
+SAMPLER: list[MemorySampler | None] = []  # the one sampler of this process, once the test started
+OPEN_SAMPLER: list[gevent.Greenlet] = []
 
 
 @events.init.add_listener
@@ -448,14 +534,46 @@ def _check_flags(environment: Any, **_: Any) -> None:
         sys.exit(2)
     if cfg.hosts and not environment.host:
         environment.host = cfg.hosts[0]  # Locust wants a base host; every request names its own
+    if cfg.connections and EpisodeUser.client_pool is None:
+        # one pool per process, shared by its users: a user waits for a free connection as a trainer's
+        # rollout workers do for its client's pool, so 100k users are not 100k sockets
+        EpisodeUser.client_pool = HTTPClientPool(concurrency=cfg.connections, network_timeout=NETWORK_TIMEOUT_S,
+                                                 connection_timeout=CONNECT_TIMEOUT_S)
+
+
+@events.report_to_master.add_listener
+def _tally_to_master(client_id: str, data: dict[str, Any], **_: Any) -> None:
+    data["rollbox_tally"] = TALLY.as_dict()
+
+
+@events.worker_report.add_listener
+def _tally_from_worker(client_id: str, data: dict[str, Any], **_: Any) -> None:
+    if "rollbox_tally" in data:
+        WORKER_TALLIES[client_id] = data["rollbox_tally"]
+
+
+def _tally(environment: Any) -> Tally:
+    """Every worker's counters summed on the master; this process's own when it runs the users."""
+    if isinstance(environment.runner, MasterRunner):
+        return Tally.total(list(WORKER_TALLIES.values()))
+    TALLY.as_dict()
+    return TALLY
+
+
+def _sample_open(environment: Any) -> None:
+    t0 = time.monotonic()
+    while True:
+        OPEN_SERIES.append((time.monotonic() - t0, _tally(environment).open))
+        gevent.sleep(OPEN_SAMPLE_S)
 
 
 @events.test_start.add_listener
 def _start_sampler(environment: Any, **_: Any) -> None:
     opts = environment.parsed_options
-    if opts is None or opts.server_pid is None or isinstance(environment.runner, WorkerRunner) or SAMPLER:
+    if opts is None or isinstance(environment.runner, WorkerRunner) or SAMPLER:
         return
-    SAMPLER.append(MemorySampler(opts.server_pid))
+    SAMPLER.append(MemorySampler(Settings.of(opts).server_pids) if opts.server_pid else None)
+    OPEN_SAMPLER.append(gevent.spawn(_sample_open, environment))
 
 
 def _server_counters(host: str) -> str:
@@ -488,24 +606,55 @@ def _summary_and_thresholds(environment: Any, **_: Any) -> None:
         return
     cfg = Settings.of(environment.parsed_options)
     hosts = cfg.hosts or ((environment.host or "").rstrip("/"),)
-    for sampler in SAMPLER:
-        sampler.greenlet.kill(block=False)
+    for g in [s.greenlet for s in SAMPLER if s is not None] + OPEN_SAMPLER:
+        g.kill(block=False)
+    tally = _tally(environment)
     rows = _outcome_rows(environment.stats)
     p99 = rows.get_response_time_percentile(0.99) or 0
     retried = sum(e.num_requests for e in environment.stats.entries.values() if e.name.startswith(RETRY_ROW))
+    step = environment.stats.entries.get(("exec", "POST"))
+    step_p50 = step.get_response_time_percentile(0.5) if step and step.num_requests else None
+    step_p99 = step.get_response_time_percentile(0.99) if step and step.num_requests else None
+    workers = len(WORKER_TALLIES) if isinstance(environment.runner, MasterRunner) else 1
+    memory = SAMPLER[0].report() if SAMPLER and SAMPLER[0] is not None else "n/a (no --server-pid)"
+    series = OPEN_SERIES[:: max(1, len(OPEN_SERIES) // 12)]
+    series += [p for p in OPEN_SERIES[-1:] if p not in series]
+    open_peak = max((n for _, n in OPEN_SERIES), default=tally.open)
 
     def counts(c: Counter[str]) -> str:
         return ", ".join(f"{k} x{n}" for k, n in sorted(c.items())) or "none"
 
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.0f} ms"
+
     print("rollbox locust summary")
-    print(f"  episodes: {TALLY.episodes_done} complete, {TALLY.episodes_cut} cut short")
+    print(f"  users' processes: {workers} (counters summed over them)")
+    print(f"  episodes: {tally.episodes_done} complete, {tally.episodes_cut} cut short")
     print(f"  requests: {rows.num_requests}, {rows.num_failures} failed ({rows.fail_ratio:.2%}), p99 {p99:.0f} ms"
           " (retry rows left out)")
-    print(f"  retries: {retried} ({counts(TALLY.retries)}); gave up: {counts(TALLY.gave_up)}")
-    print("  hosts: " + "; ".join(f"#{i + 1} {h} {TALLY.per_host[i]} requests" for i, h in enumerate(hosts)))
-    print(f"  server peak memory (PSS): {SAMPLER[0].report() if SAMPLER else 'n/a (no --server-pid)'}")
+    print(f"  steps (exec): {step.num_requests if step else 0}, p50 {ms(step_p50)}, p99 {ms(step_p99)}")
+    print(f"  retries: {retried} ({counts(tally.retries)}); gave up: {counts(tally.gave_up)}")
+    print(f"  open episodes: peak {open_peak} (sampled every {OPEN_SAMPLE_S:g} s), at the end {tally.open}; over time: "
+          + " ".join(f"{t:.0f}s:{n}" for t, n in series))
+    print("  hosts: " + "; ".join(f"#{i + 1} {h} {tally.per_host[i]} requests" for i, h in enumerate(hosts)))
+    print(f"  server peak memory (PSS): {memory}")
+    print(f"  locust peak memory (RSS): users' processes {tally.rss_peak_bytes / MIB:.1f} MiB summed"
+          + (f", master {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} MiB"
+             if isinstance(environment.runner, MasterRunner) else ""))
     for host in dict.fromkeys(hosts):
         print(f"  server {host}: {_server_counters(host)}")
+    if environment.parsed_options.summary_json:
+        summary = {
+            "processes": workers, "episodes_done": tally.episodes_done, "episodes_cut": tally.episodes_cut,
+            "requests": rows.num_requests, "failures": rows.num_failures, "p99_ms": p99, "retries": retried,
+            "retries_by_code": dict(tally.retries), "gave_up": dict(tally.gave_up),
+            "steps": step.num_requests if step else 0, "step_p50_ms": step_p50, "step_p99_ms": step_p99,
+            "open_peak": open_peak, "open_series": OPEN_SERIES, "targets_peak_pss_bytes":
+            SAMPLER[0].peak_bytes if SAMPLER and SAMPLER[0] is not None else None,
+            "locust_rss_peak_bytes": tally.rss_peak_bytes, "per_host": dict(tally.per_host),
+        }
+        with open(environment.parsed_options.summary_json, "w") as f:
+            json.dump(summary, f)
 
     problems = []
     if rows.num_requests == 0:

@@ -110,7 +110,7 @@ def _flags_of(command: str) -> list[str]:
 
 def bench_help(command: str) -> tuple[str, Callable[[subprocess.CompletedProcess[str], str], None]]:
     """A benchmark: `python loadtest/bench_x.py --help`, which must list every flag the README gives it."""
-    script = re.search(r"loadtest/bench_\w+\.py", command).group(0)  # type: ignore[union-attr]
+    script = re.search(r"loadtest/\w+\.py", command).group(0)  # type: ignore[union-attr]
 
     def check(p: subprocess.CompletedProcess[str], cmd: str) -> None:
         assert p.returncode == 0 and p.stdout.startswith("usage:"), (cmd, p.stdout[-1000:], p.stderr[-2000:])
@@ -155,6 +155,8 @@ CHECKED: tuple[tuple[str, str, Quick], ...] = (
     (r"^\.venv/bin/python loadtest/bench_\w+\.py", "a benchmark of minutes: --help lists its flags", bench_help),
     (r"^su rollbox-rootless -s /bin/sh -c '\.venv/bin/python loadtest/bench_\w+\.py",
      "a benchmark of minutes as an unprivileged user: --help lists its flags", rootless_bench),
+    (r"^\.venv/bin/python loadtest/fleet_local\.py", "a fleet that runs until stopped: --help lists its flags",
+     bench_help),
     (r"\.venv/bin/locust -f loadtest/locustfile\.py --headless", "a load test of minutes: its flags, with --list",
      locust_list),
     (r"^\.venv/bin/rollbox serve --home /tmp/rl --port 18096 ", "the server of the 3-minute load test", serve_parses),

@@ -46,6 +46,7 @@ from rollbox.functions.handlers import sandbox
 from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime
 from rollbox.functions.recording.steps import StepLog, current_step
 from rollbox.functions.service.admission import Admission, InsufficientStorage, Rejected, ServiceConfig, disk_full
+from rollbox.functions.service.deadline import budget_s, within
 from rollbox.functions.service.idempotency import Conflict, IdempotencyCache
 from rollbox.functions.service.logs import logger
 from rollbox.functions.service.metrics import Metrics
@@ -307,10 +308,18 @@ class Service:
             fingerprint = hashlib.sha256(
                 json.dumps([etype, event.data], sort_keys=True, separators=(",", ":")).encode()
             ).hexdigest()
-            reply, replayed = await self.cache.run(
+            budget = budget_s(self.config.request_deadline_s, data)
+            in_time, answer = await within(self.cache.run(
                 (source, eid), fingerprint,
                 lambda: self._execute(route, data, fields, EventRef(source, eid, fingerprint), event.get("time"))
-            )
+            ), budget)
+            if not in_time or answer is None:  # its work goes on; a retry of this event gets what it ends with
+                self.metrics.rejects.labels("deadline").inc()
+                raise rterr.Overloaded(f"no reply within {budget:g} s (--request-deadline-s, plus the exec's "
+                                       "timeout_s); it may still finish: retry the same event (same source and id) "
+                                       "to get its reply", retry_after_s=self.config.retry_after_s,
+                                       sandbox_id=getattr(data, "sandbox_id", None))
+            reply, replayed = answer
         except ReplyError as err:
             reply = _error(err)
         except _ClientGone:  # nothing to answer, and not the server's fault

@@ -165,6 +165,11 @@ OPTIONS: tuple[Option, ...] = (
         "how long a request's headers may take to arrive, and the body may stop arriving: longer is a 408 "
         "and the connection is closed",
     ),
+    Option("request_deadline_s", "--request-deadline-s", "ROLLBOX_REQUEST_DEADLINE_S", seconds_or_never,
+           _D.request_deadline_s,
+           "every event is answered within this, plus the exec time it asks for (timeout_s): past it, 429 "
+           "overloaded with Retry-After while its work goes on, and a retry of the same event gets what it "
+           "ended with (0: no deadline)"),
     Option(
         "durability",
         "--durability",

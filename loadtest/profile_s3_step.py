@@ -1,0 +1,115 @@
+"""Where the CPU of a durable step's S3 calls goes: the two calls a step on S3 makes (a GET of the
+next generation's record, a 404 when no other replica moved on; the create-only PUT of the record,
+If-None-Match: *), through rollbox's own S3Objects, against SeaweedFS on 127.0.0.1, one thread.
+
+Prints the CPU per step of this process (the client: botocore, urllib3, signing) and of SeaweedFS,
+for botocore's default configuration, with its flexible checksums asked for only where an
+operation requires them (``request_checksum_calculation`` / ``response_checksum_validation`` =
+``when_required``), and with its parameter validation off too; then a cProfile of the client side by package and the top functions.
+
+    .venv/bin/python loadtest/profile_s3_step.py -n 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import botocore.config
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rollbox.snapshots.store_s3 import S3Objects  # noqa: E402
+
+from tests.snapshots.s3server import SeaweedS3, store_factory  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+RECORD = os.urandom(900).hex().encode()  # ~1.8 KB: a step's record with a few small files inline
+
+
+def proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return sum(int(x) for x in fields[11:15]) / TICK
+
+
+def steps(objects: S3Objects, n: int) -> None:
+    sid = uuid.uuid4().hex[:12]
+    for gen in range(n):
+        objects.get(f"sandboxes/{sid}/{gen + 1:012d}.json")  # a newer generation? (404)
+        assert objects.put_new(f"sandboxes/{sid}/{gen:012d}.json", RECORD)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=400, help="steps per variant")
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="rollbox-profile-s3-"))
+    s3 = SeaweedS3(base / "s3")
+    s3.start()
+    try:
+        bucket = s3.new_bucket()
+        make = store_factory(s3)
+        checksums = {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"}
+        variants = {"botocore default": {}, "checksums when_required": checksums,
+                    "+ no parameter validation": {**checksums, "parameter_validation": False}}
+        stores = {}
+        for name, extra in variants.items():
+            store = make(f"s3://{bucket}/p{len(stores)}")
+            if extra:  # the same client, with only these settings changed
+                store._client = _client_with(store, store._client.meta.config.merge(botocore.config.Config(**extra)))
+            stores[name] = S3Objects(store)
+            steps(stores[name], 20)  # warm: connections, bucket volumes
+        print(f"{'variant':<28} {'steps':>6} {'client ms/step':>15} {'SeaweedFS ms/step':>18} {'wall ms/step':>13}")
+        assert s3.proc is not None
+        for name, objects in stores.items():
+            c0, w0, t0 = time.process_time(), proc_cpu_s(s3.proc.pid), time.perf_counter()
+            steps(objects, args.n)
+            c1, w1, t1 = time.process_time(), proc_cpu_s(s3.proc.pid), time.perf_counter()
+            print(f"{name:<28} {args.n:>6} {(c1 - c0) * 1000 / args.n:>15.2f} {(w1 - w0) * 1000 / args.n:>18.2f}"
+                  f" {(t1 - t0) * 1000 / args.n:>13.2f}")
+        prof = cProfile.Profile()
+        prof.enable()
+        steps(stores["botocore default"], args.n)
+        prof.disable()
+        st = pstats.Stats(prof)
+        by_pkg: Counter[str] = Counter()
+        for (file, _, _), (_, _, tottime, _, _) in st.stats.items():  # type: ignore[attr-defined]
+            parts = Path(file).parts
+            pkg = next((p for p in ("botocore", "urllib3", "boto3", "rollbox", "http", "email", "hashlib", "ssl",
+                                    "socket", "json", "xml", "dateutil", "re") if p in parts or file.endswith(f"/{p}.py")),
+                       "other" if file.startswith("/") else file)
+            by_pkg[pkg] += tottime
+        total = sum(by_pkg.values())
+        print(f"cProfile, botocore default, {args.n} steps: {total * 1000 / args.n:.2f} ms/step profiled (with the "
+              "profiler's own overhead); by package, own time:")
+        for pkg, t in by_pkg.most_common(10):
+            print(f"  {pkg:<28} {t * 1000 / args.n:6.2f} ms/step  {t / total:5.1%}")
+        print("top functions by cumulative time:")
+        st.sort_stats("cumulative").print_stats(25)
+    finally:
+        s3.stop()
+    return 0
+
+
+def _client_with(store: object, cfg: botocore.config.Config) -> object:
+    import boto3
+
+    client = store._client  # type: ignore[attr-defined]
+    creds = client._request_signer._credentials
+    return boto3.session.Session().client(
+        "s3", endpoint_url=client.meta.endpoint_url, region_name=client.meta.region_name,
+        aws_access_key_id=creds.access_key, aws_secret_access_key=creds.secret_key, config=cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""loadtest/fleet_local.py: real `rollbox serve` replicas on one SeaweedFS bucket behind a real HAProxy,
+scaled to zero (SIGTERM: drained) and back with empty caches; every episode's next step resumes from S3."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.snapshots.s3server import SeaweedS3
+
+ROOT = Path(__file__).resolve().parents[2]
+CREATE, EXEC = "dev.rollbox.sandbox.create", "dev.rollbox.sandbox.exec"
+APPEND = "open('log.txt', 'a').write('{0}\\n'); print(open('log.txt').read(), end='')"
+
+pytestmark = pytest.mark.slow
+
+
+def haproxy_stat(fleet: Any, proxy: str, server: str, column: str) -> int:
+    """One number from HAProxy's stats (its socket), e.g. the frontend's most concurrent sessions."""
+    import csv
+    import socket
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(fleet.base / "haproxy.sock"))
+        sock.sendall(b"show stat\n")
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    rows = list(csv.reader(raw.decode().lstrip("# ").splitlines()))
+    col = {name: i for i, name in enumerate(rows[0])}
+    row = next(r for r in rows[1:] if r[col["pxname"]] == proxy and r[col["svname"]] == server)
+    return int(row[col[column]] or 0)
+
+
+def load_fleet_local() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fleet_local", ROOT / "loadtest" / "fleet_local.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fleet_local"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def fleet(seaweed: SeaweedS3, tmp_path: Path) -> Iterator[Any]:
+    fl = load_fleet_local()
+    with fl.Fleet(tmp_path / "fleet", 2, serve_args=["--hibernate-after-s", "60", "--prewarm", "python"],
+                  s3=seaweed) as f:
+        yield f
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+               if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
+
+
+def send(http: httpx.Client, url: str, etype: str, data: dict[str, Any]) -> httpx.Response:
+    import uuid
+    headers = {"ce-specversion": "1.0", "ce-type": etype, "ce-source": "/tests/loadtest", "ce-id": uuid.uuid4().hex,
+               "content-type": "application/json"}
+    return http.post(url, headers=headers, json=data)
+
+
+def test_episodes_across_replicas_survive_scale_to_zero_and_back(fleet: Any) -> None:
+    with httpx.Client(timeout=60) as http:
+        sids = []
+        for _ in range(3):  # odd: round-robin sends each episode's next request to the other replica
+            r = send(http, fleet.url, CREATE, {"snapshot": "python"})
+            assert r.status_code == 200, r.text
+            sids.append(r.json()["sandbox_id"])
+        steps: dict[str, str] = {sid: "" for sid in sids}
+        resumed_before = 0
+        for i in range(2):  # two steps each, round-robin: consecutive requests land on the other replica
+            for sid in sids:
+                r = send(http, fleet.url, EXEC, {"sandbox_id": sid, "code": APPEND.format(f"{sid} {i}")})
+                steps[sid] += f"{sid} {i}\n"
+                assert r.status_code == 200 and r.json()["stdout"] == steps[sid], r.text
+                resumed_before += bool(r.json().get("resumed"))
+        assert resumed_before == 6, "a step landed on the replica that ran the one before (affinity?)"
+        for port in fleet.replica_ports:
+            text = http.get(f"http://127.0.0.1:{port}/metrics").text
+            assert metric(text, "rollbox_requests_total", type=EXEC, status="200") == 3, text[-2000:]
+        first_pids = set(fleet.pids().values())
+
+        codes = fleet.scale_to_zero()
+        assert codes == [0, 0]  # both drained and exited cleanly
+        assert fleet.routed() == 0
+        down = send(http, fleet.url, EXEC, {"sandbox_id": sids[0], "code": "print(1)"})
+        assert down.status_code == 503  # HAProxy: no replica
+
+        took = fleet.scale_up()
+        assert took < 60 and fleet.routed() == 2
+        assert not first_pids & {p for k, p in fleet.pids().items() if k.startswith("replica")}
+        for sid in sids:  # empty caches: every next step resumes from S3, with every earlier step's file
+            r = send(http, fleet.url, EXEC, {"sandbox_id": sid, "code": APPEND.format(f"{sid} after")})
+            steps[sid] += f"{sid} after\n"
+            assert r.status_code == 200, r.text
+            assert r.json()["stdout"] == steps[sid] and r.json()["resumed"] is True, r.json()
+
+
+def test_distributed_locust_shares_connections_and_sums_workers(fleet: Any, tmp_path: Path) -> None:
+    """Locust as a 100k run drives it, in small: a master and 2 worker processes, 24 users, each
+    process's users sharing 2 connections; the summary sums both workers' counters."""
+    import json
+    import os
+    import subprocess
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOX_")}
+    out_json = tmp_path / "summary.json"
+    pids = ",".join(str(p) for k, p in fleet.pids().items() if k.startswith("replica") or k == "haproxy")
+    p = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
+         "--only-summary", "--processes", "2", "-u", "24", "-r", "24", "-t", "8s", "--stop-timeout", "10",
+         "--host", fleet.url.rstrip("/"), "--think-min-s", "0.2", "--think-max-s", "0.5", "--connections", "2",
+         "--server-pid", pids, "--summary-json", str(out_json)],
+        capture_output=True, text=True, timeout=90, env={**clean, "ROLLBOX_LOCUST_SHAPE": "none"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    summary = json.loads(out_json.read_text())
+    assert summary["processes"] == 2, summary
+    assert summary["failures"] == 0 and summary["episodes_done"] > 0 and summary["steps"] > 0, summary
+    assert summary["step_p50_ms"] > 0 and summary["step_p99_ms"] >= summary["step_p50_ms"], summary
+    assert max(n for _, n in summary["open_series"]) > 0, summary  # open episodes, summed over workers
+    assert summary["targets_peak_pss_bytes"] > 50 * 2**20 and summary["locust_rss_peak_bytes"] > 0, summary
+    assert "users' processes: 2" in out and "open episodes: peak" in out, out[-3000:]
+    # 24 users, 2 processes x 2 shared connections (+1: the summary reads /metrics through it at the end):
+    # HAProxy never had more than 5 client connections at once (a pool per user: up to 24)
+    assert 1 <= haproxy_stat(fleet, "rollbox", "FRONTEND", "smax") <= 5, out[-2000:]
