@@ -255,13 +255,37 @@ class ExecData(ExecRequest, _ExecChecks):
 
 
 class RunData(ExecRequest, _ExecChecks):
-    """``dev.rollbox.sandbox.run``: create + exec + destroy in one event. ``timeout_s`` bounds the exec."""
+    """``dev.rollbox.sandbox.run``: create + exec + destroy in one event. ``timeout_s`` bounds the exec.
+    With ``language``, ``code`` is a program in that language (docs/languages.md): compiled (once per
+    source: cached) within ``compile_timeout_s``, then run within ``timeout_s``, in the language's snapshot."""
 
     snapshot: SnapshotRef = "python"
     limits: Limits | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    language: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = Field(
+        default=None, description="a language of SandboxFusion's list (snapshots/languages.py); `code` is its source")
+    compile_timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = Field(
+        default=None, description="with language: the compile step's timeout (default 10)")
 
     _metadata = field_validator("metadata")(_check_metadata)
+
+    @model_validator(mode="after")
+    def _language(self) -> RunData:
+        if self.language is None:
+            if self.compile_timeout_s is not None:
+                raise ValueError("compile_timeout_s is for a run with 'language'")
+            return self
+        from rollbox.snapshots import languages
+
+        try:
+            languages.language(self.language)
+        except languages.UnsupportedLanguage as exc:
+            raise ValueError(exc.message) from None
+        if self.code is None:
+            raise ValueError("with 'language', 'code' is the program's source ('command' is not used)")
+        if "snapshot" in self.model_fields_set:
+            raise ValueError("with 'language' the language's snapshot runs it: give 'language' or 'snapshot'")
+        return self
 
     def exec_request(self) -> ExecRequest:
         return _as_exec_request(self)

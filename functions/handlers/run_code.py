@@ -23,18 +23,22 @@ import base64
 import binascii
 import shlex
 import signal
+import weakref
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, cache_key
 from rollbox.runtime.errors import InvalidRequest, SnapshotNotFound
-from rollbox.runtime.spec import ExecRequest, ExecResult
+from rollbox.runtime.spec import CompileResult, ExecRequest, ExecResult
 from rollbox.snapshots import languages
 
+if TYPE_CHECKING:
+    from rollbox.functions.contract.models import RunData
+
 __all__ = ["CommandRunResult", "CommandRunStatus", "Program", "ProgramResult", "RunCodeRequest", "RunCodeResponse",
-           "RunStatus", "Runner", "sandboxfusion_response"]
+           "RunStatus", "Runner", "run_event", "runner_for", "sandboxfusion_response"]
 
 MiB = 1 << 20
 ARTIFACTS = "/tmp/.rollbox-artifacts.b64"  # outside the home: the program does not see it in its directory
@@ -47,7 +51,7 @@ MIN_TIMEOUT_S = 0.001  # SandboxFusion takes 0 and negative timeouts (asyncio an
 @dataclass(frozen=True)
 class Program:
     """What to run. ``files``: path (under the sandbox home if relative) -> bytes, written before the
-    code; ``fetch_files``: read back after the run. ``memory_max_bytes``: None for the snapshot's default."""
+    code; ``fetch_files``: read back after the run."""
 
     language: str
     code: str
@@ -56,7 +60,7 @@ class Program:
     fetch_files: tuple[str, ...] = ()
     compile_timeout_s: float = 10.0
     run_timeout_s: float = 10.0
-    memory_max_bytes: int | None = None
+    limits: dict[str, Any] | None = None  # the fields to change from the snapshot's default limits
     metadata: dict[str, str] = field(default_factory=dict)
 
 
@@ -115,7 +119,7 @@ class Runner:
             view = await self.rt.resolve(plan.snapshot)
         except SnapshotNotFound as exc:
             raise SnapshotNotFound(languages.missing_snapshot(p.language), snapshot_id=plan.snapshot) from exc
-        limits = {"memory_max_bytes": p.memory_max_bytes} if p.memory_max_bytes is not None else None
+        limits = p.limits
         text, binary = _split(p.files)
         files = {**text, **plan.files}  # the code's file last: as in SandboxFusion, it wins over a request file
         binary = {k: v for k, v in binary.items() if k not in plan.files}
@@ -142,6 +146,7 @@ class Runner:
             art = ""
             if c.exit_code == 0:
                 art = (c.files.get(ARTIFACTS) or "").strip()
+                res.compile = c.model_copy(update={"files": {}})  # (the artifacts are not the program's output)
                 if not art:
                     return None
             return Compiled(c.exit_code, c.stdout, c.stderr, c.wall_s, art)
@@ -226,6 +231,46 @@ class Runner:
         return out
 
 
+_RUNNERS: weakref.WeakKeyDictionary[Any, Runner] = weakref.WeakKeyDictionary()
+
+
+def runner_for(rt: Any) -> Runner:
+    """The runner of a service's runtime (one per runtime, so /run_code and the `run` event share one compile
+    cache): the plain runtime under a durable layer (a program's sandbox is one life, not durable state),
+    its compile cache in the durable layer's objects (the store every replica shares) when there are some."""
+    runner = _RUNNERS.get(rt)
+    if runner is None:
+        runner = _RUNNERS[rt] = Runner(getattr(rt, "rt", rt), CompileCache(getattr(rt, "objects", None)))
+    return runner
+
+
+async def run_event(rt: Any, data: RunData) -> ExecResult:
+    """The `run` event with a ``language``: the same runner as /run_code; the reply is the run step's
+    ExecResult with its ``compile`` step (or the compile's, when it failed and nothing ran)."""
+    assert data.language is not None and data.code is not None
+    program = Program(language=data.language, code=data.code, stdin=data.stdin,
+                      files={k: v.encode() for k, v in data.files.items()}, fetch_files=tuple(data.read_files),
+                      compile_timeout_s=data.compile_timeout_s or 10.0, run_timeout_s=data.timeout_s,
+                      limits=data.limits.model_dump(exclude_unset=True) if data.limits is not None else None,
+                      metadata=dict(data.metadata))
+    res = await runner_for(rt).run(program)
+    c = res.compile
+    step: CompileResult | None = None
+    if isinstance(c, Compiled):
+        step = CompileResult(exit_code=c.return_code, stdout=c.stdout, stderr=c.stderr, wall_s=c.wall_s,
+                             cached=res.compile_cached)
+    elif c is not None:
+        step = CompileResult(exit_code=None if c.timed_out else c.exit_code, stdout=c.stdout, stderr=c.stderr,
+                             timed_out=c.timed_out, wall_s=c.wall_s)
+    base = res.last()
+    if base is None:  # a cached failed compile: no sandbox was needed
+        assert isinstance(c, Compiled)
+        base = ExecResult(sandbox_id="", exit_code=c.return_code, stdout=c.stdout, stderr=c.stderr)
+    files: dict[str, str | None] = {p: None for p in data.read_files}
+    files.update({p: b.decode("utf-8", "replace") for p, b in res.files.items()})
+    return base.model_copy(update={"compile": step, "files": files})
+
+
 def _split(files: dict[str, bytes]) -> tuple[dict[str, str], dict[str, bytes]]:
     """UTF-8 files travel as text; others as base64, decoded in the sandbox."""
     text: dict[str, str] = {}
@@ -300,10 +345,10 @@ class RunCodeRequest(BaseModel):
                 files[path] = base64.b64decode(content, validate=True)
             except (binascii.Error, ValueError):
                 raise InvalidRequest(f"files[{path!r}]: not valid base64") from None
-        memory = self.memory_limit_MB * MiB if self.memory_limit_MB > 0 else None
+        limits = {"memory_max_bytes": self.memory_limit_MB * MiB} if self.memory_limit_MB > 0 else None
         return Program(language=self.language, code=self.code, stdin=self.stdin, files=files,
                        fetch_files=tuple(self.fetch_files), compile_timeout_s=self.compile_timeout,
-                       run_timeout_s=self.run_timeout, memory_max_bytes=memory, metadata=dict(metadata or {}))
+                       run_timeout_s=self.run_timeout, limits=limits, metadata=dict(metadata or {}))
 
 
 class CommandRunResult(BaseModel):

@@ -29,12 +29,11 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 from rollbox.functions.contract.events import ReplyError
 from rollbox.functions.contract.models import SANDBOX_RUN, ErrorData, RunData
-from rollbox.functions.handlers.compile_cache import CompileCache
 from rollbox.functions.handlers.run_code import (
     RunCodeRequest,
     RunCodeResponse,
-    Runner,
     RunStatus,
+    runner_for,
     sandboxfusion_response,
 )
 from rollbox.functions.service.admission import Rejected
@@ -46,22 +45,11 @@ from starlette.responses import JSONResponse, Response
 if TYPE_CHECKING:
     from rollbox.functions.service.app import Service
 
-__all__ = ["EXPERIMENT_HEADER", "handle", "runner_of"]
+__all__ = ["EXPERIMENT_HEADER", "handle"]
 
 EXPERIMENT_HEADER = "x-rollbox-experiment"
 EPISODE_HEADER = "x-rollbox-episode"
 SOURCE = "/run_code"
-
-
-def runner_of(service: Service) -> Runner:
-    """The service's runner: the plain runtime under the durable layer (a program is one sandbox life),
-    its compile cache in the durable layer's objects (the store every replica shares) if there is one."""
-    runner: Runner | None = getattr(service, "_run_code_runner", None)
-    if runner is None:
-        rt = getattr(service.runtime, "rt", service.runtime)
-        runner = Runner(rt, CompileCache(getattr(service.runtime, "objects", None)))
-        service._run_code_runner = runner  # type: ignore[attr-defined]
-    return runner
 
 
 def _detail(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -118,7 +106,7 @@ async def _answer(service: Service, request: Request) -> tuple[int, Response]:
         program = req.program(meta)
     except rterr.InvalidRequest as exc:
         return 422, _detail(422, exc.message)
-    runner = runner_of(service)
+    runner = runner_for(service.runtime)
     steps = service.steps
     ctx = None
     if steps is not None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
-from svc_testkit import ServerProc, start_server
+from svc_testkit import ServerProc, event, send, start_server
 
 LANG_HOME = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
 TEMPLATES = Path(__file__).resolve().parents[2] / "snapshots" / "templates"
@@ -83,6 +83,9 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
 
 async def run_code(http: httpx.AsyncClient, srv: ServerProc, expect: int = 200, headers: dict[str, str] | None = None,
                    **req: Any) -> Any:
+    """POST /run_code; the timeouts are generous unless the request says (the machine may be loaded)."""
+    req.setdefault("run_timeout", 30)
+    req.setdefault("compile_timeout", 60)
     resp = await http.post(srv.url + "run_code", json=req, headers=headers)
     assert resp.status_code == expect, resp.text
     return resp.json()
@@ -286,6 +289,33 @@ async def test_runs_are_steps_of_the_experiment_and_lives_are_billed(http: httpx
     assert len(u) == 2 and (u["cpu_s"] > 0).all()
 
 
+async def test_the_run_event_takes_a_language_and_shares_the_compile_cache(http: httpx.AsyncClient,
+                                                                          srv: ServerProc) -> None:
+    run = "dev.rollbox.sandbox.run"
+    code = CPP_SUM + f"// {uuid.uuid4()}"
+    r = await send(http, srv.url, event(run, {"language": "cpp", "code": code, "stdin": "40 2", "timeout_s": 5,
+                                              "compile_timeout_s": 20}))
+    assert (r.status, r.data["exit_code"], r.data["stdout"]) == (200, 0, "42\n"), r.data
+    assert r.data["compile"]["cached"] is False and r.data["compile"]["exit_code"] == 0
+    sf = await run_code(http, srv, code=code, language="cpp", stdin="1 1")  # the same cache as /run_code
+    assert (sf["compile_result"]["cached"], sf["run_result"]["stdout"]) == (True, "2\n")
+    r = await send(http, srv.url, event(run, {"language": "cpp", "code": code, "stdin": "1 2", "read_files": ["x"]}))
+    assert (r.data["stdout"], r.data["compile"]["cached"], r.data["files"]) == ("3\n", True, {"x": None})
+    r = await send(http, srv.url, event(run, {"language": "cpp", "code": "int main(){return z;}"}))
+    assert r.status == 200 and r.data["exit_code"] != 0 and r.data["compile"]["exit_code"] == r.data["exit_code"]
+    assert "not declared" in r.data["stderr"]
+    r = await send(http, srv.url, event(run, {"language": "python", "code": "import sys; print(sys.stdin.read()[::-1])",
+                                              "stdin": "abc"}))
+    assert (r.data["stdout"], r.data["compile"]) == ("cba\n", None)
+    for data, needle in (({"language": "swift", "code": "x"}, "language 'swift' is not supported"),
+                         ({"language": "cobol", "code": "x"}, "unknown language 'cobol'"),
+                         ({"language": "cpp", "command": "ls"}, "'code' is the program's source"),
+                         ({"language": "cpp", "code": "x", "snapshot": "python"}, "give 'language' or 'snapshot'"),
+                         ({"command": "ls", "compile_timeout_s": 3}, "compile_timeout_s is for a run with")):
+        r = await send(http, srv.url, event(run, data))
+        assert r.status == 400 and needle in r.data["message"], r.data
+
+
 # ----------------------------------------------------------------------- verl's own client, unchanged
 
 
@@ -364,7 +394,8 @@ def test_verls_check_correctness_gives_the_right_verdicts(srv: ServerProc, langu
         else:
             want = EXPECTED[kind]
         nonce = "#" if language == "python" else "//"
-        results, meta = sf.utils.check_correctness(url, tests, f"{code}\n{nonce} {uuid.uuid4()}", timeout=3,
+        timeout = 2 if kind == "tle" else 10  # (verl's default: one value for the compile and for the run)
+        results, meta = sf.utils.check_correctness(url, tests, f"{code}\n{nonce} {uuid.uuid4()}", timeout=timeout,
                                                    memory_limit_mb=1024, language=language)
         assert results == [want, want], (language, kind, meta)
     # the score verl computes from a model's completion (python only in verl's default path)
