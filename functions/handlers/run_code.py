@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, cache_key
-from rollbox.runtime.errors import InvalidRequest, SnapshotNotFound
-from rollbox.runtime.spec import CompileResult, ExecRequest, ExecResult
+from rollbox.runtime.errors import InvalidRequest, RollboxError, SnapshotNotFound
+from rollbox.runtime.spec import CaseResult, CompileResult, ExecRequest, ExecResult
 from rollbox.snapshots import languages
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ MiB = 1 << 20
 ARTIFACTS = "/tmp/.rollbox-artifacts.b64"  # outside the home: the program does not see it in its directory
 STAGE = "/tmp/.rollbox-in"  # binary input files, base64, decoded by the first step
 FETCHED = "/tmp/.rollbox-out"
+BASE, CASE = "/tmp/.rollbox-base", "/tmp/.rollbox-case"  # a batch's prepared home, and its copy for one case
+BASE_COPY = f"rm -rf {BASE} && cp -a /home/sandbox {BASE}"
 MAX_TIMEOUT_S = 3600.0
 MIN_TIMEOUT_S = 0.001  # SandboxFusion takes 0 and negative timeouts (asyncio answers them as timed out at once)
 
@@ -62,6 +64,7 @@ class Program:
     run_timeout_s: float = 10.0
     limits: dict[str, Any] | None = None  # the fields to change from the snapshot's default limits
     metadata: dict[str, str] = field(default_factory=dict)
+    cases: tuple[str | None, ...] | None = None  # a batch: one run per stdin, after one compile, in one sandbox
 
 
 @dataclass
@@ -75,6 +78,7 @@ class ProgramResult:
     compile_cached: bool
     run: ExecResult | None
     files: dict[str, bytes] = field(default_factory=dict)
+    cases: list[ExecResult] | None = None
 
     @property
     def compile_ok(self) -> bool:
@@ -90,6 +94,10 @@ class ProgramResult:
         if self.run is not None:
             return self.run
         return self.compile if isinstance(self.compile, ExecResult) else None
+
+
+class SandboxFault(RollboxError):
+    """A step the runner added (not the program) failed: the sandbox's fault, SandboxFusion's SandboxError."""
 
 
 def _clamp(t: float) -> float:
@@ -129,8 +137,7 @@ class Runner:
             failed = Compiled(1, "", plan.compile_error, 0.0)
             return ProgramResult(plan, failed, False, None)
         if plan.compile is None:
-            run, fetched = await self._steps(p, plan, limits, files, unpack)
-            return ProgramResult(plan, None, False, run, fetched)
+            return await self._steps(p, plan, limits, files, unpack, None)
         if self.cache is None:
             return await self._compile_and_run(p, plan, limits, files, unpack, None)
         all_bytes = {k: v.encode() for k, v in {**text, **plan.files}.items()} | binary
@@ -159,8 +166,7 @@ class Runner:
             return ProgramResult(plan, compiled, True, None)
         files = {**files, ARTIFACTS: compiled.artifacts_b64}
         unpack = [*unpack, f"base64 -d {ARTIFACTS} | tar -xzf - && rm -f {ARTIFACTS}"]
-        run, fetched = await self._steps(p, plan, limits, files, unpack)
-        return ProgramResult(plan, compiled, True, run, fetched)
+        return await self._steps(p, plan, limits, files, unpack, compiled)
 
     async def _compile_and_run(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
                                files: dict[str, str], unpack: list[str], key: str | None) -> ProgramResult:
@@ -170,19 +176,22 @@ class Runner:
             command = f"{command} && tar -czf - {' '.join(plan.artifacts)} | base64 -w0 > {ARTIFACTS}"
         compile_req = _exec(command=_prefixed(unpack, command), files=files, timeout_s=_clamp(p.compile_timeout_s),
                             read_files=[ARTIFACTS] if key is not None else [])
-        run, fetched, compiled = await self._session(p, plan, limits, compile_req)
-        return ProgramResult(plan, compiled, False, run, fetched)
+        run, fetched, compiled, cases = await self._session(p, plan, limits, compile_req)
+        return ProgramResult(plan, compiled, False, run, fetched, cases)
 
     async def _steps(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
-                     files: dict[str, str], unpack: list[str]) -> tuple[ExecResult, dict[str, bytes]]:
-        """The run alone (no compile here): a one-shot sandbox, unless files are to be fetched."""
+                     files: dict[str, str], unpack: list[str], compiled: Compiled | None) -> ProgramResult:
+        """The run alone (no compile here): a one-shot sandbox, unless files are to be fetched or cases run."""
+        if p.cases is not None:  # the files (and artifacts) written once, copied for each case
+            prep = _exec(command=_prefixed(unpack, BASE_COPY), files=files, timeout_s=60.0)
+            run, fetched, _, cases = await self._session(p, plan, limits, None, prep=prep)
+            return ProgramResult(plan, compiled, compiled is not None, run, fetched, cases)
         req = self._run_request(p, plan, files, unpack)
         if p.fetch_files:
-            run, fetched, _ = await self._session(p, plan, limits, None, req)
-            assert run is not None
-            return run, fetched
+            run, fetched, _, _ = await self._session(p, plan, limits, None, req)
+            return ProgramResult(plan, compiled, compiled is not None, run, fetched)
         result: ExecResult = await self.rt.run(req, snapshot=plan.snapshot, limits=limits, metadata=p.metadata)
-        return result, {}
+        return ProgramResult(plan, compiled, compiled is not None, result)
 
     def _run_request(self, p: Program, plan: languages.Plan, files: dict[str, str], unpack: list[str]) -> ExecRequest:
         timeout = _clamp(p.run_timeout_s)
@@ -193,9 +202,10 @@ class Runner:
         return _exec(command=_prefixed(unpack, _exec_form(plan.run)), files=files, stdin=p.stdin, timeout_s=timeout)
 
     async def _session(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
-                       compile_req: ExecRequest | None, run_req: ExecRequest | None = None
-                       ) -> tuple[ExecResult | None, dict[str, bytes], ExecResult | None]:
-        """Steps in one sandbox: compile (if given), the run (if the compile succeeded), the fetch."""
+                       compile_req: ExecRequest | None, run_req: ExecRequest | None = None,
+                       prep: ExecRequest | None = None
+                       ) -> tuple[ExecResult | None, dict[str, bytes], ExecResult | None, list[ExecResult] | None]:
+        """Steps in one sandbox: compile (if given), the run (if the compile succeeded) or each case, the fetch."""
         sb = await self.rt.take(plan.snapshot, limits, p.metadata, step_next=True)
         sb.metered = "run"  # its life is billed and recorded as a run's (Runtime.on_life_ended)
         compiled: ExecResult | None = None
@@ -205,15 +215,33 @@ class Runner:
             if compile_req is not None:
                 compiled = await self.rt.exec(sb.id, compile_req)
                 if compiled.timed_out or compiled.exit_code != 0:
-                    return None, {}, compiled
+                    return None, {}, compiled, None
                 run_req = self._run_request(p, plan, {}, [])  # (its files are there already)
-            assert run_req is not None
-            run = await self.rt.exec(sb.id, run_req)
+            cases: list[ExecResult] | None = None
+            if p.cases is not None:
+                cases = await self._cases(sb.id, p, plan, prep or _exec(command=BASE_COPY, timeout_s=60.0))
+                run = next((c for c in cases if c.timed_out or c.exit_code != 0), cases[-1] if cases else None)
+            else:
+                assert run_req is not None
+                run = await self.rt.exec(sb.id, run_req)
             if p.fetch_files:
                 fetched = await self._fetch(sb.id, p.fetch_files)
-            return run, fetched, compiled
+            return run, fetched, compiled, cases
         finally:
             await self.rt.destroy(sb.id)
+
+    async def _cases(self, sandbox_id: str, p: Program, plan: languages.Plan, prep: ExecRequest) -> list[ExecResult]:
+        """Each case in a fresh copy of the prepared home (what one case writes there, the next does not see)."""
+        done = await self.rt.exec(sandbox_id, prep)
+        if done.timed_out or done.exit_code != 0:
+            raise SandboxFault(f"preparing the cases failed (exit {done.exit_code}): {done.stderr[-500:]}",
+                               sandbox_id=sandbox_id)
+        run = f"rm -rf {CASE} && cp -a {BASE} {CASE} && cd {CASE} && {_exec_form(plan.run)}"
+        out = []
+        for stdin in p.cases or ():
+            out.append(await self.rt.exec(sandbox_id, _exec(command=run, stdin=stdin,
+                                                            timeout_s=_clamp(p.run_timeout_s))))
+        return out
 
     async def _fetch(self, sandbox_id: str, paths: tuple[str, ...]) -> dict[str, bytes]:
         """Regular files among ``paths``, read as base64 (binary-safe); missing ones are left out."""
@@ -252,7 +280,8 @@ async def run_event(rt: Any, data: RunData) -> ExecResult:
                       files={k: v.encode() for k, v in data.files.items()}, fetch_files=tuple(data.read_files),
                       compile_timeout_s=data.compile_timeout_s or 10.0, run_timeout_s=data.timeout_s,
                       limits=data.limits.model_dump(exclude_unset=True) if data.limits is not None else None,
-                      metadata=dict(data.metadata))
+                      metadata=dict(data.metadata),
+                      cases=tuple(c.stdin for c in data.cases) if data.cases is not None else None)
     res = await runner_for(rt).run(program)
     c = res.compile
     step: CompileResult | None = None
@@ -268,7 +297,18 @@ async def run_event(rt: Any, data: RunData) -> ExecResult:
         base = ExecResult(sandbox_id="", exit_code=c.return_code, stdout=c.stdout, stderr=c.stderr)
     files: dict[str, str | None] = {p: None for p in data.read_files}
     files.update({p: b.decode("utf-8", "replace") for p, b in res.files.items()})
-    return base.model_copy(update={"compile": step, "files": files})
+    cases = None
+    if data.cases is not None:
+        cases = [_case_result(r, c.expected_stdout) for r, c in zip(res.cases or [], data.cases, strict=False)]
+    return base.model_copy(update={"compile": step, "files": files, "cases": cases})
+
+
+def _case_result(r: ExecResult, expected: str | None) -> CaseResult:
+    passed = None
+    if expected is not None:  # verl's rule: only trailing newlines are ignored, on both sides
+        passed = not r.timed_out and r.exit_code == 0 and r.stdout.rstrip("\n") == expected.rstrip("\n")
+    return CaseResult(exit_code=r.exit_code, stdout=r.stdout, stderr=r.stderr, timed_out=r.timed_out,
+                      oom_killed=r.oom_killed, signal=r.signal, wall_s=r.wall_s, passed=passed)
 
 
 def _split(files: dict[str, bytes]) -> tuple[dict[str, str], dict[str, bytes]]:
