@@ -80,17 +80,24 @@ def start(home: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("rollbox serve did not start")
 
 
+def server_cpu_s(pid: int) -> float:
+    """The server process's user + system CPU seconds (its sandboxes are other processes)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Stats:
     def __init__(self) -> None:
         self.lat: list[float] = []
         self.wall = 0.0
         self.units = 0
         self.errors: list[str] = []
+        self.server_cpu_s = 0.0
 
     def row(self) -> dict[str, float]:
         q = statistics.quantiles(self.lat, n=100) if len(self.lat) >= 2 else [self.lat[0]] * 99
         return {"per_s": self.units / self.wall if self.wall else 0.0, "p50_ms": q[49] * 1000, "p99_ms": q[98] * 1000,
-                "n": float(len(self.lat))}
+                "n": float(len(self.lat)), "cpu_ms": self.server_cpu_s * 1000 / max(1, len(self.lat))}
 
 
 async def post(http: httpx.AsyncClient, sem: asyncio.Semaphore, url: str, st: Stats, want: str,
@@ -128,7 +135,7 @@ async def cpp_round(http: httpx.AsyncClient, url: str, c: int, programs: int, ca
     st.units += programs
 
 
-async def py_round(http: httpx.AsyncClient, url: str, c: int, n: int, event: bool, st: Stats) -> None:
+async def py_round(http: httpx.AsyncClient, url: str, c: int, n: int, event: bool, st: Stats, pid: int = 0) -> None:
     sem = asyncio.Semaphore(c)
     stdin, want = "3 1 4 1 5 9 2 6\n", "31 9\n"
     if event:
@@ -136,19 +143,22 @@ async def py_round(http: httpx.AsyncClient, url: str, c: int, n: int, event: boo
                 "limits": {"memory_max_bytes": 1 << 30}}
     else:
         body = {"code": PY, "language": "python", "stdin": stdin, "memory_limit_MB": 1024, "run_timeout": 10}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), server_cpu_s(pid) if pid else 0.0
     await asyncio.gather(*(post(http, sem, url, st, want, body, event) for _ in range(n)))
     st.wall += time.perf_counter() - t0
+    st.server_cpu_s += server_cpu_s(pid) - cpu0 if pid else 0.0
     st.units += n
 
 
 def show(title: str, unit: str, a: tuple[str, Stats], b: tuple[str, Stats]) -> float:
     print(f"\n{title}")
-    print(f"  {'':<22}{unit + '/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'requests':>10}{'errors':>8}")
+    print(f"  {'':<22}{unit + '/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'requests':>10}{'errors':>8}"
+          f"{'server CPU ms/request':>23}")
     for name, st in (a, b):
         r = st.row()
+        cpu = f"{r['cpu_ms']:.2f}" if st.server_cpu_s else "-"
         print(f"  {name:<22}{r['per_s']:>12.2f}{r['p50_ms']:>10.0f}{r['p99_ms']:>10.0f}{int(r['n']):>10}"
-              f"{len(st.errors):>8}")
+              f"{len(st.errors):>8}{cpu:>23}")
         for e in st.errors[:2]:
             print(f"    error: {e}")
     ra, rb = a[1].row()["per_s"], b[1].row()["per_s"]
@@ -179,7 +189,7 @@ async def main() -> int:
                         await cpp_round(http, url, args.concurrency, args.programs, cache, st)
                     py_order = [(False, rc), (True, ev)] if r % 2 == 0 else [(True, ev), (False, rc)]
                     for event, st in py_order:
-                        await py_round(http, url, args.concurrency, args.python_runs, event, st)
+                        await py_round(http, url, args.concurrency, args.python_runs, event, st, proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import shlex
 import signal
 import weakref
@@ -338,7 +339,13 @@ def _staging(binary: dict[str, bytes]) -> tuple[dict[str, str], list[str]]:
 def _exec_form(command: str) -> str:
     """A simple command as ``exec``: the program replaces the shell, so a death by signal is reported as
     the signal (SandboxFusion's -N), not as the shell's exit status 128 + N."""
-    return command if any(op in command for op in (";", "&", "|", "\n")) else f"exec {command}"
+    if any(op in command for op in (";", "&", "|", "\n")):
+        return command
+    words = command.split(" ")
+    n = 0
+    while n < len(words) and re.fullmatch(r"[A-Za-z_]\w*=\S*", words[n]):  # assignments: through env
+        n += 1
+    return " ".join(["exec", *(["env", *words[:n]] if n else []), *words[n:]])
 
 
 def _prefixed(unpack: list[str], command: str) -> str:

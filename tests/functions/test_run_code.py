@@ -339,6 +339,52 @@ async def test_a_batch_of_cases_compiles_once_and_keeps_each_cases_files_apart(h
     assert r.status == 400 and "each case has its stdin" in r.data["message"]
 
 
+HELLO: dict[str, str] = {
+    "python": "print(123)",
+    "pytest": "def test_sum():\n    assert 1 + 1 == 2\n",
+    "cpp": "#include <iostream>\nint main(){std::cout<<123<<std::endl;}",
+    "java": "public class Main{public static void main(String[] a){System.out.println(123);}}",
+    "junit": ("import org.junit.jupiter.api.Test;\nimport static org.junit.jupiter.api.Assertions.*;\n"
+              "public class SumTest { @Test void sum() { assertEquals(2, 1 + 1); } }"),
+    "go": "package main\nimport \"fmt\"\nfunc main(){fmt.Println(123)}\n",
+    "go_test": "package main\nimport \"testing\"\nfunc TestSum(t *testing.T){ if 1+1 != 2 { t.Fatal(\"no\") } }\n",
+    "nodejs": "console.log(123)",
+    "typescript": "const x: number = 123;\nconsole.log(x);",
+    "jest": "test('sums', () => { expect(1 + 2).toBe(3); });",
+    "rust": "fn main() { println!(\"123\"); }",
+    "bash": "echo 123",
+    "php": "echo 123;",
+    "ruby": "puts 123",
+    "lua": "print(123)",
+    "perl": "print \"123\\n\";",
+    "R": "cat('123\\n')",
+    "scala": "object Main extends App { println(123) }",
+    "kotlin_script": "println(123)",
+    "csharp": "using System;\nclass P { static void Main() { Console.WriteLine(123); } }",
+    "racket": "#lang racket\n(displayln 123)",
+    "sql": "SELECT 123;",
+    "verilog": "module tb; initial begin $display(\"123\"); $finish; end endmodule",
+    "D_ut": "import std.stdio;\nunittest { assert(1 + 1 == 2); }\nvoid main() { writeln(123); }",
+}
+TEST_RUNNERS = ("pytest", "junit", "go_test", "jest", "D_ut")  # (D: -unittest runs the tests, not main)
+
+
+@pytest.mark.parametrize("language", list(HELLO))
+async def test_every_language_whose_snapshot_is_built_runs(http: httpx.AsyncClient, srv: ServerProc,
+                                                           language: str) -> None:
+    """Optional beyond BUILT: the languages whose snapshots the test store holds (all of them when
+    ROLLBOX_TEST_LANGUAGES_HOME points at a store built from every template)."""
+    from rollbox.snapshots import languages
+
+    if not (LANG_HOME / "names" / languages.language(language).snapshot).exists():  # type: ignore[operator]
+        pytest.skip(f"the {language} snapshot is not in {LANG_HOME}")
+    r = await run_code(http, srv, code=HELLO[language], language=language, memory_limit_MB=1024, run_timeout=60,
+                       compile_timeout=120)
+    assert r["status"] == "Success", r
+    if language not in TEST_RUNNERS:
+        assert "123" in r["run_result"]["stdout"], r
+
+
 # ----------------------------------------------------------------------- verl's own client, unchanged
 
 
