@@ -114,10 +114,13 @@ class CompileCache:
             _, gone = self._lru.popitem(last=False)
             self._bytes -= gone.size()
 
-    async def once(self, key: str, compile_: Callable[[], Awaitable[Compiled | None]]) -> tuple[Compiled | None, bool]:
-        """The cached outcome for ``key`` (and True), or ``compile_()``'s (and False), which is kept when
-        it returns one. While one compile of a key runs, other callers wait for it and share it; if it
-        keeps nothing (a timeout) each of them compiles on its own."""
+    async def once(self, key: str, compile_: Callable[[Callable[[Compiled | None], Awaitable[None]]], Awaitable[None]]
+                   ) -> tuple[Compiled | None, bool]:
+        """The cached outcome for ``key`` and True; else ``compile_(done)`` runs and False is returned
+        with what it passed to ``done`` (which keeps it, when not None). ``done`` may be called as soon as
+        the compile is over (before the program runs): callers waiting for this key go on from then.
+        While one compile of a key runs, other callers wait for it and share it; if it keeps nothing (a
+        timeout) each of them compiles on its own."""
         while True:
             hit = await self.get(key)
             if hit is not None:
@@ -133,13 +136,22 @@ class CompileCache:
         if mine:
             self._inflight[key] = fut
         self.misses += 1
-        try:
-            value = await compile_()
+        got: list[Compiled | None] = []
+
+        async def done(value: Compiled | None) -> None:
+            if got:
+                return
+            got.append(value)
             if value is not None:
                 await self.put(key, value)
-            return value, False
-        finally:
             if mine:
                 self._inflight.pop(key, None)
                 if not fut.done():
-                    fut.set_result(self._lru.get(key))
+                    fut.set_result(value)
+
+        try:
+            await compile_(done)
+        finally:
+            if not got:
+                await done(None)
+        return got[0], False

@@ -25,6 +25,7 @@ import re
 import shlex
 import signal
 import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -145,40 +146,41 @@ class Runner:
         key = cache_key(plan.language, view.id, plan.compile, all_bytes)
         box: list[ProgramResult] = []
 
-        async def compile_() -> Compiled | None:
-            res = await self._compile_and_run(p, plan, limits, files, unpack, key)
-            box.append(res)
-            c = res.compile
-            if not isinstance(c, ExecResult) or c.timed_out or c.oom_killed or c.signal is not None:
-                return None  # not kept: it depends on the load, not on the source
-            art = ""
-            if c.exit_code == 0:
+        async def compile_(done: Callable[[Compiled | None], Awaitable[None]]) -> None:
+            async def compiled(c: ExecResult) -> ExecResult:
+                """Right after the compile step (before the run): what the cache keeps, and the compile
+                step without the artifacts (they are not the program's output)."""
+                keep = None
                 art = (c.files.get(ARTIFACTS) or "").strip()
-                res.compile = c.model_copy(update={"files": {}})  # (the artifacts are not the program's output)
-                if not art:
-                    return None
-            return Compiled(c.exit_code, c.stdout, c.stderr, c.wall_s, art)
+                if not (c.timed_out or c.oom_killed or c.signal is not None or (c.exit_code == 0 and not art)):
+                    keep = Compiled(c.exit_code, c.stdout, c.stderr, c.wall_s, art if c.exit_code == 0 else "")
+                await done(keep)  # (not kept: a timeout or a kill depends on the load, not on the source)
+                return c.model_copy(update={"files": {}})
 
-        compiled, cached = await self.cache.once(key, compile_)
+            box.append(await self._compile_and_run(p, plan, limits, files, unpack, key, compiled))
+
+        found, cached = await self.cache.once(key, compile_)
         if not cached:
             return box[0] if box else ProgramResult(plan, None, False, None)  # (compile_ raised otherwise)
-        assert compiled is not None
-        if compiled.return_code != 0:
-            return ProgramResult(plan, compiled, True, None)
-        files = {**files, ARTIFACTS: compiled.artifacts_b64}
+        assert found is not None
+        if found.return_code != 0:
+            return ProgramResult(plan, found, True, None)
+        files = {**files, ARTIFACTS: found.artifacts_b64}
         unpack = [*unpack, f"base64 -d {ARTIFACTS} | tar -xzf - && rm -f {ARTIFACTS}"]
-        return await self._steps(p, plan, limits, files, unpack, compiled)
+        return await self._steps(p, plan, limits, files, unpack, found)
 
     async def _compile_and_run(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
-                               files: dict[str, str], unpack: list[str], key: str | None) -> ProgramResult:
+                               files: dict[str, str], unpack: list[str], key: str | None,
+                               compiled: Callable[[ExecResult], Awaitable[ExecResult]] | None = None
+                               ) -> ProgramResult:
         assert plan.compile is not None
         command = plan.compile
         if key is not None and plan.artifacts:  # keep what the run needs, for the next compile of this source
             command = f"{command} && tar -czf - {' '.join(plan.artifacts)} | base64 -w0 > {ARTIFACTS}"
         compile_req = _exec(command=_prefixed(unpack, command), files=files, timeout_s=_clamp(p.compile_timeout_s),
                             read_files=[ARTIFACTS] if key is not None else [])
-        run, fetched, compiled, cases = await self._session(p, plan, limits, compile_req)
-        return ProgramResult(plan, compiled, False, run, fetched, cases)
+        run, fetched, step, cases = await self._session(p, plan, limits, compile_req, on_compiled=compiled)
+        return ProgramResult(plan, step, False, run, fetched, cases)
 
     async def _steps(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
                      files: dict[str, str], unpack: list[str], compiled: Compiled | None) -> ProgramResult:
@@ -204,7 +206,8 @@ class Runner:
 
     async def _session(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
                        compile_req: ExecRequest | None, run_req: ExecRequest | None = None,
-                       prep: ExecRequest | None = None
+                       prep: ExecRequest | None = None,
+                       on_compiled: Callable[[ExecResult], Awaitable[ExecResult]] | None = None
                        ) -> tuple[ExecResult | None, dict[str, bytes], ExecResult | None, list[ExecResult] | None]:
         """Steps in one sandbox: compile (if given), the run (if the compile succeeded) or each case, the fetch."""
         sb = await self.rt.take(plan.snapshot, limits, p.metadata, step_next=True)
@@ -215,6 +218,8 @@ class Runner:
         try:
             if compile_req is not None:
                 compiled = await self.rt.exec(sb.id, compile_req)
+                if on_compiled is not None:
+                    compiled = await on_compiled(compiled)
                 if compiled.timed_out or compiled.exit_code != 0:
                     return None, {}, compiled, None
                 run_req = self._run_request(p, plan, {}, [])  # (its files are there already)
