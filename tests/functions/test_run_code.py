@@ -385,6 +385,25 @@ async def test_every_language_whose_snapshot_is_built_runs(http: httpx.AsyncClie
         assert "123" in r["run_result"]["stdout"], r
 
 
+async def test_full_is_504_with_retry_after_which_verl_retries(lang_store: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    for sub in ("layers", "layers-meta", "manifests", "names"):
+        (home / sub).symlink_to(lang_store / sub)
+    small = start_server(tmp_path / "log", "--home", str(home), "--max-queued", "1", "--prewarm", "python3",
+                         "--durability", "off", "--record", "off")
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"code": "import time; time.sleep(1.5); print('slept')", "language": "python", "run_timeout": 30}
+            replies = await asyncio.gather(*(http.post(small.url + "run_code", json=body) for _ in range(3)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes[0] == 200 and 504 in codes, [r.text for r in replies]
+        full = next(r for r in replies if r.status_code == 504)
+        assert "cap 1" in full.json()["detail"] and int(full.headers["retry-after"]) >= 1
+    finally:
+        assert small.stop() == 0
+
+
 # ----------------------------------------------------------------------- verl's own client, unchanged
 
 
