@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from rollbox.functions.contract.events import ReplyError
-from rollbox.functions.contract.models import SANDBOX_RUN, ErrorData, RunData
+from rollbox.functions.contract.models import SANDBOX_RUN, ErrorCode, ErrorData, RunData
 from rollbox.functions.handlers.run_code import (
     RunCodeRequest,
     RunCodeResponse,
@@ -125,24 +125,25 @@ async def _answer(service: Service, request: Request) -> tuple[int, Response]:
             raise rej.error from None
         resp = _json(sandboxfusion_response(result, os.environ.get("MY_POD_NAME")))
         recorded = (200, result.last())
-    except (rterr.Overloaded, rterr.ShuttingDown) as exc:  # nothing ran: no row, the retry is the step
-        code = 504 if isinstance(exc, rterr.Overloaded) else 503
-        retry = exc.retry_after_s or service.config.retry_after_s
+    except (rterr.Overloaded, rterr.ShuttingDown, rterr.StoreUnavailable) as exc:  # nothing ran: no row (the
+        code = 504 if isinstance(exc, rterr.Overloaded) else 503                   # retry is the step)
+        own = exc.retry_after_s if isinstance(exc, rterr.Overloaded | rterr.ShuttingDown) else None
+        retry = own or service.config.retry_after_s
         resp = _detail(code, exc.message, {"retry-after": str(max(1, round(retry)))})
     except rterr.InvalidRequest as exc:  # UnsupportedLanguage too: it names the language
         resp = _detail(422, exc.message)
-        recorded = (422, ErrorData(code="invalid_data", message=exc.message))
+        recorded = (422, ErrorData(code=ErrorCode.INVALID_DATA, message=exc.message))
     except rterr.SnapshotNotFound as exc:
         resp = _detail(503, exc.message)
-        recorded = (503, ErrorData(code="snapshot_not_found", message=exc.message))
+        recorded = (503, ErrorData(code=ErrorCode.SNAPSHOT_NOT_FOUND, message=exc.message))
     except rterr.RollboxError as exc:  # the sandbox's fault, not the program's: SandboxFusion's SandboxError
         logger.warning(f"run_code: sandbox error: {exc.message}", extra={"fields": {"language": req.language}})
         resp = _json(RunCodeResponse(status=RunStatus.SandboxError, message=exc.message))
-        recorded = (500, ErrorData(code="sandbox_error", message=exc.message))
+        recorded = (500, ErrorData(code=ErrorCode.SANDBOX_DIED, message=exc.message))
     except Exception:
         logger.exception("run_code failed", extra={"fields": {"language": req.language}})
         resp = _detail(500, "internal error; the server log has the details")
-        recorded = (500, ErrorData(code="internal", message="internal error"))
+        recorded = (500, ErrorData(code=ErrorCode.INTERNAL, message="internal error"))
     finally:
         if steps is not None and ctx is not None:
             try:
