@@ -125,6 +125,11 @@ class Runner:
 
     async def run(self, p: Program) -> ProgramResult:
         plan = languages.plan(p.language, p.code)  # UnsupportedLanguage (an InvalidRequest) names the language
+        for what, value in (("code", p.code), ("stdin", p.stdin or ""), *(("files", k) for k in p.files)):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:  # (JSON lets a lone surrogate such as \ud800 through)
+                raise InvalidRequest(f"{what}: not valid UTF-8 text: a lone surrogate at {exc.start}") from None
         try:
             view = await self.rt.resolve(plan.snapshot)
         except SnapshotNotFound as exc:

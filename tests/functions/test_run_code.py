@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -223,10 +224,14 @@ async def test_files_in_and_fetch_files_out_binary_safe(http: httpx.AsyncClient,
     ({"code": "x", "language": "python", "fetch_files": "a.txt"}, "list_type"),
     ({"code": "x", "language": "python", "files": {"a.bin": "not base64!"}}, "files['a.bin']: not valid base64"),
     ({"code": "x", "language": "python", "memory_limit_MB": 1}, "memory_max_bytes"),
+    ({"code": "int main(){}\ud800", "language": "cpp"}, "code: not valid UTF-8 text"),
+    ({"code": "x", "language": "python", "stdin": "\ud800"}, "stdin: not valid UTF-8 text"),
+    ({"code": "x", "language": "python", "files": {"../up": "eA=="}}, "'..' components are not allowed"),
 ])
 async def test_bad_requests_are_422_naming_the_problem(http: httpx.AsyncClient, srv: ServerProc,
                                                        body: dict[str, Any], needle: str) -> None:
-    resp = await http.post(srv.url + "run_code", json=body)
+    resp = await http.post(srv.url + "run_code", content=json.dumps(body).encode(),  # (\ud800 as an escape)
+                           headers={"content-type": "application/json"})
     assert resp.status_code == 422 and needle in resp.text, resp.text
 
 
