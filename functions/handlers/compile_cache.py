@@ -3,7 +3,7 @@
 The key is the language, the toolchain snapshot's id, the compile command (its flags) and the hash of
 every file the compile saw (the source, and the request's files, e.g. jars). The value is the compile's
 outcome (return code, output) and, when it succeeded, its artifacts (``languages.Language.artifacts``)
-as a gzip'd tar, base64 text: the bytes a sandbox unpacks instead of compiling. A failed compile is kept
+as a tar, base64 text: the bytes a sandbox unpacks instead of compiling. A failed compile is kept
 too (the same source fails the same way); a compile that timed out or ran out of memory is not (that
 depends on the machine's load).
 
@@ -34,7 +34,7 @@ KEY_PREFIX = "compiled/"
 
 @dataclass(frozen=True)
 class Compiled:
-    """A compile's outcome: ``artifacts_b64`` (a base64 tar.gz of the artifacts) when ``return_code`` is 0."""
+    """A compile's outcome: ``artifacts_b64`` (a base64 tar of the artifacts) when ``return_code`` is 0."""
 
     return_code: int
     stdout: str
@@ -58,7 +58,7 @@ class Compiled:
 def cache_key(language: str, snapshot_id: str, command: str, files: dict[str, bytes]) -> str:
     """sha256 of the language, the toolchain snapshot id, the compile command and each file's path and hash."""
     h = hashlib.sha256()
-    for part in ("rollbox-compile-v1", language, snapshot_id, command):
+    for part in ("rollbox-compile-v2", language, snapshot_id, command):
         h.update(part.encode() + b"\0")
     for path in sorted(files):
         h.update(path.encode() + b"\0" + hashlib.sha256(files[path]).digest())

@@ -171,7 +171,7 @@ class Runner:
         if found.return_code != 0:
             return ProgramResult(plan, found, True, None)
         files = {**files, ARTIFACTS: found.artifacts_b64}
-        unpack = [*unpack, f"base64 -d {ARTIFACTS} | tar -xzf - && rm -f {ARTIFACTS}"]
+        unpack = [*unpack, f"base64 -d {ARTIFACTS} | tar -xf -"]  # (no gzip, no rm: fewer processes per run)
         return await self._steps(p, plan, limits, files, unpack, found)
 
     async def _compile_and_run(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
@@ -181,7 +181,7 @@ class Runner:
         assert plan.compile is not None
         command = plan.compile
         if key is not None and plan.artifacts:  # keep what the run needs, for the next compile of this source
-            command = f"{command} && tar -czf - {' '.join(plan.artifacts)} | base64 -w0 > {ARTIFACTS}"
+            command = f"{command} && tar -cf - {' '.join(plan.artifacts)} | base64 -w0 > {ARTIFACTS}"
         compile_req = _exec(command=_prefixed(unpack, command), files=files, timeout_s=_clamp(p.compile_timeout_s),
                             read_files=[ARTIFACTS] if key is not None else [])
         run, fetched, step, cases = await self._session(p, plan, limits, compile_req, on_compiled=compiled)
