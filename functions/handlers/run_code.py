@@ -119,9 +119,10 @@ class Runner:
     """Runs ``Program``s on a ``rollbox.runtime.runtime.Runtime`` (the plain one: a program's sandbox
     is one life, recorded as a `run`), with an optional compile cache."""
 
-    def __init__(self, rt: Any, cache: CompileCache | None = None):
+    def __init__(self, rt: Any, cache: CompileCache | None = None, one_shot: Any = None):
         self.rt = rt
         self.cache = cache
+        self.one_shot = one_shot or rt  # one-shot runs: the durable layer's run makes room (idle sandboxes hibernate)
 
     async def run(self, p: Program) -> ProgramResult:
         plan = languages.plan(p.language, p.code)  # UnsupportedLanguage (an InvalidRequest) names the language
@@ -198,7 +199,7 @@ class Runner:
         if p.fetch_files:
             run, fetched, _, _ = await self._session(p, plan, limits, None, req)
             return ProgramResult(plan, compiled, compiled is not None, run, fetched)
-        result: ExecResult = await self.rt.run(req, snapshot=plan.snapshot, limits=limits, metadata=p.metadata)
+        result: ExecResult = await self.one_shot.run(req, snapshot=plan.snapshot, limits=limits, metadata=p.metadata)
         return ProgramResult(plan, compiled, compiled is not None, result)
 
     def _run_request(self, p: Program, plan: languages.Plan, files: dict[str, str], unpack: list[str]) -> ExecRequest:
@@ -279,7 +280,7 @@ def runner_for(rt: Any) -> Runner:
     its compile cache in the durable layer's objects (the store every replica shares) when there are some."""
     runner = _RUNNERS.get(rt)
     if runner is None:
-        runner = _RUNNERS[rt] = Runner(getattr(rt, "rt", rt), CompileCache(getattr(rt, "objects", None)))
+        runner = _RUNNERS[rt] = Runner(getattr(rt, "rt", rt), CompileCache(getattr(rt, "objects", None)), rt)
     return runner
 
 
