@@ -409,6 +409,19 @@ async def test_full_is_504_with_retry_after_which_verl_retries(lang_store: Path,
         assert small.stop() == 0
 
 
+async def test_a_language_whose_snapshot_is_not_built_is_503_with_the_command_that_builds_it(
+        http: httpx.AsyncClient, srv: ServerProc) -> None:
+    from rollbox.snapshots import languages
+
+    missing = [n for n in languages.SUPPORTED if not (LANG_HOME / "names" / languages.LANGUAGES[n].snapshot).exists()]
+    if not missing:
+        pytest.skip(f"{LANG_HOME} holds every language's snapshot")
+    resp = await http.post(srv.url + "run_code", json={"code": "x", "language": missing[0]})
+    assert resp.status_code == 503, resp.text
+    assert f"language {missing[0]!r} runs in the snapshot" in resp.json()["detail"]
+    assert "rollbox snapshot build snapshots/templates/" in resp.json()["detail"]
+
+
 # ----------------------------------------------------------------------- verl's own client, unchanged
 
 
