@@ -422,6 +422,16 @@ async def test_a_language_whose_snapshot_is_not_built_is_503_with_the_command_th
     assert "rollbox snapshot build snapshots/templates/" in resp.json()["detail"]
 
 
+async def test_the_python_client_runs_a_language_with_cases(srv: ServerProc) -> None:
+    from rollbox.functions.client import Client
+
+    async with Client(srv.url) as client:
+        res = await client.run(CPP_SUM + f"// {uuid.uuid4()}", language="cpp", compile_timeout_s=60, timeout_s=20,
+                               cases=[{"stdin": "1 2", "expected_stdout": "3"}, {"stdin": "2 2", "expected_stdout": "5"}])
+    assert res.compile is not None and res.compile.exit_code == 0
+    assert res.cases is not None and [c.passed for c in res.cases] == [True, False]
+
+
 # ----------------------------------------------------------------------- verl's own client, unchanged
 
 
