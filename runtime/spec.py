@@ -110,6 +110,36 @@ class ExecRequest(_Frozen):
         return check_env(v)
 
 
+class CompileResult(BaseModel):
+    """A run with a ``language``: its compile step (``cached``: not run, the outcome of an earlier compile
+    of the same source with the same toolchain and flags)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exit_code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+    wall_s: float = 0.0
+    cached: bool = False
+
+
+class CaseResult(BaseModel):
+    """A run with ``cases``: one case's run (``passed``: its stdout matched ``expected_stdout`` and it
+    exited 0; None when no expected output was given)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+    oom_killed: bool = False
+    signal: str | None = None
+    wall_s: float = 0.0
+    passed: bool | None = None
+
+
 class ExecResult(BaseModel):
     """What one exec did. ``exit_code`` follows the shell: killed by signal N = 128 + N
     (a timeout kill is 137). ``snapshot_id`` is the snapshot the sandbox was restored from, so
@@ -139,6 +169,11 @@ class ExecResult(BaseModel):
     resumed: bool | None = Field(default=None, description="durable sandboxes: this step first resumed the "
                                  "sandbox from its durable state (its files; processes of earlier steps are gone)")
     resume_ms: float | None = Field(default=None, description="durable sandboxes: how long resuming took")
+    compile: CompileResult | None = Field(default=None, description="runs with a language that compiles: its "
+                                          "compile step; when it failed the program did not run and the fields "
+                                          "above are the compile's")
+    cases: list[CaseResult] | None = Field(default=None, description="runs with cases: each case's run, in order; "
+                                           "the fields above are the first failed case's, else the last's")
     hibernated: bool | None = Field(default=None, description="durable sandboxes: the sandbox hibernated as this "
                                     "step ended (it had been idle longer than a live copy lasts on the replica, "
                                     "so this step ran as its init); processes the step left behind ended with it")

@@ -580,10 +580,24 @@ class Client:
         metadata: Mapping[str, str] | None = None,
         check: bool = False,
         event_id: str | None = None,
+        language: str | None = None,
+        compile_timeout_s: float | None = None,
+        cases: list[Mapping[str, str | None]] | None = None,
     ) -> ExecResult:
-        """One-shot: a fresh sandbox runs ``code`` (or ``command``) once and is destroyed."""
+        """One-shot: a fresh sandbox runs ``code`` (or ``command``) once and is destroyed. With ``language``
+        (docs/languages.md), ``code`` is a program in it, compiled (once) and run in its snapshot;
+        ``cases`` (``{stdin, expected_stdout}``) run it once per case after one compile."""
         data = _exec_data(code, command, stdin, files, read_files, env, timeout_s)
-        data["snapshot"] = snapshot
+        wait_s = timeout_s
+        if language is None:
+            data["snapshot"] = snapshot
+        else:
+            data["language"] = language
+            if compile_timeout_s is not None:
+                data["compile_timeout_s"] = compile_timeout_s
+            if cases is not None:
+                data["cases"] = [dict(c) for c in cases]
+            wait_s = (compile_timeout_s or 10.0) + timeout_s * max(1, len(cases or ()))
         if limits is not None:
             data["limits"] = limits.model_dump(exclude_unset=True)
         if metadata:
@@ -593,7 +607,7 @@ class Client:
             data,
             expect=SANDBOX_RESULT,
             model=ExecResult,
-            read_timeout_s=timeout_s + self.reply_margin_s,
+            read_timeout_s=wait_s + self.reply_margin_s,
             event_id=event_id,
         )
         if check and result.exit_code != 0:

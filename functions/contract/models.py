@@ -48,6 +48,7 @@ __all__ = [
     "SANDBOX_SNAPSHOT",
     "SANDBOX_SNAPSHOTTED",
     "AnnotateData",
+    "Case",
     "Conflict",
     "CreateData",
     "DestroyData",
@@ -257,14 +258,50 @@ class ExecData(ExecRequest, _ExecChecks):
         return _as_exec_request(self)
 
 
+class Case(_Data):
+    """One test case of a run with ``cases``: its stdin and, optionally, the stdout that passes it."""
+
+    stdin: str | None = None
+    expected_stdout: str | None = None
+
+
 class RunData(ExecRequest, _ExecChecks):
-    """``dev.rollbox.sandbox.run``: create + exec + destroy in one event. ``timeout_s`` bounds the exec."""
+    """``dev.rollbox.sandbox.run``: create + exec + destroy in one event. ``timeout_s`` bounds the exec.
+    With ``language``, ``code`` is a program in that language (docs/languages.md): compiled (once per
+    source: cached) within ``compile_timeout_s``, then run within ``timeout_s``, in the language's snapshot."""
 
     snapshot: SnapshotRef = "python"
     limits: Limits | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    language: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = Field(
+        default=None, description="a language of SandboxFusion's list (snapshots/languages.py); `code` is its source")
+    compile_timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = Field(
+        default=None, description="with language: the compile step's timeout (default 10)")
+    cases: Annotated[list[Case], Field(min_length=1, max_length=256)] | None = Field(
+        default=None, description="with language: compile once, then run the program once per case (its stdin; "
+        "timeout_s each) in one sandbox, each case in a fresh copy of the home")
 
     _metadata = field_validator("metadata")(_check_metadata)
+
+    @model_validator(mode="after")
+    def _language(self) -> RunData:
+        if self.language is None:
+            if self.compile_timeout_s is not None or self.cases is not None:
+                raise ValueError("compile_timeout_s and cases are for a run with 'language'")
+            return self
+        if self.cases is not None and self.stdin is not None:
+            raise ValueError("with 'cases' each case has its stdin: give 'stdin' in the cases")
+        from rollbox.snapshots import languages
+
+        try:
+            languages.language(self.language)
+        except languages.UnsupportedLanguage as exc:
+            raise ValueError(exc.message) from None
+        if self.code is None:
+            raise ValueError("with 'language', 'code' is the program's source ('command' is not used)")
+        if "snapshot" in self.model_fields_set:
+            raise ValueError("with 'language' the language's snapshot runs it: give 'language' or 'snapshot'")
+        return self
 
     def exec_request(self) -> ExecRequest:
         return _as_exec_request(self)

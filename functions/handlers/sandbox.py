@@ -34,6 +34,10 @@ async def exec_(rt: SandboxRuntime, data: ExecData, event: EventRef | None = Non
 
 
 async def run(rt: SandboxRuntime, data: RunData, event: EventRef | None = None) -> ExecResult:
+    if data.language is not None:  # a program in a language: compiled (once) and run (handlers/run_code.py)
+        from rollbox.functions.handlers import run_code
+
+        return await run_code.run_event(rt, data)
     return await rt.run(
         data.exec_request(), snapshot=data.snapshot,
         limits=data.limits.model_dump(exclude_unset=True) if data.limits is not None else None, metadata=data.metadata

@@ -1,0 +1,157 @@
+"""Compile once: a content-addressed cache of what a language's compile step made.
+
+The key is the language, the toolchain snapshot's id, the compile command (its flags) and the hash of
+every file the compile saw (the source, and the request's files, e.g. jars). The value is the compile's
+outcome (return code, output) and, when it succeeded, its artifacts (``languages.Language.artifacts``)
+as a tar, base64 text: the bytes a sandbox unpacks instead of compiling. A failed compile is kept
+too (the same source fails the same way); a compile that timed out or ran out of memory is not (that
+depends on the machine's load).
+
+Two levels: an LRU in this process, bounded in bytes, and the snapshot store's object API
+(``rollbox.snapshots.state.Objects``: the local store's directory, or S3 shared by every replica),
+under ``compiled/<key>.json``. Concurrent requests for one key wait for the first one's compile (one
+compile per key per replica at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+from rollbox.runtime.errors import RollboxError
+from rollbox.snapshots.state import Objects
+
+__all__ = ["CompileCache", "Compiled", "cache_key"]
+
+log = logging.getLogger("rollbox.compile_cache")
+KEY_PREFIX = "compiled/"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compile's outcome: ``artifacts_b64`` (a base64 tar of the artifacts) when ``return_code`` is 0."""
+
+    return_code: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    artifacts_b64: str = ""
+
+    def size(self) -> int:
+        return len(self.artifacts_b64) + len(self.stdout) + len(self.stderr) + 200
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Compiled:
+        d = json.loads(data)
+        return cls(return_code=int(d["return_code"]), stdout=str(d["stdout"]), stderr=str(d["stderr"]),
+                   wall_s=float(d["wall_s"]), artifacts_b64=str(d.get("artifacts_b64", "")))
+
+
+def cache_key(language: str, snapshot_id: str, command: str, files: dict[str, bytes]) -> str:
+    """sha256 of the language, the toolchain snapshot id, the compile command and each file's path and hash."""
+    h = hashlib.sha256()
+    for part in ("rollbox-compile-v2", language, snapshot_id, command):
+        h.update(part.encode() + b"\0")
+    for path in sorted(files):
+        h.update(path.encode() + b"\0" + hashlib.sha256(files[path]).digest())
+    return h.hexdigest()
+
+
+class CompileCache:
+    """See the module docstring. ``objects``: the shared store (None: this process only)."""
+
+    def __init__(self, objects: Objects | None = None, max_bytes: int = 256 << 20):
+        self.objects = objects
+        self.max_bytes = max_bytes
+        self._lru: OrderedDict[str, Compiled] = OrderedDict()
+        self._bytes = 0
+        self._inflight: dict[str, asyncio.Future[Compiled | None]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    async def get(self, key: str) -> Compiled | None:
+        hit = self._lru.get(key)
+        if hit is not None:
+            self._lru.move_to_end(key)
+            return hit
+        if self.objects is None:
+            return None
+        try:
+            data = await asyncio.to_thread(self.objects.get, KEY_PREFIX + key + ".json")
+            found = Compiled.from_bytes(data) if data is not None else None
+        except (RollboxError, ValueError, KeyError, OSError) as exc:  # the store is optional: compile instead
+            log.warning("compile cache: reading %s failed: %s", key, exc)
+            return None
+        if found is not None:
+            self._remember(key, found)
+        return found
+
+    async def put(self, key: str, value: Compiled) -> None:
+        self._remember(key, value)
+        if self.objects is not None:
+            try:
+                await asyncio.to_thread(self.objects.put_content, KEY_PREFIX + key + ".json", value.to_bytes())
+            except (RollboxError, OSError) as exc:
+                log.warning("compile cache: writing %s failed: %s", key, exc)
+
+    def _remember(self, key: str, value: Compiled) -> None:
+        if value.size() > self.max_bytes:
+            return
+        old = self._lru.pop(key, None)
+        if old is not None:
+            self._bytes -= old.size()
+        self._lru[key] = value
+        self._bytes += value.size()
+        while self._bytes > self.max_bytes and self._lru:
+            _, gone = self._lru.popitem(last=False)
+            self._bytes -= gone.size()
+
+    async def once(self, key: str, compile_: Callable[[Callable[[Compiled | None], Awaitable[None]]], Awaitable[None]]
+                   ) -> tuple[Compiled | None, bool]:
+        """The cached outcome for ``key`` and True; else ``compile_(done)`` runs and False is returned
+        with what it passed to ``done`` (which keeps it, when not None). ``done`` may be called as soon as
+        the compile is over (before the program runs): callers waiting for this key go on from then.
+        While one compile of a key runs, other callers wait for it and share it; if it keeps nothing (a
+        timeout) each of them compiles on its own."""
+        while True:
+            hit = await self.get(key)
+            if hit is not None:
+                self.hits += 1
+                return hit, True
+            running = self._inflight.get(key)
+            if running is None:
+                break
+            if await asyncio.shield(running) is None:
+                break  # that compile kept nothing: compile this one (not waiting in turn for a twin)
+        fut: asyncio.Future[Compiled | None] = asyncio.get_running_loop().create_future()
+        mine = key not in self._inflight
+        if mine:
+            self._inflight[key] = fut
+        self.misses += 1
+        got: list[Compiled | None] = []
+
+        async def done(value: Compiled | None) -> None:
+            if got:
+                return
+            got.append(value)
+            if value is not None:
+                await self.put(key, value)
+            if mine:
+                self._inflight.pop(key, None)
+                if not fut.done():
+                    fut.set_result(value)
+
+        try:
+            await compile_(done)
+        finally:
+            if not got:
+                await done(None)
+        return got[0], False

@@ -1,0 +1,460 @@
+"""Programs in the languages of ``snapshots/languages.py``: compile (once), then run, in a sandbox.
+
+One runner model for both interfaces: SandboxFusion's ``POST /run_code`` (its request and response
+models are here, ``RunCodeRequest`` / ``RunCodeResponse``, served by ``functions/service/run_code.py``)
+and the ``run`` event's ``language``. Per program:
+
+    plan (languages.plan: snapshot, files, compile and run commands)
+    -> compile step, unless the compile cache has this source's outcome (compile_cache.py)
+    -> run step (stdin, run_timeout), unless the compile failed
+    -> fetch_files read back (base64, so binary files survive)
+
+A program with no compile step (or a cached one) and no files to fetch is one one-shot sandbox
+(``Runtime.run``, from the warm pool); otherwise one sandbox takes the steps in turn and is destroyed.
+Memory is the sandbox's cgroup limit (no address-space rlimit: JVMs, V8 and linkers reserve freely);
+timeouts, output caps and killing every process of a step are the runtime's (the kernel's).
+Binary input files and artifacts travel as base64 text and are decoded inside the sandbox (``base64``
+and ``tar`` are in every Debian snapshot).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import shlex
+import signal
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, cache_key
+from rollbox.runtime.errors import InvalidRequest, RollboxError, SnapshotNotFound
+from rollbox.runtime.spec import CaseResult, CompileResult, ExecRequest, ExecResult
+from rollbox.snapshots import languages
+
+if TYPE_CHECKING:
+    from rollbox.functions.contract.models import RunData
+
+__all__ = ["CommandRunResult", "CommandRunStatus", "Program", "ProgramResult", "RunCodeRequest", "RunCodeResponse",
+           "RunStatus", "Runner", "run_event", "runner_for", "sandboxfusion_response"]
+
+MiB = 1 << 20
+ARTIFACTS = "/tmp/.rollbox-artifacts.b64"  # outside the home: the program does not see it in its directory
+STAGE = "/tmp/.rollbox-in"  # binary input files, base64, decoded by the first step
+FETCHED = "/tmp/.rollbox-out"
+BASE, CASE = "/tmp/.rollbox-base", "/tmp/.rollbox-case"  # a batch's prepared home, and its copy for one case
+BASE_COPY = f"rm -rf {BASE} && cp -a /home/sandbox {BASE}"
+MAX_TIMEOUT_S = 3600.0
+MIN_TIMEOUT_S = 0.001  # SandboxFusion takes 0 and negative timeouts (asyncio answers them as timed out at once)
+
+
+@dataclass(frozen=True)
+class Program:
+    """What to run. ``files``: path (under the sandbox home if relative) -> bytes, written before the
+    code; ``fetch_files``: read back after the run."""
+
+    language: str
+    code: str
+    stdin: str | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    fetch_files: tuple[str, ...] = ()
+    compile_timeout_s: float = 10.0
+    run_timeout_s: float = 10.0
+    limits: dict[str, Any] | None = None  # the fields to change from the snapshot's default limits
+    metadata: dict[str, str] = field(default_factory=dict)
+    cases: tuple[str | None, ...] | None = None  # a batch: one run per stdin, after one compile, in one sandbox
+
+
+@dataclass
+class ProgramResult:
+    """``compile``: None when the language has no compile step; ``compile_cached``: it was not run, its
+    outcome came from the cache. ``run``: None when the compile failed. ``files``: fetched path -> bytes
+    (missing ones left out)."""
+
+    plan: languages.Plan
+    compile: ExecResult | Compiled | None
+    compile_cached: bool
+    run: ExecResult | None
+    files: dict[str, bytes] = field(default_factory=dict)
+    cases: list[ExecResult] | None = None
+
+    @property
+    def compile_ok(self) -> bool:
+        c = self.compile
+        if c is None:
+            return True
+        if isinstance(c, Compiled):
+            return c.return_code == 0
+        return not c.timed_out and c.exit_code == 0
+
+    def last(self) -> ExecResult | None:
+        """The step a `run` reply reports: the run, else the compile that stopped it (if it ran here)."""
+        if self.run is not None:
+            return self.run
+        return self.compile if isinstance(self.compile, ExecResult) else None
+
+
+class SandboxFault(RollboxError):
+    """A step the runner added (not the program) failed: the sandbox's fault, SandboxFusion's SandboxError."""
+
+
+def _clamp(t: float) -> float:
+    return min(max(t, MIN_TIMEOUT_S), MAX_TIMEOUT_S)
+
+
+def _exec(**kw: Any) -> ExecRequest:
+    try:
+        return ExecRequest(**kw)
+    except ValidationError as exc:
+        e = exc.errors(include_url=False)[0]
+        loc = ".".join(str(x) for x in e["loc"])
+        raise InvalidRequest(f"{loc}: {e['msg']}" if loc else e["msg"]) from None
+
+
+class Runner:
+    """Runs ``Program``s on a ``rollbox.runtime.runtime.Runtime`` (the plain one: a program's sandbox
+    is one life, recorded as a `run`), with an optional compile cache."""
+
+    def __init__(self, rt: Any, cache: CompileCache | None = None, one_shot: Any = None):
+        self.rt = rt
+        self.cache = cache
+        self.one_shot = one_shot or rt  # one-shot runs: the durable layer's run makes room (idle sandboxes hibernate)
+
+    async def run(self, p: Program) -> ProgramResult:
+        plan = languages.plan(p.language, p.code)  # UnsupportedLanguage (an InvalidRequest) names the language
+        for what, value in (("code", p.code), ("stdin", p.stdin or ""), *(("files", k) for k in p.files)):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:  # (JSON lets a lone surrogate such as \ud800 through)
+                raise InvalidRequest(f"{what}: not valid UTF-8 text: a lone surrogate at {exc.start}") from None
+        try:
+            view = await self.rt.resolve(plan.snapshot)
+        except SnapshotNotFound as exc:
+            raise SnapshotNotFound(languages.missing_snapshot(p.language), snapshot_id=plan.snapshot) from exc
+        limits = p.limits
+        text, binary = _split(p.files)
+        files = {**text, **plan.files}  # the code's file last: as in SandboxFusion, it wins over a request file
+        binary = {k: v for k, v in binary.items() if k not in plan.files}
+        stage, unpack = _staging(binary)
+        files.update(stage)
+        if plan.compile_error is not None:  # no compiler could take it (scala without an object)
+            failed = Compiled(1, "", plan.compile_error, 0.0)
+            return ProgramResult(plan, failed, False, None)
+        if plan.compile is None:
+            return await self._steps(p, plan, limits, files, unpack, None)
+        if self.cache is None:
+            return await self._compile_and_run(p, plan, limits, files, unpack, None)
+        all_bytes = {k: v.encode() for k, v in {**text, **plan.files}.items()} | binary
+        key = cache_key(plan.language, view.id, plan.compile, all_bytes)
+        box: list[ProgramResult] = []
+
+        async def compile_(done: Callable[[Compiled | None], Awaitable[None]]) -> None:
+            async def compiled(c: ExecResult) -> ExecResult:
+                """Right after the compile step (before the run): what the cache keeps, and the compile
+                step without the artifacts (they are not the program's output)."""
+                keep = None
+                art = (c.files.get(ARTIFACTS) or "").strip()
+                if not (c.timed_out or c.oom_killed or c.signal is not None or (c.exit_code == 0 and not art)):
+                    keep = Compiled(c.exit_code, c.stdout, c.stderr, c.wall_s, art if c.exit_code == 0 else "")
+                await done(keep)  # (not kept: a timeout or a kill depends on the load, not on the source)
+                return c.model_copy(update={"files": {}})
+
+            box.append(await self._compile_and_run(p, plan, limits, files, unpack, key, compiled))
+
+        found, cached = await self.cache.once(key, compile_)
+        if not cached:
+            return box[0] if box else ProgramResult(plan, None, False, None)  # (compile_ raised otherwise)
+        assert found is not None
+        if found.return_code != 0:
+            return ProgramResult(plan, found, True, None)
+        files = {**files, ARTIFACTS: found.artifacts_b64}
+        unpack = [*unpack, f"base64 -d {ARTIFACTS} | tar -xf -"]  # (no gzip, no rm: fewer processes per run)
+        return await self._steps(p, plan, limits, files, unpack, found)
+
+    async def _compile_and_run(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
+                               files: dict[str, str], unpack: list[str], key: str | None,
+                               compiled: Callable[[ExecResult], Awaitable[ExecResult]] | None = None
+                               ) -> ProgramResult:
+        assert plan.compile is not None
+        command = plan.compile
+        if key is not None and plan.artifacts:  # keep what the run needs, for the next compile of this source
+            command = f"{command} && tar -cf - {' '.join(plan.artifacts)} | base64 -w0 > {ARTIFACTS}"
+        compile_req = _exec(command=_prefixed(unpack, command), files=files, timeout_s=_clamp(p.compile_timeout_s),
+                            read_files=[ARTIFACTS] if key is not None else [])
+        run, fetched, step, cases = await self._session(p, plan, limits, compile_req, on_compiled=compiled)
+        return ProgramResult(plan, step, False, run, fetched, cases)
+
+    async def _steps(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
+                     files: dict[str, str], unpack: list[str], compiled: Compiled | None) -> ProgramResult:
+        """The run alone (no compile here): a one-shot sandbox, unless files are to be fetched or cases run."""
+        if p.cases is not None:  # the files (and artifacts) written once, copied for each case
+            prep = _exec(command=_prefixed(unpack, BASE_COPY), files=files, timeout_s=60.0)
+            run, fetched, _, cases = await self._session(p, plan, limits, None, prep=prep)
+            return ProgramResult(plan, compiled, compiled is not None, run, fetched, cases)
+        req = self._run_request(p, plan, files, unpack)
+        if p.fetch_files:
+            run, fetched, _, _ = await self._session(p, plan, limits, None, req)
+            return ProgramResult(plan, compiled, compiled is not None, run, fetched)
+        result: ExecResult = await self.one_shot.run(req, snapshot=plan.snapshot, limits=limits, metadata=p.metadata)
+        return ProgramResult(plan, compiled, compiled is not None, result)
+
+    def _run_request(self, p: Program, plan: languages.Plan, files: dict[str, str], unpack: list[str]) -> ExecRequest:
+        timeout = _clamp(p.run_timeout_s)
+        if plan.python_inline and not unpack:  # the warm interpreter runs the code itself: no python start
+            files = dict(files)
+            code = files.pop(next(iter(plan.files)))
+            return _exec(code=code, files=files, stdin=p.stdin, timeout_s=timeout)
+        return _exec(command=_prefixed(unpack, _exec_form(plan.run)), files=files, stdin=p.stdin, timeout_s=timeout)
+
+    async def _session(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
+                       compile_req: ExecRequest | None, run_req: ExecRequest | None = None,
+                       prep: ExecRequest | None = None,
+                       on_compiled: Callable[[ExecResult], Awaitable[ExecResult]] | None = None
+                       ) -> tuple[ExecResult | None, dict[str, bytes], ExecResult | None, list[ExecResult] | None]:
+        """Steps in one sandbox: compile (if given), the run (if the compile succeeded) or each case, the fetch."""
+        sb = await self.rt.take(plan.snapshot, limits, p.metadata, step_next=True)
+        sb.metered = "run"  # its life is billed and recorded as a run's (Runtime.on_life_ended)
+        compiled: ExecResult | None = None
+        run: ExecResult | None = None
+        fetched: dict[str, bytes] = {}
+        try:
+            if compile_req is not None:
+                compiled = await self.rt.exec(sb.id, compile_req)
+                if on_compiled is not None:
+                    compiled = await on_compiled(compiled)
+                if compiled.timed_out or compiled.exit_code != 0:
+                    return None, {}, compiled, None
+                run_req = self._run_request(p, plan, {}, [])  # (its files are there already)
+            cases: list[ExecResult] | None = None
+            if p.cases is not None:
+                cases = await self._cases(sb.id, p, plan, prep or _exec(command=BASE_COPY, timeout_s=60.0))
+                run = next((c for c in cases if c.timed_out or c.exit_code != 0), cases[-1] if cases else None)
+            else:
+                assert run_req is not None
+                run = await self.rt.exec(sb.id, run_req)
+            if p.fetch_files:
+                fetched = await self._fetch(sb.id, p.fetch_files)
+            return run, fetched, compiled, cases
+        finally:
+            await self.rt.destroy(sb.id)
+
+    async def _cases(self, sandbox_id: str, p: Program, plan: languages.Plan, prep: ExecRequest) -> list[ExecResult]:
+        """Each case in a fresh copy of the prepared home (what one case writes there, the next does not see)."""
+        done = await self.rt.exec(sandbox_id, prep)
+        if done.timed_out or done.exit_code != 0:
+            raise SandboxFault(f"preparing the cases failed (exit {done.exit_code}): {done.stderr[-500:]}",
+                               sandbox_id=sandbox_id)
+        run = f"rm -rf {CASE} && cp -a {BASE} {CASE} && cd {CASE} && {_exec_form(plan.run)}"
+        out = []
+        for stdin in p.cases or ():
+            out.append(await self.rt.exec(sandbox_id, _exec(command=run, stdin=stdin,
+                                                            timeout_s=_clamp(p.run_timeout_s))))
+        return out
+
+    async def _fetch(self, sandbox_id: str, paths: tuple[str, ...]) -> dict[str, bytes]:
+        """Regular files among ``paths``, read as base64 (binary-safe); missing ones are left out."""
+        lines = [f"mkdir -p {FETCHED}"]
+        for i, path in enumerate(paths):
+            q = shlex.quote(path)
+            lines.append(f"if [ -f {q} ]; then base64 -w0 {q} > {FETCHED}/{i}; fi")
+        res = await self.rt.exec(sandbox_id, _exec(command="; ".join(lines) + "; true", timeout_s=30.0,
+                                                   read_files=[f"{FETCHED}/{i}" for i in range(len(paths))]))
+        out: dict[str, bytes] = {}
+        for i, path in enumerate(paths):
+            b64 = res.files.get(f"{FETCHED}/{i}")
+            if b64 is not None:
+                out[path] = base64.b64decode(b64)
+        return out
+
+
+_RUNNERS: weakref.WeakKeyDictionary[Any, Runner] = weakref.WeakKeyDictionary()
+
+
+def runner_for(rt: Any) -> Runner:
+    """The runner of a service's runtime (one per runtime, so /run_code and the `run` event share one compile
+    cache): the plain runtime under a durable layer (a program's sandbox is one life, not durable state),
+    its compile cache in the durable layer's objects (the store every replica shares) when there are some."""
+    runner = _RUNNERS.get(rt)
+    if runner is None:
+        runner = _RUNNERS[rt] = Runner(getattr(rt, "rt", rt), CompileCache(getattr(rt, "objects", None)), rt)
+    return runner
+
+
+async def run_event(rt: Any, data: RunData) -> ExecResult:
+    """The `run` event with a ``language``: the same runner as /run_code; the reply is the run step's
+    ExecResult with its ``compile`` step (or the compile's, when it failed and nothing ran)."""
+    assert data.language is not None and data.code is not None
+    program = Program(language=data.language, code=data.code, stdin=data.stdin,
+                      files={k: v.encode() for k, v in data.files.items()}, fetch_files=tuple(data.read_files),
+                      compile_timeout_s=data.compile_timeout_s or 10.0, run_timeout_s=data.timeout_s,
+                      limits=data.limits.model_dump(exclude_unset=True) if data.limits is not None else None,
+                      metadata=dict(data.metadata),
+                      cases=tuple(c.stdin for c in data.cases) if data.cases is not None else None)
+    res = await runner_for(rt).run(program)
+    c = res.compile
+    step: CompileResult | None = None
+    if isinstance(c, Compiled):
+        step = CompileResult(exit_code=c.return_code, stdout=c.stdout, stderr=c.stderr, wall_s=c.wall_s,
+                             cached=res.compile_cached)
+    elif c is not None:
+        step = CompileResult(exit_code=None if c.timed_out else c.exit_code, stdout=c.stdout, stderr=c.stderr,
+                             timed_out=c.timed_out, wall_s=c.wall_s)
+    base = res.last()
+    if base is None:  # a cached failed compile: no sandbox was needed
+        assert isinstance(c, Compiled)
+        base = ExecResult(sandbox_id="", exit_code=c.return_code, stdout=c.stdout, stderr=c.stderr)
+    files: dict[str, str | None] = {p: None for p in data.read_files}
+    files.update({p: b.decode("utf-8", "replace") for p, b in res.files.items()})
+    cases = None
+    if data.cases is not None:
+        cases = [_case_result(r, c.expected_stdout) for r, c in zip(res.cases or [], data.cases, strict=False)]
+    return base.model_copy(update={"compile": step, "files": files, "cases": cases})
+
+
+def _case_result(r: ExecResult, expected: str | None) -> CaseResult:
+    passed = None
+    if expected is not None:  # verl's rule: only trailing newlines are ignored, on both sides
+        passed = not r.timed_out and r.exit_code == 0 and r.stdout.rstrip("\n") == expected.rstrip("\n")
+    return CaseResult(exit_code=r.exit_code, stdout=r.stdout, stderr=r.stderr, timed_out=r.timed_out,
+                      oom_killed=r.oom_killed, signal=r.signal, wall_s=r.wall_s, passed=passed)
+
+
+def _split(files: dict[str, bytes]) -> tuple[dict[str, str], dict[str, bytes]]:
+    """UTF-8 files travel as text; others as base64, decoded in the sandbox."""
+    text: dict[str, str] = {}
+    binary: dict[str, bytes] = {}
+    for path, data in files.items():
+        try:
+            text[path] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            binary[path] = data
+    return text, binary
+
+
+def _staging(binary: dict[str, bytes]) -> tuple[dict[str, str], list[str]]:
+    files: dict[str, str] = {}
+    cmds: list[str] = []
+    for i, (path, data) in enumerate(binary.items()):
+        stage, q = f"{STAGE}/{i}", shlex.quote(path)
+        files[stage] = base64.b64encode(data).decode()
+        cmds.append(f"mkdir -p \"$(dirname {q})\" && base64 -d {stage} > {q}")
+    if cmds:
+        cmds.append(f"rm -rf {STAGE}")
+    return files, cmds
+
+
+def _exec_form(command: str) -> str:
+    """A simple command as ``exec``: the program replaces the shell, so a death by signal is reported as
+    the signal (SandboxFusion's -N), not as the shell's exit status 128 + N."""
+    if any(op in command for op in (";", "&", "|", "\n")):
+        return command
+    words = command.split(" ")
+    n = 0
+    while n < len(words) and re.fullmatch(r"[A-Za-z_]\w*=\S*", words[n]):  # assignments: through env
+        n += 1
+    return " ".join(["exec", *(["env", *words[:n]] if n else []), *words[n:]])
+
+
+def _prefixed(unpack: list[str], command: str) -> str:
+    if not unpack:
+        return command
+    return " && ".join(f"{{ {c}; }}" for c in unpack) + f" && {{ {command}\n}}"
+
+
+# --------------------------------------------------------------------------- SandboxFusion's models
+
+
+class RunStatus(StrEnum):
+    Success = "Success"
+    Failed = "Failed"
+    SandboxError = "SandboxError"
+
+
+class CommandRunStatus(StrEnum):
+    Finished = "Finished"
+    Error = "Error"
+    TimeLimitExceeded = "TimeLimitExceeded"
+
+
+class RunCodeRequest(BaseModel):
+    """SandboxFusion's ``RunCodeRequest`` (sandbox/server/sandbox_api.py): the same names, defaults and
+    types; unknown fields are ignored, as there. ``language`` is checked against the runner table
+    (``snapshots/languages.py``) so the refusal names it."""
+
+    compile_timeout: float = 10
+    run_timeout: float = 10
+    memory_limit_MB: int = -1
+    code: StrictStr
+    stdin: StrictStr | None = None
+    language: StrictStr
+    files: dict[str, StrictStr | None] = Field(default_factory=dict)
+    fetch_files: list[StrictStr] = Field(default_factory=list)
+
+    def program(self, metadata: dict[str, str] | None = None) -> Program:
+        files: dict[str, bytes] = {}
+        for path, content in self.files.items():
+            if content is None or "IGNORE_THIS_FILE" in path:  # SandboxFusion skips these
+                continue
+            try:
+                files[path] = base64.b64decode(content, validate=True)
+            except (binascii.Error, ValueError):
+                raise InvalidRequest(f"files[{path!r}]: not valid base64") from None
+        limits = {"memory_max_bytes": self.memory_limit_MB * MiB} if self.memory_limit_MB > 0 else None
+        return Program(language=self.language, code=self.code, stdin=self.stdin, files=files,
+                       fetch_files=tuple(self.fetch_files), compile_timeout_s=self.compile_timeout,
+                       run_timeout_s=self.run_timeout, limits=limits, metadata=dict(metadata or {}))
+
+
+class CommandRunResult(BaseModel):
+    status: CommandRunStatus
+    execution_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+    cached: bool | None = None  # rollbox: the compile was not run, its cached outcome is reported
+
+
+class RunCodeResponse(BaseModel):
+    model_config = ConfigDict(use_enum_values=True)
+
+    status: RunStatus
+    message: str
+    compile_result: CommandRunResult | None = None
+    run_result: CommandRunResult | None = None
+    executor_pod_name: str | None = None
+    files: dict[str, str] = Field(default_factory=dict)
+
+
+def _command_result(r: ExecResult | Compiled, cached: bool = False) -> CommandRunResult:
+    if isinstance(r, Compiled):
+        return CommandRunResult(status=CommandRunStatus.Finished, execution_time=0.0 if cached else r.wall_s,
+                                return_code=r.return_code, stdout=r.stdout, stderr=r.stderr,
+                                cached=True if cached else None)
+    if r.timed_out:
+        return CommandRunResult(status=CommandRunStatus.TimeLimitExceeded, execution_time=r.wall_s,
+                                return_code=None, stdout=r.stdout, stderr=r.stderr)
+    code = r.exit_code
+    if r.signal is not None:  # SandboxFusion (asyncio) reports a death by signal N as -N
+        try:
+            code = -signal.Signals[r.signal].value
+        except KeyError:
+            pass
+    return CommandRunResult(status=CommandRunStatus.Finished, execution_time=r.wall_s, return_code=code,
+                            stdout=r.stdout, stderr=r.stderr)
+
+
+def sandboxfusion_response(res: ProgramResult, pod: str | None = None) -> RunCodeResponse:
+    """SandboxFusion's status rules (parse_run_status): a step that timed out or exited non-zero is
+    Failed; otherwise Success. (SandboxError is for a sandbox fault, answered by the caller.)"""
+    compile_result = _command_result(res.compile, res.compile_cached) if res.compile is not None else None
+    run_result = _command_result(res.run) if res.run is not None else None
+    steps = [r for r in (compile_result, run_result) if r is not None]
+    failed = any(r.status == CommandRunStatus.TimeLimitExceeded or (r.return_code not in (None, 0)) for r in steps)
+    files = {path: base64.b64encode(data).decode() for path, data in res.files.items()}
+    return RunCodeResponse(status=RunStatus.Failed if failed else RunStatus.Success, message="",
+                           compile_result=compile_result, run_result=run_result, executor_pod_name=pod, files=files)
+

@@ -1,0 +1,81 @@
+"""The compile cache alone: what its key covers, one compile per key at a time, what is kept, the bound,
+and sharing through the store's objects (a local directory here; S3 is the same interface)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, cache_key
+from rollbox.snapshots.state import LocalObjects
+
+OK = Compiled(0, "", "", 1.0, "QUJD")
+
+
+def test_the_key_covers_language_toolchain_flags_and_every_file() -> None:
+    base = cache_key("cpp", "snap1", "g++ main.cpp", {"main.cpp": b"int main(){}"})
+    assert base == cache_key("cpp", "snap1", "g++ main.cpp", {"main.cpp": b"int main(){}"})
+    others = {
+        cache_key("c", "snap1", "g++ main.cpp", {"main.cpp": b"int main(){}"}),
+        cache_key("cpp", "snap2", "g++ main.cpp", {"main.cpp": b"int main(){}"}),
+        cache_key("cpp", "snap1", "g++ -O2 main.cpp", {"main.cpp": b"int main(){}"}),
+        cache_key("cpp", "snap1", "g++ main.cpp", {"main.cpp": b"int main(){ }"}),
+        cache_key("cpp", "snap1", "g++ main.cpp", {"main.cpp": b"int main(){}", "lib.jar": b"x"}),
+        cache_key("cpp", "snap1", "g++ main.cpp", {"other.cpp": b"int main(){}"}),
+    }
+    assert base not in others and len(others) == 6
+
+
+async def test_concurrent_requests_compile_once_and_go_on_when_the_compile_is_done() -> None:
+    cache = CompileCache()
+    compiles = 0
+    release_run = asyncio.Event()
+
+    async def compile_(done):  # type: ignore[no-untyped-def]
+        nonlocal compiles
+        compiles += 1
+        await asyncio.sleep(0.05)
+        await done(OK)
+        await release_run.wait()  # the first request's own run: the others need not wait for it
+
+    first = asyncio.create_task(cache.once("k", compile_))
+    await asyncio.sleep(0.01)
+    others = await asyncio.wait_for(asyncio.gather(*(cache.once("k", compile_) for _ in range(9))), 5)
+    assert compiles == 1 and all(o == (OK, True) for o in others)
+    release_run.set()
+    assert await first == (OK, False)
+
+
+async def test_a_compile_that_keeps_nothing_lets_each_waiter_compile() -> None:
+    cache = CompileCache()
+    calls = 0
+
+    async def timed_out(done):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.02)
+        await done(None)
+
+    results = await asyncio.gather(*(cache.once("k", timed_out) for _ in range(3)))
+    assert calls == 3 and results == [(None, False)] * 3
+
+    async def raises(done):  # type: ignore[no-untyped-def]
+        raise RuntimeError("sandbox fault")
+
+    try:
+        await cache.once("k2", raises)
+    except RuntimeError:
+        pass
+    assert "k2" not in cache._inflight and await cache.get("k2") is None
+
+
+async def test_bounded_in_memory_and_shared_through_the_store(tmp_path: Path) -> None:
+    small = CompileCache(max_bytes=3 * OK.size())
+    for i in range(5):
+        await small.put(f"k{i}", OK)
+    assert [k for k in ("k0", "k1", "k2", "k3", "k4") if await small.get(k)] == ["k2", "k3", "k4"]
+    objects = LocalObjects(tmp_path / "store")
+    a, b = CompileCache(objects), CompileCache(objects)  # two replicas
+    fail = Compiled(1, "", "main.cpp:1: error", 0.3)
+    await a.put("key", fail)
+    assert await b.get("key") == fail and (tmp_path / "store" / "compiled" / "key.json").is_file()

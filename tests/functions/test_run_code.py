@@ -1,0 +1,526 @@
+"""SandboxFusion's ``POST /run_code`` on a real ``rollbox serve``, on language snapshots built from
+Debian's packages, and verl 0.9.1's own ``check_correctness`` against it.
+
+The snapshots (python3, cpp, java, nodejs, go) are built into the language test store,
+ROLLBOX_TEST_LANGUAGES_HOME (default /var/tmp/rollbox-test-languages, shared with
+tests/snapshots/test_languages.py): the first run on a machine builds them (~3 min here), later runs reuse
+them from the build records (seconds). The server's own home is a temporary directory whose
+layers/manifests/names link to that store, so what it records (trajectories, usage, compile cache) is
+this run's alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib
+import json
+import os
+import shutil
+import sys
+import time
+import types
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from svc_testkit import ServerProc, event, send, start_server
+
+LANG_HOME = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
+TEMPLATES = Path(__file__).resolve().parents[2] / "snapshots" / "templates"
+BUILT = ("python3", "cpp", "java", "nodejs", "go")
+EXPERIMENT = f"run-code-{uuid.uuid4().hex[:8]}"
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="language snapshots are built as root (mmdebstrap --mode=root)"),
+    pytest.mark.slow,
+]
+
+
+@pytest.fixture(scope="module")
+def lang_store() -> Path:
+    """The language test store with BUILT in it (built on first use, then reused)."""
+    from rollbox.snapshots.build import build
+    from rollbox.snapshots.store_local import LocalStore
+    from rollbox.snapshots.template import load_template
+
+    store = LocalStore(LANG_HOME)
+    missing = [n for n in BUILT if not (LANG_HOME / "names" / n).exists()]
+    if missing and shutil.which("mmdebstrap") is None:
+        pytest.skip("mmdebstrap is not installed (scripts/bootstrap installs it as root)")
+    old = os.environ.get("ROLLBOX_DEBIAN_MAX_AGE_DAYS")
+    os.environ["ROLLBOX_DEBIAN_MAX_AGE_DAYS"] = "3650"  # the cached layers serve every later run
+    try:
+        for name in BUILT:
+            tpl, where = load_template(TEMPLATES / f"{name}.yaml")
+            build(tpl, where, store)
+    finally:
+        if old is None:
+            os.environ.pop("ROLLBOX_DEBIAN_MAX_AGE_DAYS", None)
+        else:
+            os.environ["ROLLBOX_DEBIAN_MAX_AGE_DAYS"] = old
+    return LANG_HOME
+
+
+@pytest.fixture(scope="module")
+def srv(lang_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    home = tmp_path_factory.mktemp("home")
+    for sub in ("layers", "layers-meta", "manifests", "names"):
+        (home / sub).symlink_to(lang_store / sub)
+    proc = start_server(home / "log", "--home", str(home), "--flush-interval-s", "0.5", "--prewarm", "python3")
+    proc.home = home  # type: ignore[attr-defined]
+    yield proc
+    assert proc.stop() == 0, proc.log_path.read_text()[-4000:]
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as client:
+        yield client
+
+
+async def run_code(http: httpx.AsyncClient, srv: ServerProc, expect: int = 200, headers: dict[str, str] | None = None,
+                   **req: Any) -> Any:
+    """POST /run_code; the timeouts are generous unless the request says (the machine may be loaded)."""
+    req.setdefault("run_timeout", 30)
+    req.setdefault("compile_timeout", 60)
+    resp = await http.post(srv.url + "run_code", json=req, headers=headers)
+    assert resp.status_code == expect, resp.text
+    return resp.json()
+
+
+def b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
+
+
+CPP_SUM = "#include <bits/stdc++.h>\nint main(){long a,b;std::cin>>a>>b;std::cout<<a+b<<std::endl;}\n"
+JAVA_SUM = ("import java.util.*;\npublic class Main{public static void main(String[] x){Scanner s=new Scanner(System.in);"
+            "long a=s.nextLong(),b=s.nextLong();int[] big=new int[100_000_000];big[5]=1;System.out.println(a+b);}}\n")
+
+
+async def test_python_cpp_java_answer_like_sandboxfusion_at_verls_memory_limit(http: httpx.AsyncClient,
+                                                                               srv: ServerProc) -> None:
+    r = await run_code(http, srv, code="print(int(input()))", language="python", stdin="65535", memory_limit_MB=1024)
+    assert r == {"status": "Success", "message": "", "compile_result": None,
+                 "run_result": {**r["run_result"], "status": "Finished", "return_code": 0, "stdout": "65535\n",
+                                "stderr": ""}, "executor_pod_name": None, "files": {}}
+    assert list(r) == ["status", "message", "compile_result", "run_result", "executor_pod_name", "files"]
+    r = await run_code(http, srv, code=CPP_SUM + f"// {uuid.uuid4()}", language="cpp", stdin="2 40",
+                       memory_limit_MB=1024)
+    assert (r["status"], r["compile_result"]["status"], r["compile_result"]["return_code"]) == ("Success", "Finished", 0)
+    assert r["run_result"]["stdout"] == "42\n"
+    # a JVM that allocates 400 MB runs under a 1024 MB cgroup limit (SandboxFusion's rlimits stop it starting)
+    r = await run_code(http, srv, code=JAVA_SUM, language="java", stdin="40 2", memory_limit_MB=1024)
+    assert (r["status"], r["run_result"]["stdout"]) == ("Success", "42\n"), r
+    r = await run_code(http, srv, code="console.log(require('os').EOL === '\\n' ? 'ok' : 'no')", language="nodejs",
+                       memory_limit_MB=1024)
+    assert (r["status"], r["run_result"]["stdout"]) == ("Success", "ok\n"), r
+
+
+async def test_wrong_answer_runtime_errors_and_signals_are_failed_runs(http: httpx.AsyncClient,
+                                                                      srv: ServerProc) -> None:
+    r = await run_code(http, srv, code="print(41)", language="python")
+    assert (r["status"], r["run_result"]["stdout"]) == ("Success", "41\n")  # wrong, but ran: the trainer judges
+    r = await run_code(http, srv, code="import sys\nprint('x')\nsys.exit(3)", language="python")
+    assert (r["status"], r["run_result"]["status"], r["run_result"]["return_code"]) == ("Failed", "Finished", 3)
+    r = await run_code(http, srv, code="int a = 1", language="python")  # no compile step: a run failure
+    assert (r["status"], r["compile_result"], r["run_result"]["status"]) == ("Failed", None, "Finished")
+    assert "SyntaxError" in r["run_result"]["stderr"] and r["run_result"]["return_code"] != 0
+    r = await run_code(http, srv, code="#include <cassert>\nint main(){assert(1==2);}\n", language="cpp")
+    assert (r["status"], r["run_result"]["return_code"]) == ("Failed", -6), r  # SIGABRT, as asyncio reports it
+    assert "Assertion" in r["run_result"]["stderr"]
+    r = await run_code(http, srv, code="public class Main{public static void main(String[] a){assert 1 == 2;}}",
+                       language="java", memory_limit_MB=1024)
+    assert (r["status"], r["run_result"]["status"]) == ("Failed", "Finished"), r  # -ea, as SandboxFusion
+    assert "AssertionError" in r["run_result"]["stderr"]
+
+
+async def test_timeout_keeps_flushed_output_and_kills_children(http: httpx.AsyncClient, srv: ServerProc) -> None:
+    marker = f"{time.time_ns() % 10**6 + 100}.5"
+    code = (f"import subprocess, sys, time\nsubprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n"
+            "print('partial', flush=True)\nsys.stderr.write('err\\n')\ntime.sleep(30)\n")
+    t0 = time.monotonic()
+    r = await run_code(http, srv, code=code, language="python", run_timeout=1)
+    took = time.monotonic() - t0
+    run = r["run_result"]
+    assert (r["status"], run["status"], run["return_code"]) == ("Failed", "TimeLimitExceeded", None)
+    assert (run["stdout"], run["stderr"]) == ("partial\n", "err\n")
+    assert 0.9 <= run["execution_time"] < 3 and took < 10
+    await asyncio.sleep(0.5)
+    alive = [p for p in os.listdir("/proc") if p.isdigit() and marker.encode() in _cmdline(p)]
+    assert alive == [], "the run's child outlived it"
+    # a compiled program's timeout, and a compile that times out (run skipped)
+    r = await run_code(http, srv, code="#include <unistd.h>\nint main(){sleep(5);}\n" + f"// {uuid.uuid4()}",
+                       language="cpp", run_timeout=0.5)
+    assert (r["status"], r["compile_result"]["status"], r["run_result"]["status"]) == (
+        "Failed", "Finished", "TimeLimitExceeded")
+    r = await run_code(http, srv, code=CPP_SUM + f"// {uuid.uuid4()}", language="cpp", compile_timeout=0.01)
+    assert (r["status"], r["compile_result"]["status"], r["run_result"]) == ("Failed", "TimeLimitExceeded", None)
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+async def test_compile_error_skips_the_run(http: httpx.AsyncClient, srv: ServerProc) -> None:
+    r = await run_code(http, srv, code="int main(){return x;}", language="cpp")
+    c = r["compile_result"]
+    assert (r["status"], c["status"], r["run_result"]) == ("Failed", "Finished", None)
+    assert c["return_code"] != 0 and "not declared" in c["stderr"]
+    r = await run_code(http, srv, code="public class Main{void f(){System.uto();}}", language="java",
+                       memory_limit_MB=1024)
+    assert (r["status"], r["compile_result"]["status"], r["run_result"]) == ("Failed", "Finished", None)
+
+
+async def test_memory_over_the_limit_is_a_failed_run_and_output_is_capped(http: httpx.AsyncClient,
+                                                                         srv: ServerProc) -> None:
+    r = await run_code(http, srv, code="x = bytearray(400 << 20)\nprint(len(x))", language="python",
+                       memory_limit_MB=256)
+    assert (r["status"], r["run_result"]["status"]) == ("Failed", "Finished"), r
+    assert r["run_result"]["return_code"] == -9  # the cgroup's OOM kill
+    r = await run_code(http, srv, code="x = bytearray(400 << 20)\nprint(len(x))", language="python",
+                       memory_limit_MB=1024)
+    assert (r["status"], r["run_result"]["stdout"]) == ("Success", f"{400 << 20}\n")
+    r = await run_code(http, srv, code="import sys\nsys.stdout.write('y' * (3 << 20))\nprint('done', file=sys.stderr)",
+                       language="python")
+    assert (r["status"], r["run_result"]["status"], r["run_result"]["return_code"]) == ("Success", "Finished", 0)
+    assert 0 < len(r["run_result"]["stdout"]) <= (1 << 20) and r["run_result"]["stderr"] == "done\n"
+
+
+async def test_files_in_and_fetch_files_out_binary_safe(http: httpx.AsyncClient, srv: ServerProc) -> None:
+    blob = bytes(range(256)) * 3
+    code = ("data = open('d1/d2/blob.bin', 'rb').read()\nopen('out.bin', 'wb').write(data[::-1])\n"
+            "print(open('/tmp/flag.txt').read())\n")
+    r = await run_code(http, srv, code=code, language="python",
+                       files={"d1/d2/blob.bin": b64(blob), "/tmp/flag.txt": b64("hello, flag"), "skip": None},
+                       fetch_files=["out.bin", "d1/d2/blob.bin", "missing.txt"])
+    assert (r["status"], r["run_result"]["stdout"]) == ("Success", "hello, flag\n"), r
+    assert set(r["files"]) == {"out.bin", "d1/d2/blob.bin"}
+    assert base64.b64decode(r["files"]["out.bin"]) == blob[::-1]
+    assert base64.b64decode(r["files"]["d1/d2/blob.bin"]) == blob
+    # a compiled language reads a request file too
+    r = await run_code(http, srv, language="cpp", files={"in.txt": b64("5 6")},
+                       code="#include <fstream>\n#include <iostream>\nint main(){std::ifstream f(\"in.txt\");"
+                            f"int a,b;f>>a>>b;std::cout<<a*b;}}// {uuid.uuid4()}")
+    assert (r["status"], r["run_result"]["stdout"]) == ("Success", "30"), r
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"language": "python"}, "missing"),
+    ({"code": "print(1)"}, "missing"),
+    ({"code": "print(1)", "language": "Python"}, "unknown language 'Python'"),
+    ({"code": "print(1)", "language": "julia"}, "language 'julia' is not supported: Debian 12 does not package Julia"),
+    ({"code": "print(1)", "language": "cuda"}, "language 'cuda' is not supported"),
+    ({"code": 1, "language": "python"}, "string_type"),
+    ({"code": "x", "language": "python", "memory_limit_MB": None}, "int_type"),
+    ({"code": "x", "language": "python", "memory_limit_MB": 1.5}, "int_from_float"),
+    ({"code": "x", "language": "python", "files": None}, "dict_type"),
+    ({"code": "x", "language": "python", "fetch_files": "a.txt"}, "list_type"),
+    ({"code": "x", "language": "python", "files": {"a.bin": "not base64!"}}, "files['a.bin']: not valid base64"),
+    ({"code": "x", "language": "python", "memory_limit_MB": 1}, "memory_max_bytes"),
+    ({"code": "int main(){}\ud800", "language": "cpp"}, "code: not valid UTF-8 text"),
+    ({"code": "x", "language": "python", "stdin": "\ud800"}, "stdin: not valid UTF-8 text"),
+    ({"code": "x", "language": "python", "files": {"../up": "eA=="}}, "'..' components are not allowed"),
+])
+async def test_bad_requests_are_422_naming_the_problem(http: httpx.AsyncClient, srv: ServerProc,
+                                                       body: dict[str, Any], needle: str) -> None:
+    resp = await http.post(srv.url + "run_code", content=json.dumps(body).encode(),  # (\ud800 as an escape)
+                           headers={"content-type": "application/json"})
+    assert resp.status_code == 422 and needle in resp.text, resp.text
+
+
+async def test_not_json_and_wrong_method_and_ping(http: httpx.AsyncClient, srv: ServerProc) -> None:
+    resp = await http.post(srv.url + "run_code", content=b"{nope", headers={"content-type": "application/json"})
+    assert resp.status_code == 422 and "json_invalid" in resp.text
+    resp = await http.get(srv.url + "run_code")
+    assert resp.status_code == 405
+    resp = await http.get(srv.url + "v1/ping")
+    assert (resp.status_code, resp.json()) == (200, "pong")
+    r = await run_code(http, srv, code="print(1)", language="python", run_timeout=0)  # SandboxFusion takes 0
+    assert r["run_result"]["status"] == "TimeLimitExceeded"
+
+
+async def test_same_program_compiles_once_and_concurrent_cases_share_the_compile(http: httpx.AsyncClient,
+                                                                               srv: ServerProc) -> None:
+    code = CPP_SUM + f"// {uuid.uuid4()}"
+    rs = await asyncio.gather(*(run_code(http, srv, code=code, language="cpp", stdin=f"{i} 1") for i in range(4)))
+    assert [r["run_result"]["stdout"] for r in rs] == [f"{i + 1}\n" for i in range(4)]
+    assert sorted(bool(r["compile_result"].get("cached")) for r in rs) == [False, True, True, True]
+    r = await run_code(http, srv, code=code, language="cpp", stdin="1 1")
+    assert r["compile_result"] == {"status": "Finished", "execution_time": 0.0, "return_code": 0, "stdout": "",
+                                   "stderr": "", "cached": True}
+    bad = "int main(){return y;}" + f"// {uuid.uuid4()}"
+    first = await run_code(http, srv, code=bad, language="cpp")
+    again = await run_code(http, srv, code=bad, language="cpp")
+    assert again["compile_result"]["cached"] is True and again["run_result"] is None
+    assert again["compile_result"]["stderr"] == first["compile_result"]["stderr"] != ""
+    # another memory limit or stdin is the same compile; other flags (another language) are not
+    r = await run_code(http, srv, code=JAVA_SUM.replace("Main{", f"Main{{// {uuid.uuid4()}\n"), language="java",
+                       stdin="1 2", memory_limit_MB=1024)
+    assert (r["run_result"]["stdout"], r["compile_result"].get("cached")) == ("3\n", None)
+    cached = list((Path(srv.home) / "compiled").glob("*.json"))  # type: ignore[attr-defined]
+    assert len(cached) >= 3  # kept in the store the replicas share
+
+
+async def test_runs_are_steps_of_the_experiment_and_lives_are_billed(http: httpx.AsyncClient, srv: ServerProc) -> None:
+    from rollbox.functions.analysis.trajectories import steps, usage
+
+    h = {"X-Rollbox-Experiment": EXPERIMENT}
+    await run_code(http, srv, headers=h, code="print('row')", language="python")
+    await run_code(http, srv, headers=h, code=CPP_SUM + f"// {uuid.uuid4()}", language="cpp", stdin="1 2")
+    await run_code(http, srv, headers=h, code="print(1)", language="julia", expect=422)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            rows = steps(str(srv.home), experiment=EXPERIMENT)  # type: ignore[attr-defined]
+        except Exception:
+            rows = None
+        if (rows is not None and len(rows) >= 3) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    assert rows is not None and len(rows) == 3, rows
+    assert set(rows["event_type"]) == {"dev.rollbox.sandbox.run"} and set(rows["event_source"]) == {"/run_code"}
+    ok = rows[rows["status"] == 200]
+    assert sorted(ok["stdout"]) == ["3\n", "row\n"]
+    assert list(rows[rows["status"] == 422]["error"]) == [
+        "language 'julia' is not supported: Debian 12 does not package Julia (it left Debian after bullseye)"]
+    u = usage(str(srv.home), experiment=EXPERIMENT)  # type: ignore[attr-defined]
+    assert len(u) == 2 and (u["cpu_s"] > 0).all()
+
+
+async def test_the_run_event_takes_a_language_and_shares_the_compile_cache(http: httpx.AsyncClient,
+                                                                          srv: ServerProc) -> None:
+    run = "dev.rollbox.sandbox.run"
+    code = CPP_SUM + f"// {uuid.uuid4()}"
+    r = await send(http, srv.url, event(run, {"language": "cpp", "code": code, "stdin": "40 2", "timeout_s": 5,
+                                              "compile_timeout_s": 20}))
+    assert (r.status, r.data["exit_code"], r.data["stdout"]) == (200, 0, "42\n"), r.data
+    assert r.data["compile"]["cached"] is False and r.data["compile"]["exit_code"] == 0
+    sf = await run_code(http, srv, code=code, language="cpp", stdin="1 1")  # the same cache as /run_code
+    assert (sf["compile_result"]["cached"], sf["run_result"]["stdout"]) == (True, "2\n")
+    r = await send(http, srv.url, event(run, {"language": "cpp", "code": code, "stdin": "1 2", "read_files": ["x"]}))
+    assert (r.data["stdout"], r.data["compile"]["cached"], r.data["files"]) == ("3\n", True, {"x": None})
+    r = await send(http, srv.url, event(run, {"language": "cpp", "code": "int main(){return z;}"}))
+    assert r.status == 200 and r.data["exit_code"] != 0 and r.data["compile"]["exit_code"] == r.data["exit_code"]
+    assert "not declared" in r.data["stderr"]
+    r = await send(http, srv.url, event(run, {"language": "python", "code": "import sys; print(sys.stdin.read()[::-1])",
+                                              "stdin": "abc"}))
+    assert (r.data["stdout"], r.data["compile"]) == ("cba\n", None)
+    for data, needle in (({"language": "swift", "code": "x"}, "language 'swift' is not supported"),
+                         ({"language": "cobol", "code": "x"}, "unknown language 'cobol'"),
+                         ({"language": "cpp", "command": "ls"}, "'code' is the program's source"),
+                         ({"language": "cpp", "code": "x", "snapshot": "python"}, "give 'language' or 'snapshot'"),
+                         ({"command": "ls", "compile_timeout_s": 3}, "compile_timeout_s and cases are for a run with")):
+        r = await send(http, srv.url, event(run, data))
+        assert r.status == 400 and needle in r.data["message"], r.data
+
+
+async def test_a_batch_of_cases_compiles_once_and_keeps_each_cases_files_apart(http: httpx.AsyncClient,
+                                                                              srv: ServerProc) -> None:
+    run = "dev.rollbox.sandbox.run"
+    code = ("#include <bits/stdc++.h>\nint main(){std::ifstream seen(\"state.txt\"); if(seen) {std::cout<<\"seen\";"
+            "return 0;} std::ofstream(\"state.txt\")<<1; long a,b; std::cin>>a>>b; std::cout<<a+b<<std::endl;}\n"
+            f"// {uuid.uuid4()}")
+    cases = [{"stdin": "1 2", "expected_stdout": "3"}, {"stdin": "20 22\n", "expected_stdout": "42\n"},
+             {"stdin": "1 1", "expected_stdout": "3"}, {"stdin": "5 5"}]
+    r = await send(http, srv.url, event(run, {"language": "cpp", "code": code, "cases": cases, "timeout_s": 20,
+                                              "compile_timeout_s": 60}))
+    assert r.status == 200, r.data
+    got = [(c["stdout"], c["passed"]) for c in r.data["cases"]]
+    assert got == [("3\n", True), ("42\n", True), ("2\n", False), ("10\n", None)]  # no case saw another's file
+    assert r.data["compile"]["cached"] is False and r.data["stdout"] == "10\n"  # no case failed: the last one's
+    r = await send(http, srv.url, event(run, {"language": "cpp", "code": code, "cases": cases[:1]}))
+    assert (r.data["compile"]["cached"], r.data["cases"][0]["passed"]) == (True, True)
+    r = await send(http, srv.url, event(run, {"language": "python", "code": "import sys; n = int(input()); sys.exit(n)",
+                                              "cases": [{"stdin": "0"}, {"stdin": "3"}, {"stdin": "0"}]}))
+    assert [c["exit_code"] for c in r.data["cases"]] == [0, 3, 0] and r.data["exit_code"] == 3  # the first failed
+    r = await send(http, srv.url, event(run, {"language": "python", "code": "x", "cases": [{}], "stdin": "1"}))
+    assert r.status == 400 and "each case has its stdin" in r.data["message"]
+
+
+HELLO: dict[str, str] = {
+    "python": "print(123)",
+    "pytest": "def test_sum():\n    assert 1 + 1 == 2\n",
+    "cpp": "#include <iostream>\nint main(){std::cout<<123<<std::endl;}",
+    "java": "public class Main{public static void main(String[] a){System.out.println(123);}}",
+    "junit": ("import org.junit.jupiter.api.Test;\nimport static org.junit.jupiter.api.Assertions.*;\n"
+              "public class SumTest { @Test void sum() { assertEquals(2, 1 + 1); } }"),
+    "go": "package main\nimport \"fmt\"\nfunc main(){fmt.Println(123)}\n",
+    "go_test": "package main\nimport \"testing\"\nfunc TestSum(t *testing.T){ if 1+1 != 2 { t.Fatal(\"no\") } }\n",
+    "nodejs": "console.log(123)",
+    "typescript": "const x: number = 123;\nconsole.log(x);",
+    "jest": "test('sums', () => { expect(1 + 2).toBe(3); });",
+    "rust": "fn main() { println!(\"123\"); }",
+    "bash": "echo 123",
+    "php": "echo 123;",
+    "ruby": "puts 123",
+    "lua": "print(123)",
+    "perl": "print \"123\\n\";",
+    "R": "cat('123\\n')",
+    "scala": "object Main extends App { println(123) }",
+    "kotlin_script": "println(123)",
+    "csharp": "using System;\nclass P { static void Main() { Console.WriteLine(123); } }",
+    "racket": "#lang racket\n(displayln 123)",
+    "sql": "SELECT 123;",
+    "verilog": "module tb; initial begin $display(\"123\"); $finish; end endmodule",
+    "D_ut": "import std.stdio;\nunittest { assert(1 + 1 == 2); }\nvoid main() { writeln(123); }",
+}
+TEST_RUNNERS = ("pytest", "junit", "go_test", "jest", "D_ut")  # (D: -unittest runs the tests, not main)
+
+
+@pytest.mark.parametrize("language", list(HELLO))
+async def test_every_language_whose_snapshot_is_built_runs(http: httpx.AsyncClient, srv: ServerProc,
+                                                           language: str) -> None:
+    """Optional beyond BUILT: the languages whose snapshots the test store holds (all of them when
+    ROLLBOX_TEST_LANGUAGES_HOME points at a store built from every template)."""
+    from rollbox.snapshots import languages
+
+    if not (LANG_HOME / "names" / languages.language(language).snapshot).exists():  # type: ignore[operator]
+        pytest.skip(f"the {language} snapshot is not in {LANG_HOME}")
+    r = await run_code(http, srv, code=HELLO[language], language=language, memory_limit_MB=1024, run_timeout=60,
+                       compile_timeout=120)
+    assert r["status"] == "Success", r
+    if language not in TEST_RUNNERS:
+        assert "123" in r["run_result"]["stdout"], r
+
+
+async def test_full_is_504_with_retry_after_which_verl_retries(lang_store: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    for sub in ("layers", "layers-meta", "manifests", "names"):
+        (home / sub).symlink_to(lang_store / sub)
+    small = start_server(tmp_path / "log", "--home", str(home), "--max-queued", "1", "--prewarm", "python3",
+                         "--durability", "off", "--record", "off")
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"code": "import time; time.sleep(1.5); print('slept')", "language": "python", "run_timeout": 30}
+            replies = await asyncio.gather(*(http.post(small.url + "run_code", json=body) for _ in range(3)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes[0] == 200 and 504 in codes, [r.text for r in replies]
+        full = next(r for r in replies if r.status_code == 504)
+        assert "cap 1" in full.json()["detail"] and int(full.headers["retry-after"]) >= 1
+    finally:
+        assert small.stop() == 0
+
+
+async def test_a_language_whose_snapshot_is_not_built_is_503_with_the_command_that_builds_it(
+        http: httpx.AsyncClient, srv: ServerProc) -> None:
+    from rollbox.snapshots import languages
+
+    missing = [n for n in languages.SUPPORTED if not (LANG_HOME / "names" / languages.LANGUAGES[n].snapshot).exists()]
+    if not missing:
+        pytest.skip(f"{LANG_HOME} holds every language's snapshot")
+    resp = await http.post(srv.url + "run_code", json={"code": "x", "language": missing[0]})
+    assert resp.status_code == 503, resp.text
+    assert f"language {missing[0]!r} runs in the snapshot" in resp.json()["detail"]
+    assert "rollbox snapshot build snapshots/templates/" in resp.json()["detail"]
+
+
+async def test_the_python_client_runs_a_language_with_cases(srv: ServerProc) -> None:
+    from rollbox.functions.client import Client
+
+    async with Client(srv.url) as client:
+        res = await client.run(CPP_SUM + f"// {uuid.uuid4()}", language="cpp", compile_timeout_s=60, timeout_s=20,
+                               cases=[{"stdin": "1 2", "expected_stdout": "3"}, {"stdin": "2 2", "expected_stdout": "5"}])
+    assert res.compile is not None and res.compile.exit_code == 0
+    assert res.cases is not None and [c.passed for c in res.cases] == [True, False]
+
+
+# ----------------------------------------------------------------------- verl's own client, unchanged
+
+
+def _verl() -> types.ModuleType:
+    """verl 0.9.1's sandbox_fusion module alone (it needs only requests): installed without its
+    dependencies by scripts/bootstrap; its parent packages (which import torch) are stubbed."""
+    try:
+        spec = importlib.util.find_spec("verl")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("verl is not installed (scripts/bootstrap: pip install --no-deps verl==0.9.1)")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    saved = {k: v for k, v in sys.modules.items() if k == "verl" or k.startswith("verl.")}
+    for name, sub in (("verl", ""), ("verl.utils", "utils"), ("verl.utils.reward_score", "utils/reward_score")):
+        m = types.ModuleType(name)
+        m.__path__ = [str(root / sub)]
+        sys.modules[name] = m
+    try:
+        return importlib.import_module("verl.utils.reward_score.sandbox_fusion")
+    finally:
+        for k in [k for k in sys.modules if k == "verl" or k.startswith("verl.")]:
+            if k not in ("verl.utils.reward_score.sandbox_fusion", "verl.utils.reward_score.sandbox_fusion.utils"):
+                sys.modules.pop(k, None)
+        sys.modules.update(saved)
+
+
+PROGRAMS: dict[str, dict[str, str]] = {
+    "python": {
+        "ok": "a, b = map(int, input().split())\nprint(a + b)",
+        "wa": "a, b = map(int, input().split())\nprint(a - b)",
+        "re": "a, b = map(int, input().split())\nprint(a // 0)",
+        "tle": "while True:\n    pass",
+        "ce": "",  # python has no compile step: a syntax error is a runtime error (-2), as in SandboxFusion
+    },
+    "cpp": {
+        "ok": CPP_SUM,
+        "wa": CPP_SUM.replace("a+b", "a-b"),
+        "re": "#include <bits/stdc++.h>\nint main(){std::vector<int> v; return v.at(3);}\n",
+        "tle": "int main(){volatile long i=0; for(;;) i++;}\n",
+        "ce": "int main(){ return undefined_name; }\n",
+    },
+    "java": {
+        "ok": JAVA_SUM,
+        "wa": JAVA_SUM.replace("a+b", "a*b"),
+        "re": "public class Main{public static void main(String[] x){throw new RuntimeException(\"boom\");}}",
+        "tle": "public class Main{public static void main(String[] x){while(true){}}}",
+        "ce": "public class Main{public static void main(String[] x){System.uto.println(1);}}",
+    },
+    "go": {
+        "ok": "package main\nimport \"fmt\"\nfunc main(){var a,b int\nfmt.Scan(&a,&b)\nfmt.Println(a+b)}\n",
+        "wa": "package main\nimport \"fmt\"\nfunc main(){var a,b int\nfmt.Scan(&a,&b)\nfmt.Println(a*b)}\n",
+        "re": "package main\nfunc main(){var m map[string]int\nm[\"a\"]=1}\n",
+        "tle": "package main\nfunc main(){for{}}\n",
+        "ce": "package main\nfunc main(){undefined()}\n",
+    },
+    "nodejs": {
+        "ok": "const [a,b]=require('fs').readFileSync(0,'utf8').trim().split(/\\s+/).map(Number);console.log(a+b);",
+        "wa": "const [a,b]=require('fs').readFileSync(0,'utf8').trim().split(/\\s+/).map(Number);console.log(a-b);",
+        "re": "null.x;",
+        "tle": "for(;;){}",
+        "ce": "",  # no compile step in node: a syntax error is a runtime error
+    },
+}
+EXPECTED = {"ok": True, "wa": False, "re": -2, "tle": -3, "ce": -4}
+
+
+@pytest.mark.parametrize("language", list(PROGRAMS))
+def test_verls_check_correctness_gives_the_right_verdicts(srv: ServerProc, language: str) -> None:
+    sf = _verl()
+    url = srv.url + "run_code"
+    tests = {"inputs": ["1 2\n", "20 22\n"], "outputs": ["3", "42"]}
+    for kind, code in PROGRAMS[language].items():
+        if not code:
+            code, want = ("def f(:\n" if language == "python" else "function (") + f"  // {kind}", -2
+        else:
+            want = EXPECTED[kind]
+        nonce = "#" if language == "python" else "//"
+        code = f"{code}\n{nonce} {uuid.uuid4()}"
+        timeout = 2 if kind == "tle" else 10  # (verl's default: one value for the compile and for the run)
+        if kind == "tle" and language in ("cpp", "java", "go"):  # compiled first (cached: the request's compile
+            # timeout is then moot), so a loaded machine's slow javac cannot make the 2 s a compile timeout
+            first = httpx.post(url, json={"code": code + "\n\n", "language": language, "compile_timeout": 60,
+                                          "run_timeout": 0.1, "memory_limit_MB": 1024}, timeout=120)
+            assert first.json()["compile_result"]["return_code"] == 0, first.text
+        results, meta = sf.utils.check_correctness(url, tests, code, timeout=timeout,
+                                                   memory_limit_mb=1024, language=language)
+        assert results == [want, want], (language, kind, meta)
+    # the score verl computes from a model's completion (python only in verl's default path)
+    score, _ = sf.compute_score(url, None, 1024, "```python\n" + PROGRAMS["python"]["ok"] + "\n```", tests,
+                                continuous=True) if language == "python" else (1.0, None)
+    assert score == 1.0
