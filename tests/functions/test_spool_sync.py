@@ -63,11 +63,11 @@ async def test_spooled_rows_are_on_disk_when_their_future_is_done_and_syncs_are_
     rec = Recorder(tmp_path / "spool", LocalObjects(tmp_path / "store"), "r1", aio=aio)
     await rec.start()
     try:
-        assert (rec._aio is not None) == aio
+        assert (rec.spool.aio is not None) == aio
         # 200 replies in one turn of the loop: written at once, far fewer syncs than replies
         futures = [rec.append([("step", {"event_id": f"e{i}", "status": 200})])[1] for i in range(200)]
         await asyncio.wait_for(asyncio.gather(*futures), 30)
-        seg = rec._current
+        seg = rec.spool.current
         assert seg is not None
         lines = seg.path.read_bytes().splitlines()
         assert [orjson.loads(line)["r"]["event_id"] for line in lines] == [f"e{i}" for i in range(200)]
@@ -202,7 +202,7 @@ async def test_a_write_the_disk_refuses_is_cut_back_and_its_rows_dropped(tmp_pat
     try:
         _, fut = rec.append([("step", _row("before"))])
         await fut
-        seg = rec._current
+        seg = rec.spool.current
         assert seg is not None and rec.disk_full is None
         size = seg.path.stat().st_size
         filler = tiny_disk / "filler"
