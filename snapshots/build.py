@@ -23,8 +23,9 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from rollbox.runtime.errors import InvalidRequest, StoreError
 from rollbox.runtime.snapshot import ROLLBOX_VERSION
@@ -53,10 +54,41 @@ def build(template: Template, template_dir: Path, store: LocalStore, *, pip_extr
           on_step: Step | None = None) -> Manifest:
     """Build ``template`` into ``store``; returns the manifest (its ``id`` is the snapshot id)."""
     step = on_step or (lambda _msg: None)
-    layers: list[LayerRef] = []
-    env: dict[str, str] = {}
-    packages_deb: dict[str, str] = {}
-    python_deb: str | None = None
+    files, warm_path, warm_imports = _warm_files(template)
+    work = Path(store.tmp_dir())
+    try:
+        base = _base(template.base, template_dir, store, work, step)  # 1. base
+        layers = list(base.layers)
+        packages: dict[str, str] = {}
+        sys_path: tuple[str, ...] = ()
+        if template.packages:  # 2. packages
+            ref, packages = _packages_layer(template, template_dir, store, work, step, pip_extra)
+            layers.append(ref)
+            sys_path = (PACKAGES_PREFIX,)
+        if files:  # 3. files
+            layers.append(_files_layer(files, template_dir, store, work, step))
+    finally:
+        remove_tree(work)
+    manifest = _manifest(template, base, layers, packages, (*warm_path, *sys_path), warm_imports)  # 4.
+    store.put_manifest(manifest)
+    store.set_name(template.name, manifest.id)
+    step(f"snapshot {template.name} = {manifest.id}")
+    return manifest
+
+
+@dataclass
+class _Base:
+    """What the base gives the snapshot."""
+
+    label: str  # the manifest's and VERSION's base
+    layers: list[LayerRef] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # an OCI image's
+    packages: dict[str, str] = field(default_factory=dict)  # a Debian base's: deb:<name> -> version
+    python: str | None = None  # a Debian base's Python version
+
+
+def _warm_files(template: Template) -> tuple[dict[str, FileSpec], tuple[str, ...], tuple[str, ...]]:
+    """The template's files (with the preload module, if any), the warm sys.path and imports."""
     files = dict(template.files)
     warm_path: tuple[str, ...] = template.warm.sys_path
     warm_imports = template.warm.imports
@@ -65,101 +97,99 @@ def build(template: Template, template_dir: Path, store: LocalStore, *, pip_extr
     if template.warm.preload:
         files[f"{WARM_DIR}/{PRELOAD_MODULE}.py"] = FileSpec(content=preload_module(template.warm.preload))
         warm_path, warm_imports = (*warm_path, WARM_DIR), (PRELOAD_MODULE, *warm_imports)
-    work = Path(store.tmp_dir())
-    try:
-        # 1. base
-        base = template.base
-        if base == "host":
-            base_label = "host"
-        elif isinstance(base, DirBase):
-            src = _path(template_dir, base.dir)
-            if not src.is_dir():
-                raise InvalidRequest(f"base.dir: {src} is not a directory")
-            step(f"base: packing {src}")
-            ref = store.add_layer_dir(src, owner=None)
-            layers.append(ref)
-            base_label = f"dir:{ref.id}"
-        elif isinstance(base, DebianBase):
-            built = _debian_layers(base.debian, template_dir, store, step)
-            layers.extend(b.layer for b in built)
-            base_label = f"debian:{base.debian.suite}:{built[0].layer.id}"
-            deb_versions = built[-1].versions
-            named = [*debian.BASE_PACKAGES, *(p for b in built for p in b.named)]
-            packages_deb = {f"deb:{n}": deb_versions[n] for n in dict.fromkeys(_pkg_name(p) for p in named)
-                            if n in deb_versions}
-            python_deb = deb_versions.get("python3", "unknown").split(":")[-1].split("-")[0]
+    return files, warm_path, warm_imports
+
+
+def _base(base: Literal["host"] | DirBase | OciBase | DebianBase, template_dir: Path, store: LocalStore,
+          work: Path, step: Step) -> _Base:
+    """1. The base's layers (none for ``host``)."""
+    if base == "host":
+        return _Base("host")
+    if isinstance(base, DirBase):
+        src = _path(template_dir, base.dir)
+        if not src.is_dir():
+            raise InvalidRequest(f"base.dir: {src} is not a directory")
+        step(f"base: packing {src}")
+        ref = store.add_layer_dir(src, owner=None)
+        return _Base(f"dir:{ref.id}", [ref])
+    if isinstance(base, DebianBase):
+        built = _debian_layers(base.debian, template_dir, store, step)
+        deb_versions = built[-1].versions
+        named = [*debian.BASE_PACKAGES, *(p for b in built for p in b.named)]
+        return _Base(f"debian:{base.debian.suite}:{built[0].layer.id}", [b.layer for b in built],
+                     packages={f"deb:{n}": deb_versions[n] for n in dict.fromkeys(_pkg_name(p) for p in named)
+                               if n in deb_versions},
+                     python=deb_versions.get("python3", "unknown").split(":")[-1].split("-")[0])
+    assert isinstance(base, OciBase)
+    image = read_image(_path(template_dir, base.oci), base.image)
+    layers: list[LayerRef] = []
+    for i, digest in enumerate(image.layers, 1):
+        step(f"base: OCI layer {i}/{len(image.layers)} {digest[7:19]}")
+        layer_dir = work / f"oci-{i}"
+        with image.open_layer(digest) as blob:
+            unpack_oci(blob, layer_dir, opaque_xattr=store.opaque_xattr)
+            blob.verify()
+        layers.append(store.add_layer_dir(layer_dir, owner=None))
+        remove_tree(layer_dir)
+    return _Base(f"oci:{image.manifest_digest}", layers, env=dict(image.env))
+
+
+def _packages_layer(template: Template, template_dir: Path, store: LocalStore, work: Path, step: Step,
+                    pip_extra: PipOptions | None) -> tuple[LayerRef, dict[str, str]]:
+    """2. The template's packages, pip-installed and byte-compiled, as a layer; their versions."""
+    step(f"packages: pip install {' '.join(template.packages)}")
+    layer_dir = work / "packages"
+    target = layer_dir / PACKAGES_PREFIX.lstrip("/")
+    _pip_install(template, template_dir, target, pip_extra)
+    step("packages: byte-compiling")
+    _compile(target)
+    packages = _installed(target)
+    _normalise_dirs(layer_dir, files=True)
+    step(f"packages: packing {len(packages)} distributions")
+    return store.add_layer_dir(layer_dir), packages
+
+
+def _files_layer(files: dict[str, FileSpec], template_dir: Path, store: LocalStore, work: Path,
+                 step: Step) -> LayerRef:
+    """3. The template's files, with their modes, as a layer."""
+    step(f"files: {len(files)}")
+    layer_dir = work / "files"
+    layer_dir.mkdir()
+    for path, spec in sorted(files.items()):
+        dest = layer_dir / path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if spec.content is not None:
+            dest.write_text(spec.content)
         else:
-            assert isinstance(base, OciBase)
-            image = read_image(_path(template_dir, base.oci), base.image)
-            for i, digest in enumerate(image.layers, 1):
-                step(f"base: OCI layer {i}/{len(image.layers)} {digest[7:19]}")
-                layer_dir = work / f"oci-{i}"
-                with image.open_layer(digest) as blob:
-                    unpack_oci(blob, layer_dir, opaque_xattr=store.opaque_xattr)
-                    blob.verify()
-                layers.append(store.add_layer_dir(layer_dir, owner=None))
-                remove_tree(layer_dir)
-            env.update(image.env)
-            base_label = f"oci:{image.manifest_digest}"
+            assert spec.source is not None
+            try:
+                dest.write_bytes(_path(template_dir, spec.source).read_bytes())
+            except OSError as exc:
+                raise InvalidRequest(f"files.{path}.source: cannot read {spec.source}: "
+                                     f"{exc.strerror}") from None
+        os.chmod(dest, spec.mode)
+    _normalise_dirs(layer_dir)
+    return store.add_layer_dir(layer_dir)
 
-        # 2. packages
-        packages: dict[str, str] = {}
-        sys_path: tuple[str, ...] = ()
-        if template.packages:
-            step(f"packages: pip install {' '.join(template.packages)}")
-            layer_dir = work / "packages"
-            target = layer_dir / PACKAGES_PREFIX.lstrip("/")
-            _pip_install(template, template_dir, target, pip_extra)
-            step("packages: byte-compiling")
-            _compile(target)
-            packages = _installed(target)
-            _normalise_dirs(layer_dir, files=True)
-            step(f"packages: packing {len(packages)} distributions")
-            layers.append(store.add_layer_dir(layer_dir))
-            sys_path = (PACKAGES_PREFIX,)
 
-        # 3. files
-        if files:
-            step(f"files: {len(files)}")
-            layer_dir = work / "files"
-            layer_dir.mkdir()
-            for path, spec in sorted(files.items()):
-                dest = layer_dir / path.lstrip("/")
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                if spec.content is not None:
-                    dest.write_text(spec.content)
-                else:
-                    assert spec.source is not None
-                    try:
-                        dest.write_bytes(_path(template_dir, spec.source).read_bytes())
-                    except OSError as exc:
-                        raise InvalidRequest(f"files.{path}.source: cannot read {spec.source}: "
-                                             f"{exc.strerror}") from None
-                os.chmod(dest, spec.mode)
-            _normalise_dirs(layer_dir)
-            layers.append(store.add_layer_dir(layer_dir))
-    finally:
-        remove_tree(work)
-
-    env.update(template.env)
+def _manifest(template: Template, base: _Base, layers: list[LayerRef], packages: dict[str, str],
+              warm_path: tuple[str, ...], warm_imports: tuple[str, ...]) -> Manifest:
+    """4. The manifest: every layer warm, the warm Python and VERSION."""
+    env = {**base.env, **template.env}
     # a non-host base's Python cannot be asked here; official images say it in PYTHON_VERSION
     here = sys.version.split()[0]
-    python_version = here if template.base == "host" else python_deb or env.get("PYTHON_VERSION", "unknown")
+    python_version = here if template.base == "host" else base.python or env.get("PYTHON_VERSION", "unknown")
     python = template.python or (debian.PYTHON if isinstance(template.base, DebianBase) else None)
-    manifest = Manifest(
-        base=base_label,
+    return Manifest(
+        base=base.label,
         layers=tuple(layers),
         warm_layers=len(layers),
-        warm=Warm(python=python, sys_path=(*warm_path, *sys_path), imports=warm_imports),
+        warm=Warm(python=python, sys_path=warm_path, imports=warm_imports),
         env=env,
         limits=template.limits,
-        version=Version(base=base_label, python=python_version, packages={**packages_deb, **packages},
+        version=Version(base=base.label, python=python_version, packages={**base.packages, **packages},
                         rollbox=ROLLBOX_VERSION),
     )
-    store.put_manifest(manifest)
-    store.set_name(template.name, manifest.id)
-    step(f"snapshot {template.name} = {manifest.id}")
-    return manifest
 
 
 WARM_DIR = "/opt/rollbox/warm"
