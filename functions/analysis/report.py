@@ -468,58 +468,91 @@ def _headroom(values: Any, floor: float = 0.0) -> float:
 
 
 def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
-    import numpy as np
-    from matplotlib.figure import Figure
+    """The four plots as PNG files in ``out``; their captions by name."""
+    c = _Canvas.of(out, sm, tl)
+    return {"sandboxes": _plot_sandboxes(c), "steps": _plot_steps(c), "latency": _plot_latency(c),
+            "cost": _plot_cost(c)}
 
-    x = tl.index.tz_convert(None).to_numpy()
-    b = _num(sm["bucket_s"], " s")
-    width = np.timedelta64(int(sm["bucket_s"] * 1e6), "us")
-    xs = np.append(x, x[-1] + width)  # step lines: each bucket's value drawn across the bucket
-    day = dt.datetime.fromtimestamp(sm["start"], dt.UTC).strftime("%Y-%m-%d")
-    xlabel = f"time (UTC), from {day}"
 
-    def ys(col: str) -> Any:
-        return np.append(tl[col].to_numpy(dtype=float), tl[col].iloc[-1])
+@dataclass
+class _Canvas:
+    """What every plot shares: where it goes, the summary, the timeline and its time axis."""
 
+    out: Path
+    sm: dict[str, Any]
+    tl: Any
+    x: Any  # each bucket's start
+    xs: Any  # step lines: each bucket's value drawn across the bucket (one edge more than ``x``)
+    width: Any  # a bucket (numpy timedelta)
+    b: str  # a bucket, as text
+    xlabel: str
+
+    @classmethod
+    def of(cls, out: Path, sm: dict[str, Any], tl: Any) -> _Canvas:
+        import numpy as np
+
+        x = tl.index.tz_convert(None).to_numpy()
+        width = np.timedelta64(int(sm["bucket_s"] * 1e6), "us")
+        day = dt.datetime.fromtimestamp(sm["start"], dt.UTC).strftime("%Y-%m-%d")
+        return cls(out, sm, tl, x, np.append(x, x[-1] + width), width, _num(sm["bucket_s"], " s"),
+                   f"time (UTC), from {day}")
+
+    def ys(self, col: str) -> Any:
+        import numpy as np
+
+        return np.append(self.tl[col].to_numpy(dtype=float), self.tl[col].iloc[-1])
+
+    @staticmethod
     def one_axes() -> tuple[Any, Any]:
+        from matplotlib.figure import Figure
+
         fig = Figure(figsize=(10, 3.5), dpi=100, layout="constrained")
         return fig, fig.subplots()
 
-    def save(fig: Any, ax: Any, name: str, ylabel: str, title: str, *, legend: bool = True,
+    def save(self, fig: Any, ax: Any, name: str, ylabel: str, title: str, *, legend: bool = True,
              top: float | None = None) -> None:
         ax.set_ylabel(ylabel)
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel(self.xlabel)
         if legend:
             ax.legend(loc="upper right", fontsize=8)
-        _axes_time(ax, xs, top=top)
+        _axes_time(ax, self.xs, top=top)
         fig.suptitle(title)
-        fig.savefig(out / f"{name}.png")
-    captions: dict[str, str] = {}
+        fig.savefig(self.out / f"{name}.png")
 
+
+def _plot_sandboxes(c: _Canvas) -> str:
+    from matplotlib.figure import Figure
+
+    sm, tl, b = c.sm, c.tl, c.b
     fig = Figure(figsize=(10, 5), dpi=100, layout="constrained")
     ax1, ax2 = fig.subplots(2, 1, sharex=True)
-    ax1.step(xs, ys("open"), where="post", color="tab:blue", label="open sandboxes (created, not yet destroyed)")
+    ax1.step(c.xs, c.ys("open"), where="post", color="tab:blue", label="open sandboxes (created, not yet destroyed)")
     ax1.axhline(sm["peak_open"], color="tab:red", ls="--", lw=1, label=f"peak {sm['peak_open']}")
     ax1.set_ylabel("sandboxes")
     ax1.legend(loc="best", fontsize=8)
-    ax2.bar(x, tl["resumed"], width=width, align="edge", color="tab:orange",
+    ax2.bar(c.x, tl["resumed"], width=c.width, align="edge", color="tab:orange",
             label=f"steps that resumed a hibernated sandbox (per {b})")
     ax2.set_ylabel("steps")
     ax2.legend(loc="upper right", fontsize=8)
-    _axes_time(ax1, xs, integer=True, top=_headroom([sm["peak_open"]], 1.0))
-    _axes_time(ax2, xs, integer=True, top=_headroom(tl["resumed"], 1.0))
-    ax2.set_xlabel(xlabel)
+    _axes_time(ax1, c.xs, integer=True, top=_headroom([sm["peak_open"]], 1.0))
+    _axes_time(ax2, c.xs, integer=True, top=_headroom(tl["resumed"], 1.0))
+    ax2.set_xlabel(c.xlabel)
     fig.suptitle("Sandboxes over time (which sandboxes are in memory is not recorded)")
-    fig.savefig(out / "sandboxes.png")
-    captions["sandboxes"] = (f"Open sandboxes (most at once in each {b} bucket; from each sandbox's first to its "
-                             "last step, or its usage record's end), and steps that resumed a hibernated sandbox. "
-                             "Whether an open sandbox was in memory or hibernated is not recorded.")
+    fig.savefig(c.out / "sandboxes.png")
+    return (f"Open sandboxes (most at once in each {b} bucket; from each sandbox's first to its "
+            "last step, or its usage record's end), and steps that resumed a hibernated sandbox. "
+            "Whether an open sandbox was in memory or hibernated is not recorded.")
 
-    fig, ax = one_axes()
+
+def _plot_steps(c: _Canvas) -> str:
+    import numpy as np
+
+    sm, tl, b, x, width = c.sm, c.tl, c.b, c.x, c.width
+    fig, ax = c.one_axes()
     total, work = tl["steps_per_s"].to_numpy(dtype=float), (tl["work_steps"] / sm["bucket_s"]).to_numpy(dtype=float)
-    ax.fill_between(xs, ys("work_steps") / sm["bucket_s"], step="post", color="tab:green", alpha=0.35,
+    ax.fill_between(c.xs, c.ys("work_steps") / sm["bucket_s"], step="post", color="tab:green", alpha=0.35,
                     label="exec and run steps/s")
-    ax.step(xs, ys("steps_per_s"), where="post", color="tab:green", lw=1, label=f"all steps/s ({b} buckets)")
+    ax.step(c.xs, c.ys("steps_per_s"), where="post", color="tab:green", lw=1, label=f"all steps/s ({b} buckets)")
     avg = sm["steps_per_s_avg"]
     ax.axhline(avg, color="gray", ls="--", lw=1, label=f"average {avg:.3g} (peak {sm['steps_per_s_peak']:.3g})")
     # the scale follows the work and the bulk of the steps: a burst of creates or destroys (a load starting
@@ -530,39 +563,45 @@ def _plots(out: Path, sm: dict[str, Any], tl: Any) -> dict[str, str]:
     for i in (int(run[np.argmax(total[run])]) for run in runs):  # one label per run of cut buckets
         ax.annotate(f"{total[i]:.3g}/s", (x[i] + width // 2, top), xytext=(0, -2), textcoords="offset points",
                     ha="center", va="top", fontsize=7, color="tab:green")
-    save(fig, ax, "steps", "steps/s", "Steps per second (every recorded step, by when its reply was made)", top=top)
-    captions["steps"] = (f"Steps answered per second, in {b} buckets: all of them (line) and the exec and run "
-                         "steps among them (filled). The scale follows the work; a burst of creates or destroys "
-                         "above it (a load starting or stopping) is cut at the top, its rate written there.")
+    c.save(fig, ax, "steps", "steps/s", "Steps per second (every recorded step, by when its reply was made)", top=top)
+    return (f"Steps answered per second, in {b} buckets: all of them (line) and the exec and run "
+            "steps among them (filled). The scale follows the work; a burst of creates or destroys "
+            "above it (a load starting or stopping) is cut at the top, its rate written there.")
 
-    fig, ax = one_axes()
+
+def _plot_latency(c: _Canvas) -> str:
+    import numpy as np
+
+    tl, b = c.tl, c.b
+    fig, ax = c.one_axes()
     execs = bool(tl["p50_ms"].notna().any())
     if execs:
         for col, color in (("p50_ms", "tab:blue"), ("p90_ms", "tab:orange"), ("p99_ms", "tab:red")):
-            ax.plot(x + width // 2, tl[col], marker=".", ms=3, lw=1, color=color, label=col.replace("_ms", ""))
+            ax.plot(c.x + c.width // 2, tl[col], marker=".", ms=3, lw=1, color=color, label=col.replace("_ms", ""))
         lo, hi = np.nanmin(tl["p50_ms"]), np.nanmax(tl["p99_ms"])
         if lo > 0 and hi / lo > 50:
             ax.set_yscale("log")
     else:
         ax.text(0.5, 0.5, "no exec steps", ha="center", va="center", transform=ax.transAxes)
-    save(fig, ax, "latency", "ms", f"Exec step latency (total_ms) percentiles per {b}", legend=execs,
-         top=_headroom(tl["p99_ms"], 1.0) if execs else None)
-    captions["latency"] = (f"p50, p90 and p99 of the exec steps' total_ms (event in to reply out) in each {b} "
-                           "bucket.")
+    c.save(fig, ax, "latency", "ms", f"Exec step latency (total_ms) percentiles per {b}", legend=execs,
+           top=_headroom(tl["p99_ms"], 1.0) if execs else None)
+    return f"p50, p90 and p99 of the exec steps' total_ms (event in to reply out) in each {b} bucket."
 
-    fig, ax = one_axes()
-    ax.fill_between(xs, ys("cost_usd_per_h"), step="post", color="tab:blue", alpha=0.4,
+
+def _plot_cost(c: _Canvas) -> str:
+    sm, tl, b = c.sm, c.tl, c.b
+    fig, ax = c.one_axes()
+    ax.fill_between(c.xs, c.ys("cost_usd_per_h"), step="post", color="tab:blue", alpha=0.4,
                     label="billed per second ($/h)")
-    ax.step(xs, ys("cost_usd_per_h"), where="post", color="tab:blue", lw=1)
+    ax.step(c.xs, c.ys("cost_usd_per_h"), where="post", color="tab:blue", lw=1)
     fleet = None if sm["always_on_rate_usd_s"] is None else sm["always_on_rate_usd_s"] * 3600
     if fleet is not None:
         ax.axhline(fleet, color="tab:red", ls="--", lw=1.5, label=f"always-on fleet of {sm['peak_open']} ($/h)")
-    save(fig, ax, "cost", "$/h", "Cost rate: per-second billing vs an always-on fleet",
-         top=_headroom([*tl["cost_usd_per_h"], fleet or 0.0], 1e-9))
-    captions["cost"] = ("Per-second billing: each sandbox life's cost spread evenly over the time its sandbox was "
-                        f"open (the records do not tell its live seconds from its hibernated ones), as a rate per {b} "
-                        "bucket; against the always-on fleet's rate (peak open sandboxes at the typical limits).")
-    return captions
+    c.save(fig, ax, "cost", "$/h", "Cost rate: per-second billing vs an always-on fleet",
+           top=_headroom([*tl["cost_usd_per_h"], fleet or 0.0], 1e-9))
+    return ("Per-second billing: each sandbox life's cost spread evenly over the time its sandbox was "
+            f"open (the records do not tell its live seconds from its hibernated ones), as a rate per {b} "
+            "bucket; against the always-on fleet's rate (peak open sandboxes at the typical limits).")
 
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1060px;margin:2em auto;color:#222}
