@@ -82,12 +82,19 @@ class Recorder:
         self.dir = Path(spool_dir)
         self.objects = objects
         self.replica = replica
-        self.flush_records = flush_records
-        self.flush_interval_s = flush_interval_s
         self.prices = prices or Prices()
         self.spool = Spool(self.dir, replica, Metrics(registry), flush_records=flush_records, aio=aio)
         self.flusher = Flusher(self.spool, objects, replica, flush_interval_s=flush_interval_s)
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def flush_records(self) -> int:
+        """A segment is closed (and flushed soon) at this many rows."""
+        return self.spool.flush_records
+
+    @property
+    def flush_interval_s(self) -> float:
+        return self.flusher.flush_interval_s
 
     @property
     def metrics(self) -> Metrics:
