@@ -31,7 +31,9 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from rollbox.functions.durable.runtime import DurableRuntime
 from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, cache_key
+from rollbox.functions.handlers.routing import InProcess
 from rollbox.runtime.errors import InvalidRequest, RollboxError, SnapshotNotFound
 from rollbox.runtime.spec import CaseResult, CompileResult, ExecRequest, ExecResult
 from rollbox.snapshots import languages
@@ -280,7 +282,9 @@ def runner_for(rt: Any) -> Runner:
     its compile cache in the durable layer's objects (the store every replica shares) when there are some."""
     runner = _RUNNERS.get(rt)
     if runner is None:
-        runner = _RUNNERS[rt] = Runner(getattr(rt, "rt", rt), CompileCache(getattr(rt, "objects", None)), rt)
+        objects = rt.store.objects if isinstance(rt, DurableRuntime) else None
+        plain = rt.rt if isinstance(rt, DurableRuntime | InProcess) else rt
+        runner = _RUNNERS[rt] = Runner(plain, CompileCache(objects), rt)
     return runner
 
 
