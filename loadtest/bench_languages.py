@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
@@ -35,6 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import bench_service
 import httpx
 
 CPP = """#include <bits/stdc++.h>
@@ -60,24 +60,8 @@ def cpp_case(i: int) -> tuple[str, str]:
 
 
 def start(home: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "rollbox.functions.cli", "serve", "--port", "0", "--home", home,
-                                 "--prewarm", "python3,cpp", "--log-level", "warning", "--max-queued", "4096"],
-                                stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("msg") == "listening":
-                return proc, f"http://127.0.0.1:{rec['port']}/"
-        if proc.poll() is not None:
-            raise SystemExit(f"rollbox serve exited with {proc.returncode}:\n{log.read_text()}")
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    raise SystemExit("rollbox serve did not start")
+    return bench_service.start(log, ["--home", home, "--prewarm", "python3,cpp", "--log-level", "warning",
+                                     "--max-queued", "4096"], timeout_s=120)
 
 
 def server_cpu_s(pid: int) -> float:

@@ -34,14 +34,15 @@ RUN = "dev.rollbox.sandbox.run"
 BODY = json.dumps({"code": "print(1)"}).encode()
 
 
-def start(log: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+def start(log: Path, extra: list[str], timeout_s: float = 90.0) -> tuple[subprocess.Popen[bytes], str]:
+    """`rollbox serve --port 0 EXTRA...`, its output in ``log``: the process and its URL once it listens."""
     with open(log, "wb") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rollbox.functions.cli", "serve", "--port", "0", *extra],
             stdout=f,
             stderr=subprocess.STDOUT,
         )
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for line in log.read_text(errors="replace").splitlines():
             try:
