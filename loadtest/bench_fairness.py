@@ -36,12 +36,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bench_service
 import httpx
 from cloudevents.conversion import to_binary
 from cloudevents.http import CloudEvent, from_http
@@ -353,41 +351,10 @@ async def in_process(args: argparse.Namespace) -> list[Combo]:
     return combos
 
 
-def start_server(tmp: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    log = tmp / "serve.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "rollbox.functions.cli", "serve", "--port", "0",
-                                 "--home", str(tmp / "home"), *extra], stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("msg") == "listening":
-                return proc, f"http://127.0.0.1:{rec['port']}/"
-        if proc.poll() is not None:
-            raise SystemExit(f"rollbox serve exited with {proc.returncode}:\n{log.read_text()}")
-        time.sleep(0.05)
-    stop_server(proc)
-    raise SystemExit(f"rollbox serve did not start:\n{log.read_text()}")
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
-
-
 async def over_http(args: argparse.Namespace) -> list[Combo]:
     tmp = Path(tempfile.mkdtemp(prefix="rollbox-bench-fairness-http-"))
-    proc, url = start_server(tmp, ["--log-level", "warning", *args.serve_arg])
+    proc, url = bench_service.start(tmp / "serve.log", ["--home", str(tmp / "home"), "--log-level", "warning",
+                                                        *args.serve_arg])
     combos = []
     sessions: list[Session] = [OverHTTP(url) for _ in range(args.concurrency)]
     try:
@@ -401,7 +368,7 @@ async def over_http(args: argparse.Namespace) -> list[Combo]:
     finally:
         for s in sessions:
             await s.close()
-        rc = stop_server(proc)
+        rc = bench_service.stop(proc)
         tail = (tmp / "serve.log").read_text(errors="replace").splitlines()
         shutil.rmtree(tmp, ignore_errors=True)
     for c in combos:
