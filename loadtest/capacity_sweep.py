@@ -18,7 +18,7 @@ round trip, retries of 429/503 included), machine CPU per step split into the se
 threads included), its sandboxes (zygotes and sandboxes: its descendants), the store (SeaweedFS's
 tree) and the load generator (this process's asyncio thread); the machine's busy CPU beside (the box
 is shared); memory (PSS) per live sandbox (the sandboxes' growth over the replica's idle baseline /
-live sandboxes) and per open episode (the server's and SeaweedFS's growth / open episodes); S3
+live sandboxes, when there are 4 or more) and per open episode (the server's and SeaweedFS's growth / open episodes); S3
 requests and bytes per step (SeaweedFS's own counters for the bucket) and S3 bytes stored per open
 episode (the bucket listed); 429/503 retries; and the replica's cold start (start to first reply).
 """
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 "machine_busy_ms_per_step": (busy1 - busy0) * 1000 / steps,
                 "live_sandboxes": live, "hibernated_episodes": max(0, count - live),
                 "replica_pss_mib": (mem["server"] + mem["sandboxes"]) / MIB, "store_pss_mib": mem["store"] / MIB,
-                "mem_per_live_sandbox_kib": ((mem["sandboxes"] - base_mem["sandboxes"]) / live / 1024 if live
+                "mem_per_live_sandbox_kib": ((mem["sandboxes"] - base_mem["sandboxes"]) / live / 1024 if live >= 4
                                              else float("nan")),
                 "mem_per_open_episode_kib": ((mem["server"] - base_mem["server"] + mem["store"] - base_mem["store"])
                                              / count / 1024),
