@@ -162,6 +162,7 @@ class Capacity:
     cpu_ms_per_step: float = 0.0
     cold_start_s: float | None = None
     source: str = ""
+    saturated: bool = True  # the top point served well below what was offered: the replica's limit was found
 
     @classmethod
     def from_csv(cls, path: Path, steps: str = "durable") -> Capacity:
@@ -198,9 +199,12 @@ class Capacity:
             return sum(vals) / len(vals) if vals else 0.0
 
         cold = [float(r["cold_start_s"]) for r in rows if r.get("cold_start_s") not in (None, "", "nan")]
+        top = max(rows, key=lambda r: float(r["steps_per_s"]))
+        offered = float(top.get("offered_steps_per_s") or "nan")
         return cls(tuple(rate), tuple(p50), tuple(p99), s3_requests_per_step=mean("s3_requests_per_step"),
                    cpu_ms_per_step=mean("cpu_ms_per_step_all"), cold_start_s=min(cold) if cold else None,
-                   source=" / ".join(comments) or str(path))
+                   source=" / ".join(comments) or str(path),
+                   saturated=not float(top["steps_per_s"]) >= 0.9 * offered)
 
     @property
     def max_rate(self) -> float:
@@ -211,6 +215,12 @@ class Capacity:
         measured points, flat outside them)."""
         x = per_replica_rate
         return float(np.interp(x, self.rate, self.p50_s)), float(np.interp(x, self.rate, self.p99_s))
+
+    def concurrency_at(self, share: float, container_concurrency: int = 0) -> float:
+        """Requests inside one replica (steps/s x p50, Little's law) when it serves ``share`` of its
+        usable rate: the Service's target x utilization that makes the KPA keep replicas there."""
+        x = share * self.usable_rate(container_concurrency)
+        return x * self.latency(x)[0]
 
     def usable_rate(self, container_concurrency: int) -> float:
         """The most steps/s one replica takes: its saturation rate, and no more than keeps
@@ -639,12 +649,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  one replica: up to {cap.max_rate:.1f} steps/s measured, {mu:.1f} usable within containerConcurrency "
           f"{kpa.container_concurrency}; {cap.s3_requests_per_step:.2f} S3 requests and {cap.cpu_ms_per_step:.1f} ms "
           f"of machine CPU per step; pod start {pod_start:.2f} s")
+    if not cap.saturated:
+        print(f"  NOTE: the curve's top point served what was offered: the replica's limit is above "
+              f"{cap.max_rate:.1f} steps/s, unmeasured; the model holds it there (pessimistic)")
     print(f"knative: {args.service}: target {kpa.target:g} x utilization {kpa.utilization:g} -> {kpa.target_value:g} "
           f"concurrent per pod; window {kpa.stable_window_s:g} s, panic {kpa.panic_window_s} s at "
           f"{kpa.panic_threshold_pct:g} %, max-scale-up-rate {kpa.max_scale_up_rate:g}, scale-down-delay "
           f"{kpa.scale_down_delay_s:g} s, grace {kpa.scale_to_zero_grace_s:g} s, scale {kpa.min_scale}-{kpa.max_scale}, "
           f"timeout {kpa.timeout_s:g} s; pod {kpa.cpu_request:g} cores {kpa.memory_request_gib:g} GiB = "
           f"${prices.replica_s(kpa) * 3600:.4f}/hour")
+    fit = cap.concurrency_at(0.7, kpa.container_concurrency)
+    print(f"  a replica at 70 % of its usable rate holds {fit:.1f} requests (steps/s x p50): the KPA keeps replicas "
+          f"there with target x utilization = {fit:.1f}, i.e. autoscaling.knative.dev/target "
+          f"{fit / kpa.utilization:.1f} at {kpa.utilization:.0%} (the Service says {kpa.target:g})")
     print(f"load: {burst.bursts} x {burst.users} users, think {burst.think_min_s}-{burst.think_max_s} s, ramp "
           f"{burst.ramp_s} s, hold {burst.hold_s} s, gap {burst.gap_s} s; peak offered {burst.peak_rate:.0f} requests/s")
     print(f"{'min':>6} {'users':>7} {'req/s':>7} {'ready':>5} {'start':>5} {'queued':>7} {'panic':>5} "

@@ -175,3 +175,16 @@ def test_the_script_prints_totals_and_writes_the_plot(tmp_path: Path) -> None:
     rows = out_csv.read_text().splitlines()
     assert rows[0].startswith("t_s,users,arrived,served") and len(rows) == 1 + fm.Burst(
         ramp_s=30, hold_s=60, gap_s=400, tail_s=300).duration_s
+
+
+def test_a_curve_that_never_saturated_says_so(tmp_path: Path) -> None:
+    head = "offered_steps_per_s,steps_per_s,step_p50_ms,step_p99_ms,live_sandboxes,hibernated_episodes\n"
+    path = tmp_path / "c.csv"
+    path.write_text("# bench_capacity.py --sweep (test)\n" + head + "5,5,20,80,0,50\n10,9.9,30,90,0,100\n20,19.5,40,150,0,200\n"
+                    "4,4,10,20,4,0\n")
+    cap = fm.Capacity.from_csv(path)
+    assert cap.rate == (5.0, 9.9, 19.5) and not cap.saturated  # the durable points only; top served ~ offered
+    path.write_text(path.read_text() + "40,24,900,3000,0,400\n")
+    cap = fm.Capacity.from_csv(path)
+    assert cap.saturated and cap.max_rate == 24.0
+    assert fm.Capacity.from_csv(path, "live").rate == (4.0,)
