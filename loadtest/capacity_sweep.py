@@ -59,8 +59,8 @@ COLUMNS = [
     "mem_per_live_sandbox_kib", "mem_per_open_episode_kib",
     "s3_requests_per_step", "s3_bytes_per_step", "s3_stored_bytes_per_open_episode", "cold_start_s",
 ]
-FULL = [(4, 2.0), (16, 2.0), (48, 2.0), (96, 2.0), (100, 20.0), (300, 20.0), (600, 20.0), (1000, 20.0),
-        (1500, 20.0), (2000, 20.0)]
+FULL = [(4, 2.0), (12, 2.0), (24, 2.0), (40, 2.0), (64, 2.0), (100, 20.0), (200, 20.0), (300, 20.0), (400, 20.0),
+        (600, 20.0), (1000, 20.0)]
 QUICK = [(6, 1.0), (24, 1.0), (30, 5.0)]
 
 
@@ -178,9 +178,16 @@ class Load:
         else:
             await asyncio.gather(*(close_one(s) for s in list(self.episodes)[count:]))
 
+    async def cancel(self) -> None:
+        for ep, task in self.episodes.values():
+            ep.stop = True
+            task.cancel()
+        await asyncio.gather(*(t for _, t in self.episodes.values()), return_exceptions=True)
+
     def stop(self) -> None:
+        """Cancel every episode (not destroyed: the fleet and its bucket go after)."""
         with contextlib.suppress(Exception):
-            self.call(self.resize(0))
+            self.call(self.cancel())
         with contextlib.suppress(Exception):
             self.call(self.http.aclose())
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -270,6 +277,13 @@ def cold_start(fleet: Fleet) -> float:
     return done[0] if done else float("nan")
 
 
+def saturation(row: dict[str, Any]) -> bool:
+    """A point past the replica's limit: its steps wait longer than the episodes think, or it serves under
+    70 % of open episodes / think (a closed loop serves open / (think + latency), so some shortfall is
+    the latency's, not a limit's)."""
+    return bool(row["step_p50_ms"] / 1000 > row["think_s"] or row["steps_per_s"] < 0.7 * row["offered_steps_per_s"])
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -328,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-s", type=float, default=None)
     ap.add_argument("--hibernate-after-s", type=float, default=None)
     ap.add_argument("--connections", type=int, default=64)
+    ap.add_argument("--past-saturation", action="store_true",
+                    help="run every point (by default, once a point is saturated, its step p50 above the think time "
+                         "or its steps/s under 70 %% of open / think, the later points of the same think time are "
+                         "skipped: they would only queue longer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="directory for capacity.csv, capacity.png, the fleet's logs")
     args = ap.parse_args(argv)
@@ -343,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     fleet = Fleet(out / "fleet", 1, serve_args=["--hibernate-after-s", f"{hibernate:g}", "--sweep-interval-s", "1",
                                                 "--prewarm", "python"])
     rows: list[dict[str, Any]] = []
+    machine = f"shared machine: {os.cpu_count()} cores, load average {load1:.1f} at the start, other jobs running"
+    csv_file = open(out / "capacity.csv", "w", newline="")  # noqa: SIM115 - a row per point, as they come
+    csv_file.write(f"# {command}\n# {machine}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
+    writer = csv.DictWriter(csv_file, fieldnames=COLUMNS)
+    writer.writeheader()
+    saturated: set[float] = set()
     fleet.start()
     load: Load | None = None
     try:
@@ -354,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         load = Load(f"http://127.0.0.1:{fleet.replica_ports[0]}/", args.seed, args.connections)
         load.start()
         for i, (count, think) in enumerate(points):
+            if think in saturated and not args.past_saturation:
+                print(f"point {i + 1}/{len(points)}: {count} open x think {think:g} s: skipped (saturated below)")
+                continue
             load.think_s = think
             load.call(load.resize(count))
             time.sleep(max(warmup, think))  # every episode has stepped at this think time before the window
@@ -385,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
                 "s3_stored_bytes_per_open_episode": stored / count, "cold_start_s": cold,
             }
             rows.append(row)
+            writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+            csv_file.flush()
+            if saturation(row):
+                saturated.add(think)  # the replica's limit at this think: higher loads only queue longer
             print(f"point {i + 1}/{len(points)}: {count} open x think {think:g} s: offered {count / think:.1f}, "
                   f"served {row['steps_per_s']:.1f} steps/s, p50 {row['step_p50_ms']:.0f} ms, p99 "
                   f"{row['step_p99_ms']:.0f} ms; CPU/step {row['cpu_ms_per_step_all']:.1f} ms (server "
@@ -394,18 +425,11 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         failures = list(load.failures)
     finally:
+        csv_file.close()
         if load is not None:
             load.stop()
         fleet.stop()
-    load2 = os.getloadavg()[0]
-    machine = (f"shared machine: {os.cpu_count()} cores, load average {load1:.1f} at the start and {load2:.1f} at the "
-               f"end, other jobs running")
-    with open(out / "capacity.csv", "w", newline="") as f:
-        f.write(f"# {command}\n# {machine}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
+    machine += f" (load average {os.getloadavg()[0]:.1f} at the end)"
     plot(rows, out / "capacity.png", f"one rollbox replica on SeaweedFS: {command}\n{machine}")
     cold_txt = f"{rows[0]['cold_start_s']:.2f} s" if rows else "n/a"
     print(f"cold start (start to first create's reply): {cold_txt}; "

@@ -162,7 +162,7 @@ class Capacity:
     cpu_ms_per_step: float = 0.0
     cold_start_s: float | None = None
     source: str = ""
-    saturated: bool = True  # the top point served well below what was offered: the replica's limit was found
+    saturated: bool = True  # a point past the replica's limit was measured: the limit was found
 
     @classmethod
     def from_csv(cls, path: Path, steps: str = "durable") -> Capacity:
@@ -199,12 +199,14 @@ class Capacity:
             return sum(vals) / len(vals) if vals else 0.0
 
         cold = [float(r["cold_start_s"]) for r in rows if r.get("cold_start_s") not in (None, "", "nan")]
-        top = max(rows, key=lambda r: float(r["steps_per_s"]))
-        offered = float(top.get("offered_steps_per_s") or "nan")
+        # saturated: a point whose steps waited longer than its think, or that served under 70 % of
+        # open / think (capacity_sweep.saturation)
+        saturated = any(float(r["step_p50_ms"]) / 1000 > float(r.get("think_s") or "inf")
+                        or float(r["steps_per_s"]) < 0.7 * float(r.get("offered_steps_per_s") or "nan") for r in rows)
         return cls(tuple(rate), tuple(p50), tuple(p99), s3_requests_per_step=mean("s3_requests_per_step"),
                    cpu_ms_per_step=mean("cpu_ms_per_step_all"), cold_start_s=min(cold) if cold else None,
                    source=" / ".join(comments) or str(path),
-                   saturated=not float(top["steps_per_s"]) >= 0.9 * offered)
+                   saturated=saturated)
 
     @property
     def max_rate(self) -> float:
@@ -650,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{kpa.container_concurrency}; {cap.s3_requests_per_step:.2f} S3 requests and {cap.cpu_ms_per_step:.1f} ms "
           f"of machine CPU per step; pod start {pod_start:.2f} s")
     if not cap.saturated:
-        print(f"  NOTE: the curve's top point served what was offered: the replica's limit is above "
+        print(f"  NOTE: no point of the curve was saturated: the replica's limit is above "
               f"{cap.max_rate:.1f} steps/s, unmeasured; the model holds it there (pessimistic)")
     print(f"knative: {args.service}: target {kpa.target:g} x utilization {kpa.utilization:g} -> {kpa.target_value:g} "
           f"concurrent per pod; window {kpa.stable_window_s:g} s, panic {kpa.panic_window_s} s at "

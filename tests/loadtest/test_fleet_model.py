@@ -184,7 +184,7 @@ def test_a_curve_that_never_saturated_says_so(tmp_path: Path) -> None:
                     "4,4,10,20,4,0\n")
     cap = fm.Capacity.from_csv(path)
     assert cap.rate == (5.0, 9.9, 19.5) and not cap.saturated  # the durable points only; top served ~ offered
-    path.write_text(path.read_text() + "40,24,900,3000,0,400\n")
+    path.write_text(path.read_text() + "40,24,900,3000,0,400\n")  # 24 of 40 offered: saturated
     cap = fm.Capacity.from_csv(path)
     assert cap.saturated and cap.max_rate == 24.0
     assert fm.Capacity.from_csv(path, "live").rate == (4.0,)
