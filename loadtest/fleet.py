@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{tt['step_p99_s']:.2f} s; requests arrived {tt['arrived']:.0f} = served {tt['served']:.0f} + "
               f"queued {tt['queued']:.0f} + dropped {tt['dropped']:.0f}")
     title = (f"fleet model: {burst.bursts} x {burst.users} users, think {burst.think_min_s}-{burst.think_max_s} s; "
-             f"KPA from {args.service.name}; capacity {cap.source[:150]}")
+             f"KPA from {args.service.name}\ncapacity: {cap.source[:160]}")
     if args.png:
         plot(auto, fixed, n_fixed, args.png, title)
         print(f"plot: {args.png}")
