@@ -337,13 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="(how bench_capacity.py sends you here)")
     ap.add_argument("--quick", action="store_true", help="3 points, short windows: under a minute")
-    ap.add_argument("--points", default="", help="open episodes x think s, comma-separated: 50x2,400x20")
+    ap.add_argument("--points", default="", help="open episodes x think s, comma-separated: 50x2,400x20 (all run)")
     ap.add_argument("--warmup-s", type=float, default=None)
     ap.add_argument("--window-s", type=float, default=None)
     ap.add_argument("--hibernate-after-s", type=float, default=None)
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--past-saturation", action="store_true",
-                    help="run every point (by default, once a point is saturated, its step p50 above the think time "
+                    help="run every point (by default, in the full sweep, once a point is saturated, its step p50 above the think time "
                          "or its steps/s under 70 %% of open / think, the later points of the same think time are "
                          "skipped: they would only queue longer)")
     ap.add_argument("--seed", type=int, default=0)
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         load = Load(f"http://127.0.0.1:{fleet.replica_ports[0]}/", args.seed, args.connections)
         load.start()
         for i, (count, think) in enumerate(points):
-            if think in saturated and not args.past_saturation:
+            if think in saturated and not (args.past_saturation or args.quick or args.points):
                 print(f"point {i + 1}/{len(points)}: {count} open x think {think:g} s: skipped (saturated below)")
                 continue
             load.think_s = think
