@@ -16,6 +16,12 @@ wave's first --wave-s seconds).
     .venv/bin/python loadtest/bench_capacity.py --users 100 --spawn-rate 50 --think-min-s 1 \\
         --think-max-s 2 --wave-at-s 20 --run-s 40             # a quick look
 
+With --sweep it measures ONE replica's capacity curve instead (loadtest/capacity_sweep.py: offered
+load swept by open episodes x think time; a CSV and a PNG, the input of loadtest/fleet.py):
+
+    .venv/bin/python loadtest/bench_capacity.py --sweep --quick --out /tmp/cap   # under a minute
+    .venv/bin/python loadtest/bench_capacity.py --sweep --out /tmp/cap           # ~8 min
+
 The machine's busy CPU over the same interval (from /proc/stat) is printed too: on a machine shared
 with other work it is higher than the sum of the components.
 """
@@ -161,6 +167,10 @@ def requests_at(prefix: Path, t: float) -> int:
 
 
 def main() -> int:
+    if "--sweep" in sys.argv[1:]:
+        import capacity_sweep
+
+        return capacity_sweep.main(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--processes", type=int, default=2, help="Locust worker processes (one per core)")

@@ -32,3 +32,33 @@ def test_bench_capacity_short_run_with_a_wave(tmp_path: Path) -> None:
     wave = re.search(r"wave: drained in [\d.]+ s \(exit codes \[0, 0\]\).*first reply ([\d.]+) s after", p.stdout)
     assert wave and float(wave.group(1)) < 30, p.stdout
     assert re.search(r"peak memory \(PSS\): replicas \d+ MiB, seaweedfs \d+ MiB, haproxy \d+ MiB", p.stdout)
+
+
+def test_bench_capacity_sweep_quick_writes_the_curve(tmp_path: Path) -> None:
+    """--sweep --quick: one replica on SeaweedFS, 3 points (live sandboxes, then hibernated episodes)."""
+    import csv
+
+    p = subprocess.run([sys.executable, str(ROOT / "loadtest" / "bench_capacity.py"), "--sweep", "--quick",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=110)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    lines = (tmp_path / "capacity.csv").read_text().splitlines()
+    assert lines[0].startswith("# bench_capacity.py --sweep --quick") and lines[1].startswith("# shared machine")
+    rows = list(csv.DictReader(ln for ln in lines if not ln.startswith("#")))
+    assert len(rows) == 3, p.stdout  # --quick runs every point, saturated or not
+    for col in ("steps_per_s", "step_p50_ms", "step_p99_ms", "cpu_ms_per_step_server", "cpu_ms_per_step_sandboxes",
+                "cpu_ms_per_step_store", "cpu_ms_per_step_loadgen", "mem_per_live_sandbox_kib",
+                "mem_per_open_episode_kib", "s3_requests_per_step", "s3_bytes_per_step",
+                "s3_stored_bytes_per_open_episode", "cold_start_s"):
+        assert col in rows[0], col
+    for r in rows:
+        assert float(r["steps_per_s"]) > 0 and int(r["failures"]) == 0, r
+        assert float(r["step_p99_ms"]) >= float(r["step_p50_ms"]) > 0, r
+        assert all(float(r[f"cpu_ms_per_step_{c}"]) > 0 for c in ("server", "sandboxes", "store", "loadgen")), r
+        assert float(r["s3_requests_per_step"]) > 0 and float(r["s3_bytes_per_step"]) > 0, r  # a durable step writes
+        assert float(r["s3_stored_bytes_per_open_episode"]) > 0, r
+    # the first points keep their sandboxes live, the last one's think outlasts --hibernate-after-s
+    assert int(rows[1]["live_sandboxes"]) >= 12 and float(rows[1]["mem_per_live_sandbox_kib"]) > 0
+    assert int(rows[2]["hibernated_episodes"]) > int(rows[2]["live_sandboxes"])
+    assert 0 < float(rows[0]["cold_start_s"]) < 60
+    png = tmp_path / "capacity.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
