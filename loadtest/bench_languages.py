@@ -2,7 +2,7 @@
 all cases of a program at once.
 
     .venv/bin/python loadtest/bench_languages.py                       # ROLLBOX_HOME or /var/tmp/rbx-langs
-    .venv/bin/python loadtest/bench_languages.py --home DIR -c 16 --programs 3 --rounds 7
+    .venv/bin/python loadtest/bench_languages.py --home DIR -c 16 --programs 2 --rounds 9
     .venv/bin/python loadtest/bench_languages.py --rounds 3 --programs 2 --python-runs 100   # a short run
 
 Two comparisons, side by side in one run, in alternating rounds (the machine may be shared): each
@@ -147,8 +147,8 @@ async def post(http: httpx.AsyncClient, sem: asyncio.Semaphore, url: str, st: St
             ok = resp.status_code == 200 and resp.json().get("stdout") == want
         else:
             resp = await http.post(url + "run_code", json=body)
-            ok = resp.status_code == 200 and resp.json().get("status") == "Success" and \
-                (resp.json().get("run_result") or {}).get("stdout") == want
+            reply = resp.json() if resp.status_code == 200 else {}
+            ok = reply.get("status") == "Success" and (reply.get("run_result") or {}).get("stdout") == want
         st.lat.append(time.perf_counter() - t0)
         if not ok:
             st.errors.append(resp.text[:300])
@@ -218,9 +218,9 @@ async def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--home", default=os.environ.get("ROLLBOX_HOME", "/var/tmp/rbx-langs"))
     p.add_argument("-c", "--concurrency", type=int, default=16)
-    p.add_argument("--programs", type=int, default=3, help="C++ programs (10 cases each) per mode per round")
+    p.add_argument("--programs", type=int, default=2, help="C++ programs (10 cases each) per mode per round")
     p.add_argument("--python-runs", type=int, default=200, help="python runs per interface per round")
-    p.add_argument("--rounds", type=int, default=7, help="alternating rounds (the verdict is their median ratio)")
+    p.add_argument("--rounds", type=int, default=9, help="alternating rounds (the verdict is their median ratio)")
     args = p.parse_args()
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-languages-") as tmp:
