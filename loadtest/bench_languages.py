@@ -14,7 +14,9 @@ printed, and the verdict is the median ratio over the rounds, so one noisy round
    compile cache "off" (each case's source differs by a comment, so every request compiles, as
    SandboxFusion does) vs "on" (the 10 cases send the same source: one compile, nine cached).
    Each program is new (a fresh comment), so "on" pays its first compile too. Programs/s and the
-   p50/p99 of a request.
+   p50/p99 of a request. The compile timeout is 600 s: on a loaded machine a slow compile is measured,
+   not timed out (a compile that timed out is not cached, and the cases waiting for it compile each
+   on their own, which would turn "on" into "off" for that program).
 2. Python: the same program and stdin through POST /run_code (language python) and as a `run`
    CloudEvent (code, snapshot python3, 1 GiB as verl's memory_limit_MB): runs/s and p50/p99.
 
@@ -178,7 +180,7 @@ async def cpp_round(http: httpx.AsyncClient, url: str, c: int, programs: int, ca
         for i, (stdin, want) in enumerate(cases):
             code = program if cache else program + f"// case {i}\n"
             jobs.append(post(http, sem, url, st, want, {"code": code, "language": "cpp", "stdin": stdin,
-                                                        "memory_limit_MB": 1024, "compile_timeout": 60,
+                                                        "memory_limit_MB": 1024, "compile_timeout": 600,
                                                         "run_timeout": 30}))
     return await block(st, pid, programs, jobs)
 
