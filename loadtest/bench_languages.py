@@ -224,7 +224,7 @@ async def main() -> int:
     p.add_argument("--python-runs", type=int, default=200, help="python runs per interface per round")
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds (the verdict is their median ratio)")
     args = p.parse_args()
-    t_start = time.monotonic()
+    t_start, load_start = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-languages-") as tmp:
         proc, url = start(args.home, Path(tmp) / "serve.log")
         pid = proc.pid
@@ -264,6 +264,11 @@ async def main() -> int:
     print(f"/run_code / run event, median of {len(ratios)} rounds: {ratio:.2f} (target >= 0.90; "
           f"{sum(x >= 0.9 for x in ratios)} of {len(ratios)} rounds >= 0.90); CPU per run event / /run_code: "
           f"{cpu_ratio:.2f}")
+    load = max(load_start, os.getloadavg()[0])
+    if load > (os.cpu_count() or 1):
+        print(f"\nthe machine was busy with other work (load average up to {load:.1f} on {os.cpu_count()} CPUs): the "
+              "ratios of throughput move with it (and 'off', 16 compiles at once, gets more of a contended machine "
+              "than 'on'); the CPU ratios are not moved by it")
     bad = off.errors or on.errors or rc.errors or ev.errors
     return 1 if bad else 0
 
