@@ -9,7 +9,7 @@ from __future__ import annotations
 import posixpath
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 MiB = 1024 * 1024
 
@@ -82,6 +82,20 @@ class ExecRequest(_Frozen):
     read_files: list[str] = Field(default_factory=list, description="paths read back after the run")
     env: dict[str, str] = Field(default_factory=dict)
     timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 30.0
+    # Files as bytes (path -> (base64, mode)), written after ``files``: not part of the API (no event
+    # carries them); the language runner's compile-cache artifacts (``with_binary``).
+    _binary: dict[str, tuple[str, int]] = PrivateAttr(default_factory=dict)
+
+    def with_binary(self, files: dict[str, tuple[str, int]]) -> ExecRequest:
+        """This request, also writing ``files`` (path under the home -> (base64 of the bytes, mode))
+        after its text files: a binary written as it is, with no process in the sandbox to decode it."""
+        req = self.model_copy()
+        req._binary = dict(files)
+        return req
+
+    @property
+    def binary_files(self) -> dict[str, tuple[str, int]]:
+        return self._binary
 
     @model_validator(mode="after")
     def _one_of(self) -> ExecRequest:

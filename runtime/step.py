@@ -485,6 +485,8 @@ class StepRunner:
         spare = not last and sb.step_ended is not None and now - sb.step_ended <= SPARE_WINDOW_S
         msg = proto.ExecMsg(op=Op.EXEC, env=req.env, files=req.files, read_files=req.read_files,
                             last=last, inline=inline, spare=spare)
+        if req.binary_files:
+            msg["binary"] = {path: [b64, mode] for path, (b64, mode) in req.binary_files.items()}
         if req.code is not None:
             msg["code"] = req.code
         else:

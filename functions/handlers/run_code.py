@@ -13,17 +13,21 @@ A program with no compile step (or a cached one) and no files to fetch is one on
 (``Runtime.run``, from the warm pool); otherwise one sandbox takes the steps in turn and is destroyed.
 Memory is the sandbox's cgroup limit (no address-space rlimit: JVMs, V8 and linkers reserve freely);
 timeouts, output caps and killing every process of a step are the runtime's (the kernel's).
-Binary input files and artifacts travel as base64 text and are decoded inside the sandbox (``base64``
-and ``tar`` are in every Debian snapshot).
+Binary input files travel as base64 text and are decoded inside the sandbox (``base64`` is in every
+Debian snapshot); a cached compile's artifacts are written by the sandbox's agent (``ExecRequest.with_binary``),
+with no process in the sandbox to unpack them.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import io
 import re
 import shlex
 import signal
+import tarfile
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -173,9 +177,12 @@ class Runner:
         assert found is not None
         if found.return_code != 0:
             return ProgramResult(plan, found, True, None)
-        files = {**files, ARTIFACTS: found.artifacts_b64}
-        unpack = [*unpack, f"base64 -d {ARTIFACTS} | tar -xf -"]  # (no gzip, no rm: fewer processes per run)
-        return await self._steps(p, plan, limits, files, unpack, found)
+        members = _members(found.artifacts_b64)
+        if members is None:  # not plain files (never from a languages.py compile): unpacked by tar in the sandbox
+            files = {**files, ARTIFACTS: found.artifacts_b64}
+            unpack = [*unpack, f"base64 -d {ARTIFACTS} | tar -xf -"]
+            members = {}
+        return await self._steps(p, plan, limits, files, unpack, found, members)
 
     async def _compile_and_run(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
                                files: dict[str, str], unpack: list[str], key: str | None,
@@ -191,13 +198,19 @@ class Runner:
         return ProgramResult(plan, step, False, run, fetched, cases)
 
     async def _steps(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
-                     files: dict[str, str], unpack: list[str], compiled: Compiled | None) -> ProgramResult:
-        """The run alone (no compile here): a one-shot sandbox, unless files are to be fetched or cases run."""
+                     files: dict[str, str], unpack: list[str], compiled: Compiled | None,
+                     binary: dict[str, tuple[str, int]] | None = None) -> ProgramResult:
+        """The run alone (no compile here): a one-shot sandbox, unless files are to be fetched or cases run.
+        ``binary``: a cached compile's artifacts (path -> (base64, mode)), written by the sandbox's agent."""
         if p.cases is not None:  # the files (and artifacts) written once, copied for each case
             prep = _exec(command=_prefixed(unpack, BASE_COPY), files=files, timeout_s=60.0)
+            if binary:
+                prep = prep.with_binary(binary)
             run, fetched, _, cases = await self._session(p, plan, limits, None, prep=prep)
             return ProgramResult(plan, compiled, compiled is not None, run, fetched, cases)
         req = self._run_request(p, plan, files, unpack)
+        if binary:
+            req = req.with_binary(binary)
         if p.fetch_files:
             run, fetched, _, _ = await self._session(p, plan, limits, None, req)
             return ProgramResult(plan, compiled, compiled is not None, run, fetched)
@@ -325,6 +338,27 @@ def _case_result(r: ExecResult, expected: str | None) -> CaseResult:
         passed = not r.timed_out and r.exit_code == 0 and r.stdout.rstrip("\n") == expected.rstrip("\n")
     return CaseResult(exit_code=r.exit_code, stdout=r.stdout, stderr=r.stderr, timed_out=r.timed_out,
                       oom_killed=r.oom_killed, signal=r.signal, wall_s=r.wall_s, passed=passed)
+
+
+@functools.lru_cache(maxsize=256)
+def _members(artifacts_b64: str) -> dict[str, tuple[str, int]] | None:
+    """A cached compile's artifacts (a tar, base64) as the files to write: path under the home -> (base64 of
+    the bytes, mode); None when the tar holds anything but plain files at plain relative paths (then the
+    sandbox unpacks it with tar). Kept for the 256 latest artifacts (a program's cases share one)."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(base64.b64decode(artifacts_b64, validate=True)), mode="r:") as tar:
+            out: dict[str, tuple[str, int]] = {}
+            for m in tar:
+                name = m.name
+                if not m.isreg() or name.startswith("/") or ".." in name.split("/") or "\0" in name:
+                    return None
+                data = tar.extractfile(m)
+                if data is None:
+                    return None
+                out[name] = (base64.b64encode(data.read()).decode(), m.mode & 0o777)
+            return out
+    except (tarfile.TarError, binascii.Error, ValueError, OSError):
+        return None
 
 
 def _split(files: dict[str, bytes]) -> tuple[dict[str, str], dict[str, bytes]]:

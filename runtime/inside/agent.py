@@ -9,6 +9,7 @@ only init). Stdlib only.
 from __future__ import annotations
 
 import atexit
+import binascii
 import builtins
 import errno
 import linecache
@@ -177,6 +178,25 @@ def _write_files(files: dict[str, str]) -> None:
                 f.write(content)
         except OSError as exc:
             raise FileNotWritten(f"files[{path!r}]: cannot write {full}: {_why_not(full, exc)}") from exc
+
+
+def _write_binary(files: dict[str, list[Any]]) -> None:
+    """Write an exec's binary files (path -> [base64, mode]), as ``_write_files`` does its text ones."""
+    for path, (b64, mode) in files.items():
+        full = path if path.startswith("/") else os.path.join(HOME, path)
+        try:
+            os.makedirs(os.path.dirname(full) or "/", exist_ok=True)
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(fd, int(mode) & 0o7777)
+                data = memoryview(binascii.a2b_base64(b64))
+                while data:
+                    data = data[os.write(fd, data):]
+            finally:
+                os.close(fd)
+        except (OSError, binascii.Error, ValueError) as exc:
+            why = _why_not(full, exc) if isinstance(exc, OSError) else f"not base64: {exc}"
+            raise FileNotWritten(f"files[{path!r}]: cannot write {full}: {why}") from exc
 
 
 def _why_not(full: str, exc: OSError) -> str:
@@ -453,6 +473,7 @@ class Agent:
     def start(self, msg: dict[str, Any], fds: list[int]) -> None:
         try:
             _write_files(msg.get("files") or {})
+            _write_binary(msg.get("binary") or {})
             if msg.get("inline"):
                 # A one-shot step: the program becomes this process (pid 1). _worker closes the
                 # supervisor's channel first; the zygote reports the exit; its end ends the sandbox.

@@ -267,6 +267,7 @@ class ExecMsg(TypedDict, total=False):
     env: Required[dict[str, str]]
     files: Required[dict[str, str]]
     read_files: Required[list[str]]
+    binary: dict[str, list[Any]]  # path -> [base64, mode]: files as bytes, written after ``files``
     last: bool  # no step follows
     inline: bool  # the program becomes the sandbox's init
     spare: bool  # steps come fast: keep a spare worker

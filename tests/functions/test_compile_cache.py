@@ -4,9 +4,13 @@ and sharing through the store's objects (a local directory here; S3 is the same 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
+import tarfile
 from pathlib import Path
 
 from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, cache_key
+from rollbox.functions.handlers.run_code import _members
 from rollbox.snapshots.state import LocalObjects
 
 OK = Compiled(0, "", "", 1.0, "QUJD")
@@ -79,3 +83,28 @@ async def test_bounded_in_memory_and_shared_through_the_store(tmp_path: Path) ->
     fail = Compiled(1, "", "main.cpp:1: error", 0.3)
     await a.put("key", fail)
     assert await b.get("key") == fail and (tmp_path / "store" / "compiled" / "key.json").is_file()
+
+
+def _tar(*members: tuple[str, bytes, int, bytes]) -> str:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data, mode, kind in members:
+            info = tarfile.TarInfo(name)
+            info.mode, info.type, info.size = mode, kind, len(data) if kind == tarfile.REGTYPE else 0
+            info.linkname = data.decode() if kind == tarfile.SYMTYPE else ""
+            tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_cached_artifacts_are_written_as_files_unless_they_are_not_plain_files() -> None:
+    """A cached run gets its artifacts as files its sandbox's agent writes (no base64 | tar processes in
+    the sandbox); a tar holding anything else (a link, a path out of the home) is left to tar."""
+    binary = bytes(range(256))
+    files = _members(_tar(("main", binary, 0o755, tarfile.REGTYPE), ("Main$1.class", b"\xca\xfe", 0o644,
+                                                                        tarfile.REGTYPE)))
+    assert files == {"main": (base64.b64encode(binary).decode(), 0o755),
+                     "Main$1.class": (base64.b64encode(b"\xca\xfe").decode(), 0o644)}
+    assert _members(_tar(("main", b"/etc/passwd", 0o777, tarfile.SYMTYPE))) is None
+    assert _members(_tar(("../main", b"x", 0o755, tarfile.REGTYPE))) is None
+    assert _members(_tar(("/tmp/main", b"x", 0o755, tarfile.REGTYPE))) is None
+    assert _members("not base64!") is None

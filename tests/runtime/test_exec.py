@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -113,6 +115,30 @@ async def test_stdin_and_env(rt: Runtime) -> None:
     for empty in (None, ""):  # no input: end of file at once, not a read that waits for the timeout
         r = await rt.run(ExecRequest(code="import sys\nprint(repr(sys.stdin.read()))", stdin=empty, timeout_s=5))
         assert (r.stdout, r.timed_out) == ("''\n", False), r
+
+
+async def test_binary_files_are_written_as_bytes_with_their_mode(rt: Runtime) -> None:
+    """``with_binary`` (a cached compile's artifacts): bytes that are not UTF-8, written by the agent
+    after the text files (so they win over one of the same name), with their mode; one-shot and in a
+    sandbox's step; one the agent cannot write refuses the step, naming it."""
+    blob = bytes(range(256)) * 4
+    script = b"#!/bin/sh\necho tool ran\n"
+    binary = {"bin/tool": (base64.b64encode(script).decode(), 0o755),
+              "data.bin": (base64.b64encode(blob).decode(), 0o640)}
+    check = ("bin/tool && stat -c '%a %s' bin/tool data.bin && od -An -tx1 -v data.bin | tr -d ' \\n' | "
+             "sha256sum | cut -c1-16")
+    want = f"tool ran\n755 {len(script)}\n640 {len(blob)}\n{hashlib.sha256(blob.hex().encode()).hexdigest()[:16]}\n"
+    r = await rt.run(ExecRequest(command=check, files={"data.bin": "text first"}).with_binary(binary))
+    assert (r.exit_code, r.stdout) == (0, want), r
+    info = await rt.create()
+    try:
+        r = await rt.exec(info.sandbox_id, ExecRequest(command=check).with_binary(binary))
+        assert (r.exit_code, r.stdout) == (0, want), r
+        r = await rt.exec(info.sandbox_id, ExecRequest(command="echo ran").with_binary({"data.bin/x": ("AA==", 0o644)}))
+        assert (r.exit_code, r.stdout) == (126, ""), r
+        assert "files['data.bin/x']" in r.stderr and "data.bin is a file" in r.stderr, r.stderr
+    finally:
+        await rt.destroy(info.sandbox_id)
 
 
 async def test_files_in_and_out_and_state_across_steps(rt: Runtime) -> None:
