@@ -368,8 +368,7 @@ class Sandbox:
         self.kill()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.exited.wait(), 10)
-        if self.group:
-            self._unboost()  # a reused group starts at the equal weight
+        if self.group:  # (its pool sets a reused group's weight back, once its killed processes are gone)
             stats = self.cg_final or self.group.stats()
             self.cpu_s = max(self.cpu_s, stats.cpu_s - (self.cg_base.cpu_s if self.cg_base else 0.0))
             self.peak_memory_bytes = max(self.peak_memory_bytes, stats.peak_memory_bytes)
