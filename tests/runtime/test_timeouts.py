@@ -74,15 +74,18 @@ async def test_a_fork_bomb_that_starves_its_agent_ends_at_its_deadline(tmp_path:
         info = await rt.create(limits=lim)
         try:
             await rt.exec(info.sandbox_id, ExecRequest(command="echo kept > /home/sandbox/f"))
+            sb = rt.sandboxes[info.sandbox_id]
             for _ in range(2):  # twice: the sandbox stays usable after a timed-out step
+                kills = sb.step_kills
                 t0 = time.monotonic()
                 r = await rt.exec(info.sandbox_id, ExecRequest(code=FORK_BOMB, timeout_s=1.0))
                 wall = time.monotonic() - t0  # as the caller waited, output drained and all
                 assert r.timed_out and r.exit_code == 137 and r.sandbox_alive, r
                 assert wall <= 1.0 + OVERSHOOT_S, f"the step ended {wall - 1.0:.2f} s after its deadline"
-                sb = rt.sandboxes[info.sandbox_id]
-                if sb.group is not None:  # its cgroup holds it to 0.05 CPU: the agent is starved, the host kills
-                    assert sb.step_kills > 1  # (without one the agent may still get the CPU to end the step itself)
+                # The host killed the step's processes at its deadline, not its (starved) agent: every one it
+                # found, at least the step's own. How many the bomb had forked by then depends on the CPU
+                # its 5 % got on this box (on a busy one, sometimes none: it ends as a one-process step).
+                assert sb.step_kills - kills >= 1, sb.step_kills
                 for _ in range(100):  # killed processes finish exiting; the agent forks its spare worker
                     left = _others(rt, info.sandbox_id)
                     if left in ([], ["S"]):
