@@ -212,7 +212,13 @@ class Sandbox:
         step, whose processes the host killed, waited for up to KILLED_EXIT_WAIT_S while they exit.
         Then its files are read without a word from its agent, which a busy box may take seconds to
         give (it reaps the killed first, then stops the rest): a durable step's commit after a timeout
-        does not wait for that (the agent's report is read before its next frame)."""
+        does not wait for that (the agent's report is read before its next frame).
+
+        Meanwhile the host's kill is repeated on whatever else is in the group: until the next step
+        nothing but the init may run there, and something can. The agent is told of the timeout
+        (KILL) only after the host's kill; one that reaps its killed worker first reports the step's
+        end and, its steps coming fast, forks its spare worker, which it kills only once it reads
+        the KILL — on a busy box, or with the agent stopped, not within this wait."""
         if self.group is None:
             return False
         deadline = time.monotonic() + (KILLED_EXIT_WAIT_S if self.killed_step else 0.0)
@@ -221,6 +227,7 @@ class Sandbox:
                 return True
             if time.monotonic() >= deadline:
                 return False
+            kill_all_but_init(self.pid, self.group)  # (only after a timed-out step: else no wait)
             await asyncio.sleep(0.01)
 
     def kill(self) -> None:
@@ -361,8 +368,7 @@ class Sandbox:
         self.kill()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.exited.wait(), 10)
-        if self.group:
-            self._unboost()  # a reused group starts at the equal weight
+        if self.group:  # (its pool sets a reused group's weight back, once its killed processes are gone)
             stats = self.cg_final or self.group.stats()
             self.cpu_s = max(self.cpu_s, stats.cpu_s - (self.cg_base.cpu_s if self.cg_base else 0.0))
             self.peak_memory_bytes = max(self.peak_memory_bytes, stats.peak_memory_bytes)

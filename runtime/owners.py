@@ -20,10 +20,11 @@ import functools
 import logging
 import os
 import shutil
-import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rollbox.runtime.isolation.cgroupfs import kill_procs
 
 __all__ = ["Sweep", "alive", "owner_of", "tag"]
 
@@ -162,15 +163,4 @@ def _kill_all(cgroup: str) -> None:
     if os.path.exists(freezer):
         with contextlib.suppress(OSError):
             Path(freezer).write_text("THAWED")
-    seen: set[str] = set()
-    for _ in range(20):
-        try:
-            new = set(Path(cgroup, "cgroup.procs").read_text().split()) - seen
-        except OSError:
-            return
-        if not new:
-            return
-        for pid in new:
-            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-        seen |= new
+    kill_procs(os.path.join(cgroup, "cgroup.procs"), max_passes=20)

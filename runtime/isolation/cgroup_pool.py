@@ -18,20 +18,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
-from rollbox.runtime.isolation.cgroupfs import Backend, Group
+from rollbox.runtime.isolation.cgroupfs import Backend, Group, has_children
 
-__all__ = ["RELEASE_WAIT_S", "CgroupPool"]
+__all__ = ["RELEASE_WAIT_S", "REMOVE_WAIT_S", "CgroupPool"]
 
 log = logging.getLogger("rollbox.runtime")
 
 # How long a released cgroup's killed processes may take to leave before it is removed rather than
 # reused (a fork bomb's pid namespace tears down in seconds; past it, removal is tried and logged).
 RELEASE_WAIT_S = 30.0
+# How long removing a group may retry (EBUSY) while its processes, killed, finish exiting: past it the
+# group is logged and left (a process stuck in the kernel). Without a child group in it, removal
+# fails only while it holds processes.
+REMOVE_WAIT_S = 30.0
 
 
 class CgroupPool:
@@ -47,6 +52,8 @@ class CgroupPool:
         self.releasing: set[Group] = set()  # waiting for their last processes to leave
         self.restoring: dict[str, Group | None] = {}  # sandboxes being restored right now, with their group
         self.failures = 0  # groups that would not go (each logged)
+        self.stuck: set[Group] = set()  # ... those groups, left in place
+        self._told: set[str] = set()  # stuck groups' paths named in a log of the parent they keep
         self.reusing = False  # emptied groups are kept (from open until close)
 
     def open(self, backend: Backend | None) -> None:
@@ -93,40 +100,63 @@ class CgroupPool:
         self.release(group)
 
     def release(self, group: Group) -> None:
-        """Keep an emptied group for the next sandbox (its counters are read as deltas), or remove it."""
+        """Keep an emptied group for the next sandbox (its counters are read as deltas), or remove it.
+        One that is not empty yet (its sandbox's processes still exiting) is emptied in the background."""
         self.lent.discard(group)
         if group.reusable and group.is_empty() and self.reusing and len(self.free) < self.keep \
                 and not group.needs_reclaim():
-            self.free.append(group)
+            self._keep(group)
             return
         self.releasing.add(group)
         self._background(self._release_later(group))
 
+    def _keep(self, group: Group) -> None:
+        group.boost(False)  # a reused group starts at the equal weight
+        self.free.append(group)
+
     async def _release_later(self, group: Group) -> None:
+        """Wait (up to RELEASE_WAIT_S) for a released group's last processes to leave, then keep it or
+        remove it. Its sandbox has ended: whatever is still in it is killed (again) and gets the CPU
+        to exit (``unthrottle``); it runs nothing of the sandbox's any more."""
         try:
             wait_s = 0.01
             deadline = time.monotonic() + RELEASE_WAIT_S
+            if not group.is_empty():
+                group.unthrottle()
             # the last processes of a killed sandbox may take a while to leave (a fork bomb's: seconds)
             while not group.is_empty() and time.monotonic() < deadline:
+                group.kill()
                 await asyncio.sleep(wait_s)
                 wait_s = min(wait_s * 1.5, 0.4)  # a cgroup read each time: slower under load, not more often
             if group.reusable and group.is_empty() and self.reusing and len(self.free) < self.keep:
                 if group.needs_reclaim():
                     await asyncio.to_thread(group.reclaim)
-                self.free.append(group)
+                self._keep(group)
             else:
                 await self._remove(group)
         finally:
             self.releasing.discard(group)
 
     async def _remove(self, group: Group) -> None:
-        """Remove a group for good; one that will not go is logged once, counted, and left in place."""
-        try:
-            await asyncio.to_thread(group.close)
-        except OSError as exc:
-            self.failures += 1
-            log.warning("a sandbox cgroup stays behind: %s", exc.strerror or exc,
-                        extra={"fields": {"cgroup": group.paths(), "errno": exc.errno}})
+        """Remove a group for good: what is left in it is killed and its removal retried while its
+        processes leave, for up to REMOVE_WAIT_S. One that will not go (a process that will not exit,
+        a child group in it) is logged once, counted, and left in place (``stuck``)."""
+        deadline = time.monotonic() + REMOVE_WAIT_S
+        if not group.is_empty():
+            group.unthrottle()
+        while True:
+            try:
+                await asyncio.to_thread(group.close)  # (kills, then retries EBUSY for a few seconds)
+                self.stuck.discard(group)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() >= deadline or has_children(group.paths()):
+                    self.stuck.add(group)
+                    self.failures += 1
+                    log.warning("a sandbox cgroup stays behind: %s", exc.strerror or exc,
+                                extra={"fields": {"cgroup": group.paths(), "errno": exc.errno}})
+                    return
+            await asyncio.sleep(0.1)
 
     def leftovers(self) -> list[str]:
         """Group directories under the backend's parent left by runtimes that died (``owners``)."""
@@ -142,10 +172,18 @@ class CgroupPool:
         self.reusing = False
 
     async def close(self) -> None:
-        """Remove the kept groups and let go of the backend (after every release has finished)."""
+        """Remove the kept groups and let go of the backend (after every release has finished): its
+        parent is removed unless other runtimes' groups are in it; one that stays because a group of
+        this pool could not be removed says so (the group was logged already)."""
         self.reusing = False
-        for group in self.free:
+        for group in [*self.free, *self.lent]:  # (lent: none once every sandbox has ended)
             await self._remove(group)
         self.free.clear()
+        self.lent.clear()
         if self.backend:
-            self.backend.close()
+            stays = self.backend.close()
+            ours = sorted({p for g in self.stuck for p in g.paths()} & set(stays) - self._told)
+            self._told.update(ours)
+            if ours:  # (once: close may be called again)
+                log.warning("the sandbox cgroup parent stays behind, holding cgroups that would not go: %s",
+                            " ".join(ours), extra={"fields": {"cgroup": ours}})

@@ -3,8 +3,10 @@ stats, and the ``Group`` and ``Backend`` interfaces). ``cgroups.select`` picks a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,8 +122,19 @@ class Group(Protocol):
     def boost(self, on: bool) -> None:
         """Raise the group's CPU weight CLEANUP_BOOST times (on) or set it back (off); best effort."""
         ...
+    def unthrottle(self) -> None:
+        """Its sandbox has ended and what is left in it only exits (a fork bomb's processes tearing
+        down their memory: seconds of CPU): its own CPU quota is lifted to the parent's cap and its
+        weight raised (``boost``), so those exits are not held to the sandbox's share. Before the
+        group is lent again ``configure`` writes its limits and ``boost(False)`` its weight."""
+        ...
+    def kill(self) -> None:
+        """SIGKILL every process in the group (v2: cgroup.kill; v1: each one listed, again while new
+        ones appear); best effort."""
+        ...
     def close(self) -> None:
-        """Remove the group; raises OSError naming what stayed (a process that would not leave)."""
+        """Kill what is left in the group and remove it; raises OSError naming what stayed (a process
+        that would not leave, a child group)."""
         ...
 
 
@@ -131,7 +144,10 @@ class Backend(Protocol):
 
     def prepare(self, name: str, memory_bytes: int, pids_max: int, cpu_cores: float) -> Group: ...
     def leftovers(self) -> list[str]: ...
-    def close(self) -> None: ...
+    def close(self) -> list[str]:
+        """Remove the parent of the sandboxes' groups; returns the groups that keep it (another
+        runtime's, or one that would not go), [] once it is gone."""
+        ...
 
 
 def write(path: Path | str, value: str) -> None:
@@ -268,6 +284,50 @@ def read_peak(kept: KeptFiles, path: str) -> int:
         return int(kept.read(path))
     except (OSError, ValueError):
         return -1
+
+
+def kill_procs(path: Path | str, max_passes: int = 100) -> int:
+    """SIGKILL every process listed in a cgroup.procs file, again while new ones appear (a process
+    forked just before its parent was killed; a killed one cannot fork). Returns how many were
+    signalled."""
+    seen: set[int] = set()
+    for _ in range(max_passes):
+        new = [p for p in read_pids(Path(path)) if p not in seen]
+        if not new:
+            break
+        for p in new:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGKILL)
+        seen.update(new)
+    return len(seen)
+
+
+def has_children(paths: list[str]) -> bool:
+    """Whether any of a group's directories has a child cgroup (its removal then fails with EBUSY
+    however long it is retried)."""
+    for path in paths:
+        try:
+            with os.scandir(path) as it:
+                if any(e.is_dir(follow_symlinks=False) for e in it):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def remove_parent(path: Path) -> list[str]:
+    """rmdir the parent of sandbox groups; the child groups that keep it, [] if it is gone."""
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        try:
+            with os.scandir(path) as it:
+                return sorted(e.path for e in it if e.is_dir(follow_symlinks=False))
+        except OSError:
+            return []
+    return []
 
 
 def read_pids(path: Path) -> list[int]:

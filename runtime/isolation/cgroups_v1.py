@@ -22,12 +22,14 @@ from rollbox.runtime.isolation.cgroupfs import (
     available_cores,
     capped_cores,
     close_fds,
+    kill_procs,
     mounts_of,
     open_procs,
     quota_us,
     read_peak,
     read_pids,
     remove_dirs,
+    remove_parent,
     sandboxes_cores,
 )
 from rollbox.runtime.isolation.cgroupfs import read as _read
@@ -115,6 +117,18 @@ class V1Group:
         except OSError:
             pass
 
+    def unthrottle(self) -> None:
+        self.limits = None  # (configure writes them all again)
+        try:
+            _write(self.dirs["cpu"] / "cpu.cfs_quota_us",
+                   str(quota_us(self.cap_cores)) if self.cap_cores is not None else "-1")
+        except OSError:
+            pass
+        self.boost(True)
+
+    def kill(self) -> None:
+        kill_procs(self._procs_file)
+
     def is_empty(self) -> bool:
         try:
             return not _read(self._procs_file).strip()
@@ -150,9 +164,11 @@ class V1Group:
             pass
 
     def close(self) -> None:
-        """Remove the group's directories; OSError (naming each that stayed) if any could not be."""
+        """Kill what is left in the group and remove its directories; OSError (naming each that
+        stayed) if any could not be."""
         close_fds(self._procs)
         self._kept.close()
+        self.kill()
         remove_dirs(self.unique)
 
 
@@ -210,9 +226,5 @@ class V1:
     def leftovers(self) -> list[str]:
         return [str(d) for p in dict.fromkeys(self.parents.values()) if p.is_dir() for d in p.iterdir() if d.is_dir()]
 
-    def close(self) -> None:
-        for p in dict.fromkeys(self.parents.values()):
-            try:
-                os.rmdir(p)
-            except OSError:
-                pass
+    def close(self) -> list[str]:
+        return [d for p in dict.fromkeys(self.parents.values()) for d in remove_parent(p)]

@@ -21,12 +21,14 @@ from rollbox.runtime.isolation.cgroupfs import (
     available_cores,
     capped_cores,
     close_fds,
+    kill_procs,
     mounts_of,
     open_procs,
     quota_us,
     read_peak,
     read_pids,
     remove_dir,
+    remove_parent,
     sandboxes_cores,
 )
 from rollbox.runtime.isolation.cgroupfs import read as _read
@@ -140,11 +142,20 @@ class V2Group:
         except OSError:
             self.reusable = False  # its peak would carry the last sandbox's: never hand it on
 
+    def unthrottle(self) -> None:
+        self.limits = None  # (configure writes them all again)
+        if "cpu" in self.enabled:
+            try:
+                _write(self.path / "cpu.max", f"max {CPU_PERIOD_US}")  # (the parent's cap still holds)
+            except OSError:
+                pass
+        self.boost(True)
+
     def kill(self) -> None:
         try:
-            _write(self.path / "cgroup.kill", "1")
+            _write(self.path / "cgroup.kill", "1")  # (since Linux 5.14)
         except OSError:
-            pass
+            kill_procs(self.path / "cgroup.procs")
 
     def close(self) -> None:
         """Kill what is left in the group and remove it; OSError (naming it) if it stays."""
@@ -209,8 +220,5 @@ class V2:
     def leftovers(self) -> list[str]:
         return [str(d) for d in self.parent.iterdir() if d.is_dir()] if self.parent.is_dir() else []
 
-    def close(self) -> None:
-        try:
-            os.rmdir(self.parent)
-        except OSError:
-            pass
+    def close(self) -> list[str]:
+        return remove_parent(self.parent)

@@ -133,6 +133,38 @@ def test_v2_group_attach_kill_and_remove() -> None:
     assert not group.path.exists() and not backend.parent.exists()
 
 
+@needs_root
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_group_closed_with_processes_in_it_kills_them_and_goes(version: str) -> None:
+    """Removing a group that still holds processes (a sandbox's, not gone yet) kills them first, then
+    removes it: v2 through cgroup.kill, v1 by killing each process listed (again while new ones come)."""
+    if version == "v1":
+        if "pids" not in cgroups.mounts_of("cgroup"):
+            pytest.skip("no cgroup v1 pids hierarchy")
+        backend: V1 | V2 = V1(f"rollbox-t6-{os.getpid()}")
+    else:
+        if "" not in cgroups.mounts_of("cgroup2"):
+            pytest.skip("no cgroup2 hierarchy mounted")
+        backend = V2(f"rollbox-t6-{os.getpid()}", require=())
+    group = backend.prepare("sb-z", 64 * MiB, 16, 1.0)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs = [subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"],
+                                  preexec_fn=lambda: group.attach(os.getpid())) for _ in range(2)]
+        time.sleep(0.3)
+        assert len(group.pids()) == 6, group.pids()
+        group.close()  # (before: EBUSY for as long as they lived)
+        assert [p.wait(timeout=5) for p in procs] == [-9, -9]
+    finally:
+        for p in procs:
+            p.kill()
+        for d in group.paths():
+            if Path(d).exists():
+                subprocess.run(["sh", "-c", f"kill -9 $(cat {d}/cgroup.procs) 2>/dev/null; sleep 0.5; rmdir {d}"])
+        assert backend.close() == []
+    assert not any(Path(d).exists() for d in group.paths())
+
+
 def test_select_reports_why() -> None:
     backend, why = cgroups.select("rollbox-none", prefer="none")
     assert backend is None and why == "disabled"

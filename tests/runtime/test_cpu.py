@@ -46,6 +46,14 @@ def _parent(name: str) -> str:
     return f"{base}/{name}-{os.getpid()}" if base else f"rollbox-{name}-{os.getpid()}"
 
 
+def _throttled_periods(rt: Runtime) -> int:
+    """Periods in which the cap on all sandboxes held them back (their parent group's nr_throttled)."""
+    b = rt.cgroup_backend
+    parent = b.parents["cpu"] if isinstance(b, V1) else b.parent if isinstance(b, V2) else None
+    assert parent is not None
+    return cgroups.read_kv(parent / "cpu.stat").get("nr_throttled", 0)
+
+
 @pytest_asyncio.fixture
 async def capped(tmp_path: Path) -> AsyncIterator[Runtime]:
     """A runtime whose sandboxes may use 1 CPU together (the rest is reserved)."""
@@ -76,11 +84,13 @@ async def test_sandboxes_get_equal_cpu_whatever_they_run_under_one_cap(capped: R
         groups = [rt.sandboxes[s.sandbox_id].group for s in (many, one)]
         assert all(g is not None for g in groups)
         before = [g.stats().cpu_s for g in groups if g is not None]
+        throttled_before = _throttled_periods(rt)
         t0 = asyncio.get_running_loop().time()
         results = await asyncio.gather(rt.exec(many.sandbox_id, ExecRequest(code=busy(20, SECS), timeout_s=30)),
                                        rt.exec(one.sandbox_id, ExecRequest(code=busy(1, SECS), timeout_s=30)))
         wall = asyncio.get_running_loop().time() - t0
         after = [g.stats().cpu_s for g in groups if g is not None]
+        throttled = _throttled_periods(rt) - throttled_before
         assert [r.exit_code for r in results] == [0, 0], [r.stderr for r in results]
         used = [a - b for a, b in zip(after, before, strict=True)]
         # Each sandbox's fair share is half of what both used. CFS spreads a group's weight over the CPUs
@@ -89,7 +99,13 @@ async def test_sandboxes_get_equal_cpu_whatever_they_run_under_one_cap(capped: R
         got = f"20 processes got {used[0]:.2f} CPU-s, 1 process got {used[1]:.2f} CPU-s"
         assert used[1] >= 0.3 * sum(used) and used[0] >= 0.3 * sum(used), got
         assert sum(used) <= 1.0 * wall * 1.1, f"{sum(used):.2f} CPU-s in {wall:.2f} s under a 1-CPU cap"
-        assert sum(used) >= 0.8 * SECS, f"only {sum(used):.2f} CPU-s used in {SECS} s: the cap is far below 1 CPU"
+        # The cap is not far below 1 CPU: in each period in which it held the sandboxes back (their parent
+        # was throttled) they had used all of it, 1 CPU for a period. On a quiet box that is every period
+        # of the run (so >= 0.8 CPU-s per second); on a busy one the host's other work may leave them
+        # less than the cap in some periods, which are not the cap's doing and are not counted.
+        cap_s = throttled * cgroups.CPU_PERIOD_US / 1e6
+        assert sum(used) >= 0.8 * cap_s, \
+            f"only {sum(used):.2f} CPU-s used in {throttled} throttled periods ({cap_s:.1f} s): the cap is below 1 CPU"
     finally:
         for s in (many, one):
             await rt.destroy(s.sandbox_id)
