@@ -104,6 +104,9 @@ async def test_sandboxes_get_equal_cpu_whatever_they_run_under_one_cap(capped: R
         # of the run (so >= 0.8 CPU-s per second); on a busy one the host's other work may leave them
         # less than the cap in some periods, which are not the cap's doing and are not counted.
         cap_s = throttled * cgroups.CPU_PERIOD_US / 1e6
+        if cap_s < 0.25 * SECS:  # the host's other work kept them under the cap: it was not tested (say so)
+            pytest.skip(f"the cap held the sandboxes back in only {throttled} periods ({cap_s:.2f} s of {SECS} s): "
+                        "the box is too busy to check the cap's level (fairness and the upper bound were checked)")
         assert sum(used) >= 0.8 * cap_s, \
             f"only {sum(used):.2f} CPU-s used in {throttled} throttled periods ({cap_s:.1f} s): the cap is below 1 CPU"
     finally:
