@@ -128,9 +128,13 @@ def add_parser(subparsers: Any) -> None:
                                   "with each build's steps (a server building one on first use is waited for, "
                                   "not repeated).")
     lsub = langs.add_subparsers(dest="languages_command", required=True)
-    p = lsub.add_parser("list", parents=[common], help="each language and its snapshot's state in the local store")
+    home = argparse.ArgumentParser(add_help=False)  # the local store only: builds are made there
+    home.add_argument("--home", default=env.get("ROLLBOX_HOME") or None,
+                      help=f"local store and cache directory (ROLLBOX_HOME; default: {default_home()})")
+    home.add_argument("--json", action="store_true", default=False, help="machine-readable output")
+    p = lsub.add_parser("list", parents=[home], help="each language and its snapshot's state in the local store")
     p.set_defaults(func=_guard(_languages_list))
-    p = lsub.add_parser("build", parents=[common], help="build the language snapshots the local store lacks")
+    p = lsub.add_parser("build", parents=[home], help="build the language snapshots the local store lacks")
     p.add_argument("language", nargs="*", help="languages to build (default: every supported one)")
     p.set_defaults(func=_guard(_languages_build))
 
