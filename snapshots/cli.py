@@ -32,6 +32,7 @@ from rich.progress import (
     DownloadColumn,
     Progress,
     SpinnerColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TransferSpeedColumn,
@@ -119,6 +120,23 @@ def add_parser(subparsers: Any) -> None:
     p = sub.add_parser("pull", parents=[common], help="copy a snapshot from --store to the local store")
     p.add_argument("snapshot", help="name or id")
     p.set_defaults(func=_guard(_pull))
+
+    langs = subparsers.add_parser("languages", help="the language snapshots: their state; building them ahead of use",
+                                  description="The language snapshots /run_code and the run event's language run in "
+                                  "(snapshots/templates/<language>.yaml, built from Debian's packages, as root): "
+                                  "`list` shows each one's state in the local store; `build` builds those missing, "
+                                  "with each build's steps (a server building one on first use is waited for, "
+                                  "not repeated).")
+    lsub = langs.add_subparsers(dest="languages_command", required=True)
+    home = argparse.ArgumentParser(add_help=False)  # the local store only: builds are made there
+    home.add_argument("--home", default=env.get("ROLLBOX_HOME") or None,
+                      help=f"local store and cache directory (ROLLBOX_HOME; default: {default_home()})")
+    home.add_argument("--json", action="store_true", default=False, help="machine-readable output")
+    p = lsub.add_parser("list", parents=[home], help="each language and its snapshot's state in the local store")
+    p.set_defaults(func=_guard(_languages_list))
+    p = lsub.add_parser("build", parents=[home], help="build the language snapshots the local store lacks")
+    p.add_argument("language", nargs="*", help="languages to build (default: every supported one)")
+    p.set_defaults(func=_guard(_languages_build))
 
     store = subparsers.add_parser("store", help="retention tiers of an S3 store (bucket lifecycle rules)",
                                   description="Set or show an S3 store's retention tiers (bucket lifecycle rules).")
@@ -279,6 +297,62 @@ def _pull(args: argparse.Namespace, console: Console) -> int:
     with _bars(console) as on_layer:
         m = copy_snapshot(remote, local, args.snapshot, tmp_dir=str(local.root / "tmp"), on_layer=on_layer)
     console.print(f"pulled {m.id} into {local.root}", highlight=False)
+    return 0
+
+
+def _languages_list(args: argparse.Namespace, console: Console) -> int:
+    from rollbox.snapshots.language_builds import LanguageBuilds
+
+    rows = LanguageBuilds(_local(args)).statuses()
+    if args.json:
+        print(json.dumps([r.as_json() for r in rows]))
+        return 0
+    table = Table("language", "snapshot", "state", "id / step", title=str(_local(args).root))
+    for r in rows:
+        what = (r.snapshot_id or "")[:12] if r.state == "ready" else r.describe() if r.state != "missing" else ""
+        table.add_row(r.language, r.snapshot, r.state, escape(what))
+    console.print(table)
+    return 0
+
+
+def _languages_build(args: argparse.Namespace, console: Console) -> int:
+    from rollbox.snapshots import languages
+    from rollbox.snapshots.language_builds import BuildProgress, LanguageBuilds
+
+    names = list(dict.fromkeys(args.language)) or list(languages.SUPPORTED)
+    for name in names:
+        languages.language(name)  # an unknown or unsupported one: refused before anything is built
+    builds = LanguageBuilds(_local(args))
+    failed: list[str] = []
+    results: list[dict[str, Any]] = []
+    for i, name in enumerate(names, 1):
+        before = builds.status(name)
+        if before.state == "ready":
+            console.print(f"[{i}/{len(names)}] {name}: ready ({(before.snapshot_id or '')[:12]})", highlight=False)
+            results.append(before.as_json())
+            continue
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                      transient=True) as progress:
+            task = progress.add_task(f"[{i}/{len(names)}] building {name}")
+            try:
+                def show(p: BuildProgress, head: str = f"[{i}/{len(names)}]", task: TaskID = task) -> None:
+                    progress.update(task, description=escape(f"{head} {p.describe()}"))
+
+                manifest = builds.build(name, on_progress=show)
+            except RollboxError as exc:
+                failed.append(name)
+                console.print(f"[{i}/{len(names)}] [bold red]{escape(name)} failed:[/] {escape(exc.message)}",
+                              highlight=False)
+                results.append(builds.status(name).as_json())
+                continue
+        console.print(f"[{i}/{len(names)}] {name}: built {manifest.id[:12]} ({manifest.size_bytes / 1e6:.0f} MB)",
+                      highlight=False)
+        results.append(builds.status(name).as_json())
+    if args.json:
+        print(json.dumps(results))
+    if failed:
+        console.print(f"not built: {', '.join(failed)}", highlight=False)
+        return 1
     return 0
 
 

@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "serve": "rollbox.functions.service.server",
     "snapshot": "rollbox.snapshots.cli",
     "store": "rollbox.snapshots.cli",
+    "languages": "rollbox.snapshots.cli",
     "trajectories": "rollbox.functions.analysis.trajectories",
     "replay": "rollbox.functions.analysis.replay",
     "report": "rollbox.functions.analysis.report",

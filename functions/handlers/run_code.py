@@ -41,6 +41,7 @@ from rollbox.functions.handlers.routing import InProcess
 from rollbox.runtime.errors import InvalidRequest, RollboxError, SnapshotNotFound
 from rollbox.runtime.spec import CaseResult, CompileResult, ExecRequest, ExecResult
 from rollbox.snapshots import languages
+from rollbox.snapshots.language_builds import LanguageBuilds
 
 if TYPE_CHECKING:
     from rollbox.functions.contract.models import RunData
@@ -73,6 +74,7 @@ class Program:
     limits: dict[str, Any] | None = None  # the fields to change from the snapshot's default limits
     metadata: dict[str, str] = field(default_factory=dict)
     cases: tuple[str | None, ...] | None = None  # a batch: one run per stdin, after one compile, in one sandbox
+    build_wait_s: float | None = None  # the language's snapshot being built on first use: how long to wait for it
 
 
 @dataclass
@@ -129,6 +131,8 @@ class Runner:
         self.rt = rt
         self.cache = cache
         self.one_shot = one_shot or rt  # one-shot runs: the durable layer's run makes room (idle sandboxes hibernate)
+        self.builds: LanguageBuilds | None = None  # set by the server: the language snapshots' builds and state
+        self.build_on_first_use = False  # a missing language snapshot is built (else: 503 with the build command)
 
     async def run(self, p: Program) -> ProgramResult:
         plan = languages.plan(p.language, p.code)  # UnsupportedLanguage (an InvalidRequest) names the language
@@ -140,7 +144,10 @@ class Runner:
         try:
             view = await self.rt.resolve(plan.snapshot)
         except SnapshotNotFound as exc:
-            raise SnapshotNotFound(languages.missing_snapshot(p.language), snapshot_id=plan.snapshot) from exc
+            if self.builds is None or not self.build_on_first_use:
+                raise SnapshotNotFound(languages.missing_snapshot(p.language), snapshot_id=plan.snapshot) from exc
+            await self.builds.ensure(p.language, p.build_wait_s)  # StillBuilding (retry) past the wait
+            view = await self.rt.resolve(plan.snapshot)
         limits = p.limits
         text, binary = _split(p.files)
         files = {**text, **plan.files}  # the code's file last: as in SandboxFusion, it wins over a request file
@@ -442,9 +449,13 @@ class RunCodeRequest(BaseModel):
             except (binascii.Error, ValueError):
                 raise InvalidRequest(f"files[{path!r}]: not valid base64") from None
         limits = {"memory_max_bytes": self.memory_limit_MB * MiB} if self.memory_limit_MB > 0 else None
+        # a snapshot built on first use: wait 3/4 of the time the request may take anyway (verl gives up
+        # at compile + run + 10 s, and retries a 504), then 504 "building <lang>, step k/n" (StillBuilding)
+        wait = min(max(0.75 * (_clamp(self.compile_timeout) + _clamp(self.run_timeout)), 1.0), 600.0)
         return Program(language=self.language, code=self.code, stdin=self.stdin, files=files,
                        fetch_files=tuple(self.fetch_files), compile_timeout_s=self.compile_timeout,
-                       run_timeout_s=self.run_timeout, limits=limits, metadata=dict(metadata or {}))
+                       run_timeout_s=self.run_timeout, limits=limits, metadata=dict(metadata or {}),
+                       build_wait_s=wait)
 
 
 class CommandRunResult(BaseModel):

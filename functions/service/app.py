@@ -261,7 +261,7 @@ class Service:
                         "disk_ok": full is None}
                 return JSONResponse(body, status_code=200 if ok else 503)
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-        if path in ("/run_code", "/v1/ping"):  # SandboxFusion's API (functions/service/run_code.py)
+        if path in ("/run_code", "/v1/ping", "/languages"):  # SandboxFusion's API (functions/service/run_code.py)
             from rollbox.functions.service import run_code
             return await run_code.handle(self, request)
         if path != "/" or method != "POST":

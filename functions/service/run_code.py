@@ -9,9 +9,16 @@ as the ``run`` event's ``language``. How each outcome is answered:
     a sandbox fault (it died, setup failed)      200, status SandboxError, message says what
     body not JSON, wrong field types             422, FastAPI's {"detail": [{type, loc, msg}]} as SandboxFusion
     unknown language / no toolchain / bad file   422, {"detail": "<message naming it>"}
-    the language's snapshot is not built         503, {"detail": "<the command that builds it>"}
+    the language's snapshot is not built         built on first use (--language-builds on): the request
+                                                 waits 3/4 of compile_timeout + run_timeout for it, then
+                                                 504 + Retry-After "building <lang>, step k/n" (verl retries
+                                                 a 504); a failed build, or builds off: 503 naming the
+                                                 build command
     full (admission caps, the runtime's cap)     504 with Retry-After: the one status verl retries
     draining                                     503
+
+``GET /languages`` lists every language with its snapshot's state here (ready, building with its step,
+failed with why, missing; unsupported ones with why).
 
 Each answered program is a step of the trajectories (event type ``dev.rollbox.sandbox.run``, source
 ``/run_code``) and its sandbox life a row of the usage ledger, under the experiment named by the
@@ -20,6 +27,7 @@ Each answered program is a step of the trajectories (event type ``dev.rollbox.sa
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -83,6 +91,10 @@ async def _answer(service: Service, request: Request) -> tuple[int, Response]:
 
     if request.url.path == "/v1/ping":
         return 200, JSONResponse("pong")
+    if request.url.path == "/languages":
+        if request.method not in ("GET", "HEAD"):
+            return 405, _detail(405, "Method Not Allowed", {"allow": "GET"})
+        return 200, JSONResponse(await _languages(service))
     if request.method != "POST":
         return 405, _detail(405, "Method Not Allowed", {"allow": "POST"})
     try:
@@ -155,6 +167,25 @@ async def _answer(service: Service, request: Request) -> tuple[int, Response]:
             finally:
                 steps.end(ctx)
     return resp.status_code, resp
+
+
+async def _languages(service: Service) -> list[dict[str, Any]]:
+    """GET /languages: each language's snapshot and its state here (ready / building, step k of n /
+    failed / missing; unsupported ones with why), and whether a missing one is built on first use."""
+    from rollbox.snapshots import languages
+
+    runner = runner_for(service.runtime)
+    builds = runner.builds
+    states = {p.language: p.as_json() for p in await asyncio.to_thread(builds.statuses)} if builds else {}
+    out: list[dict[str, Any]] = []
+    for name, row in languages.LANGUAGES.items():
+        if row.snapshot is None:
+            out.append({"language": name, "snapshot": None, "state": "unsupported", "error": row.unsupported})
+            continue
+        entry = states.get(name) or {"language": name, "snapshot": row.snapshot, "state": "unknown"}
+        out.append({**entry, "template": f"snapshots/templates/{row.template}",
+                    "built_on_first_use": runner.build_on_first_use})
+    return out
 
 
 def _json(reply: RunCodeResponse) -> JSONResponse:

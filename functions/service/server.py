@@ -72,7 +72,7 @@ SERVICE_MODULES = (
     "uvicorn", "rollbox.functions.service.app", "rollbox.functions.durable.runtime",
     "rollbox.functions.recording.recorder",
     "rollbox.functions.recording.steps", "rollbox.functions.handlers.episodes", "rollbox.functions.handlers.sandbox",
-    "rollbox.functions.handlers.snapshot",
+    "rollbox.functions.handlers.snapshot", "rollbox.functions.handlers.run_code",
 )
 
 __all__ = ["ConfigError", "ServeConfig", "add_parser", "resolve", "serve"]
@@ -240,6 +240,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("prewarm", "--prewarm", "ROLLBOX_PREWARM", names, ("python",),
            "snapshots whose warm process and one ready sandbox start with the server, before any event "
            "asks for them (comma-separated; empty: none); one missing from the store is logged and skipped"),
+    Option("language_builds", "--language-builds", "ROLLBOX_LANGUAGE_BUILDS", choice("on", "off"), "on",
+           "on: a request (/run_code, a run event's language) for a language whose snapshot the local store "
+           "lacks builds it from its template (Debian's packages, downloaded then), once per store, and waits "
+           "for it (GET /languages shows the steps); off: 503 naming the build command"),
     Option("log_level", "--log-level", "ROLLBOX_LOG_LEVEL", level, "info", "debug, info, warning or error"),
     Option(
         "home",
@@ -307,6 +311,7 @@ class ServeConfig:
     uid_range: str = RuntimeConfig.model_fields["uid_range"].default
     rootless_budget_share: int = RuntimeConfig.model_fields["rootless_budget_share"].default
     prewarm: tuple[str, ...] = ()
+    language_builds: str = "on"
     store: StoreConfig = field(default_factory=StoreConfig)
 
 
@@ -525,6 +530,12 @@ async def _build(cfg: ServeConfig, rt: Runtime, resolver: StoreResolver, home: P
                       # clean-up that failed, by what (each logged once): this runtime's, leftovers of dead ones
                       cleanup_failures=lambda: {**rt.cleanup_failures, "leftover": rt.sweeper.failed})
     service.store_ok = store_ok
+    from rollbox.functions.handlers.run_code import runner_for
+    from rollbox.snapshots.language_builds import LanguageBuilds
+
+    runner = runner_for(service.runtime)  # languages: their snapshots' state (GET /languages), built on first use
+    runner.builds = LanguageBuilds(resolver.cache.local)
+    runner.build_on_first_use = cfg.language_builds == "on"
     return _Replica(rt=rt, service=service, snapshots=snapshots, durable=durable, recorder=recorder, remote=remote)
 
 

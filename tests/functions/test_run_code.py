@@ -70,7 +70,8 @@ def srv(lang_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     home = tmp_path_factory.mktemp("home")
     for sub in ("layers", "layers-meta", "manifests", "names"):
         (home / sub).symlink_to(lang_store / sub)
-    proc = start_server(home / "log", "--home", str(home), "--flush-interval-s", "0.5", "--prewarm", "python3")
+    proc = start_server(home / "log", "--home", str(home), "--flush-interval-s", "0.5", "--prewarm", "python3",
+                        "--language-builds", "off")
     proc.home = home  # type: ignore[attr-defined]
     yield proc
     assert proc.stop() == 0, proc.log_path.read_text()[-4000:]
@@ -416,7 +417,7 @@ async def test_full_is_504_with_retry_after_which_verl_retries(lang_store: Path,
         assert small.stop() == 0
 
 
-async def test_a_language_whose_snapshot_is_not_built_is_503_with_the_command_that_builds_it(
+async def test_with_builds_off_a_language_whose_snapshot_is_not_built_is_503_with_the_command_that_builds_it(
         http: httpx.AsyncClient, srv: ServerProc) -> None:
     from rollbox.snapshots import languages
 
@@ -427,6 +428,62 @@ async def test_a_language_whose_snapshot_is_not_built_is_503_with_the_command_th
     assert resp.status_code == 503, resp.text
     assert f"language {missing[0]!r} runs in the snapshot" in resp.json()["detail"]
     assert "rollbox snapshot build snapshots/templates/" in resp.json()["detail"]
+
+
+async def test_a_missing_language_snapshot_is_built_on_first_use_once_with_its_steps_shown(
+        lang_store: Path, tmp_path: Path) -> None:
+    """A store without bash's snapshot (its layers and Debian build records are the language test store's,
+    so the Debian layer is reused; the build's own steps, manifest and name all run here). The test holds
+    the snapshot's build lock first, as a second process on the same home would: the server waits on it,
+    shows that build's step (GET /languages, a 504 past the request's wait), then builds once for every
+    waiting request when the lock is let go."""
+    import fcntl
+
+    home = tmp_path / "home"
+    home.mkdir()
+    for sub in ("layers", "layers-meta", "debian"):
+        (home / sub).symlink_to(lang_store / sub)
+    builds = home / "builds"
+    builds.mkdir()
+    lock = os.open(builds / "bash.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    (builds / "bash.json").write_text(json.dumps({
+        "language": "bash", "snapshot": "bash", "state": "building", "step": 1, "steps": 2,
+        "doing": "base: mmdebstrap bookworm python3 ca-certificates", "since": time.time(), "pid": os.getpid()}))
+    srv = start_server(tmp_path / "log", "--home", str(home), "--prewarm", "", "--durability", "off",
+                       env={"ROLLBOX_DEBIAN_MAX_AGE_DAYS": "3650"})
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
+            langs = {r["language"]: r for r in (await http.get(srv.url + "languages")).json()}
+            assert (langs["bash"]["state"], langs["bash"]["step"], langs["bash"]["steps"]) == ("building", 1, 2)
+            assert langs["julia"]["state"] == "unsupported" and "Debian 12" in langs["julia"]["error"]
+            assert langs["lua"]["state"] == "missing" and langs["lua"]["built_on_first_use"] is True
+            body = {"code": "read a b; echo $((a + b))", "language": "bash", "stdin": "40 2"}
+            # verl's request: compile 1 s + run 1 s; the wait is 3/4 of that, then a 504 (which verl retries)
+            resp = await http.post(srv.url + "run_code", json={**body, "compile_timeout": 1, "run_timeout": 1})
+            assert resp.status_code == 504, resp.text
+            assert "building bash, step 1/2: base: mmdebstrap" in resp.json()["detail"]
+            assert int(resp.headers["retry-after"]) >= 1
+            waiting = [asyncio.ensure_future(http.post(srv.url + "run_code", json={**body, "run_timeout": 30}))
+                       for _ in range(3)]
+            await asyncio.sleep(0.5)
+            assert not any(w.done() for w in waiting)
+            os.close(lock)  # the other process stopped without building it: this server builds it, once
+            replies = await asyncio.gather(*waiting)
+            for r in replies:
+                assert r.status_code == 200, r.text
+                assert (r.json()["status"], r.json()["run_result"]["stdout"]) == ("Success", "42\n")
+            langs = {r["language"]: r for r in (await http.get(srv.url + "languages")).json()}
+            assert langs["bash"]["state"] == "ready" and langs["bash"]["snapshot_id"]
+        msgs = [str(r.get("msg", "")) for r in srv.log_records()]
+        assert sum(m.startswith("built bash: snapshot bash = ") for m in msgs) == 1, msgs
+        assert sum(m.startswith("building bash, step 0/2: starting (snapshots/templates/bash.yaml)")
+                   for m in msgs) == 1, msgs
+        assert any(m.startswith("building bash, step 1/2: base: reusing layer") for m in msgs), msgs
+        assert any(m.startswith("building bash, step 2/2: snapshot bash = ") for m in msgs), msgs
+        assert (home / "names" / "bash").read_text().strip() == langs["bash"]["snapshot_id"]
+    finally:
+        assert srv.stop() == 0, srv.log_path.read_text()[-4000:]
 
 
 async def test_the_python_client_runs_a_language_with_cases(srv: ServerProc) -> None:

@@ -87,6 +87,12 @@ def build(directory: Path) -> list[dict[str, Any]]:
             idx = [i for i, d in enumerate(out) if key(d) == key(p)]
             assert len(idx) == 1, f"{directory}/{patch['path']}: patch targets {key(p)}, found {len(idx)} resources"
             out[idx[0]] = merge(out[idx[0]], p)
+    for image in kustomization.get("images", []):  # kustomize's image override: new name and/or tag
+        for d in out:
+            for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+                name, _, tag = c["image"].rpartition(":")
+                if name == image["name"]:
+                    c["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
     return out
 
 
@@ -166,7 +172,7 @@ def test_knative_folder_has_the_manifests() -> None:
     names = {p.relative_to(KNATIVE).as_posix() for p in ALL_YAML}
     assert {"base/service.yaml", "base/runtimeclass-kata.yaml", "base/eventing.yaml", "base/kustomization.yaml",
             "overlays/local-store/kustomization.yaml", "overlays/s3/kustomization.yaml"} <= names
-    assert [p.name for p in OVERLAYS] == ["kafka", "kata-clh", "local-store", "s3"]
+    assert [p.name for p in OVERLAYS] == ["kafka", "kata-clh", "languages", "local-store", "s3"]
 
 
 @pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.relative_to(KNATIVE).as_posix())
@@ -329,7 +335,7 @@ def test_rollbox_serve_accepts_the_environment(directory: Path) -> None:
     assert set(env) <= known, f"not read by rollbox serve: {sorted(set(env) - known)}"
     values = resolve_options(SERVE_OPTIONS, argparse.Namespace(), env)
     assert values["host"] == "0.0.0.0" and values["port"] == 8080
-    if directory.name in ("s3", "kafka", "kata-clh"):  # kafka, kata-clh: the s3 overlay and more
+    if directory.name in ("s3", "kafka", "kata-clh", "languages"):  # the others: the s3 overlay and more
         assert str(values["store"]).startswith("s3://") and values["s3_endpoint_url"].startswith("https://")
         assert int(rollbox_service(build(directory))["spec"]["template"]["metadata"]["annotations"][
             AUTOSCALING + "max-scale"]) > 1
@@ -337,6 +343,17 @@ def test_rollbox_serve_accepts_the_environment(directory: Path) -> None:
         assert str(values["store"]).startswith("/var/lib/rollbox/")
         ann = rollbox_service(build(directory))["spec"]["template"]["metadata"]["annotations"]
         assert ann[AUTOSCALING + "max-scale"] == "1"  # a local store is not shared between replicas
+
+
+def test_the_languages_overlay_runs_the_image_with_the_languages_baked_in_and_builds_nothing() -> None:
+    resources = build(KNATIVE / "overlays" / "languages")
+    (c,) = rollbox_service(resources)["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "ghcr.io/rollbox/rollbox:0.1.0-languages"
+    (base,) = rollbox_service(build(KNATIVE / "overlays" / "s3"))["spec"]["template"]["spec"]["containers"]
+    assert base["image"] == "ghcr.io/rollbox/rollbox:0.1.0"  # the override is the overlay's alone
+    values = resolve_options(SERVE_OPTIONS, argparse.Namespace(), container_env(resources))
+    assert values["language_builds"] == "off"
+    assert "-languages" in (REPO / "scripts" / "image-languages").read_text()
 
 
 def test_no_literal_secrets() -> None:

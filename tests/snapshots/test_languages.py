@@ -219,3 +219,71 @@ async def test_lua_and_bash_built_from_debian_share_the_base_layer_and_run_in_sa
                            limits=Limits(memory_max_bytes=256 << 20))
         if rt.cgroup_backend is not None:
             assert res.stdout.split()[3:5] == ["unlimited", "unlimited"], res.stdout
+
+
+# ----------------------------------------------------------------------- built on first use, or ahead of time
+
+
+def test_a_builds_steps_count_its_debian_layers_packages_files_and_manifest() -> None:
+    from rollbox.snapshots.language_builds import steps_of
+
+    def steps(name: str) -> int:
+        return steps_of(*load_template(TEMPLATES / f"{name}.yaml"))
+
+    assert steps("bash") == 2  # the Debian base, the manifest
+    assert steps("lua") == 4  # the shared base, lua's layer, the preload file, the manifest
+    assert steps("junit") == 5  # over java over debian: three Debian layers
+
+
+def test_a_build_record_left_by_a_dead_builder_is_not_building_and_a_failure_says_why(tmp_path: Path) -> None:
+    import fcntl
+    import json
+
+    from rollbox.snapshots.language_builds import LanguageBuilds
+
+    builds = LanguageBuilds(LocalStore(tmp_path))
+    assert builds.status("lua").state == "missing"
+    (tmp_path / "builds").mkdir()
+    record = {"language": "lua", "snapshot": "lua", "state": "building", "step": 1, "steps": 4, "doing": "x"}
+    (tmp_path / "builds" / "lua.json").write_text(json.dumps(record))
+    assert builds.status("lua").state == "missing"  # no process holds its lock: nothing builds it
+    fd = os.open(tmp_path / "builds" / "lua.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as the builder (another process) would
+    try:
+        assert builds.status("lua").describe() == "building lua, step 1/4: x"
+    finally:
+        os.close(fd)
+    (tmp_path / "builds" / "lua.json").write_text(json.dumps({**record, "state": "failed", "error": "no network"}))
+    assert builds.status("lua").describe() == "building lua failed: no network"
+
+
+def test_the_languages_command_refuses_an_unknown_language_before_building_anything(tmp_path: Path) -> None:
+    from rollbox.snapshots.cli import main
+
+    assert main(["languages", "build", "lua", "cobol", "--home", str(tmp_path)]) == 2
+    assert not (tmp_path / "builds").exists()
+
+
+@as_root
+def test_the_languages_command_builds_what_the_home_lacks_and_lists_it_ready(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The home's layers and Debian build records are the language test store's (its Debian base layer is
+    reused; the build's own steps, manifest and name run here); bash needs nothing else."""
+    import json
+
+    from rollbox.snapshots.cli import main
+
+    if shutil.which("mmdebstrap") is None:
+        pytest.skip("mmdebstrap is not installed (scripts/bootstrap installs it as root)")
+    lang_home = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
+    lang_home.mkdir(parents=True, exist_ok=True)
+    for sub in ("layers", "layers-meta", "debian"):
+        (lang_home / sub).mkdir(exist_ok=True)
+        (tmp_path / sub).symlink_to(lang_home / sub)
+    monkeypatch.setenv("ROLLBOX_DEBIAN_MAX_AGE_DAYS", "3650")
+    assert main(["languages", "build", "bash", "--home", str(tmp_path), "--json"]) == 0
+    (built,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert built["state"] == "ready" and (tmp_path / "names" / "bash").read_text().strip() == built["snapshot_id"]
+    assert main(["languages", "list", "--home", str(tmp_path), "--json"]) == 0
+    rows = {r["language"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["bash"]["state"] == "ready" and rows["lua"]["state"] == "missing"
