@@ -38,6 +38,8 @@ syntax-checked and asked for its usage. Not run (NOT_RUN): the test suite itself
 forms are independent of each other and of the examples run (they start no server and write nothing):
 they run two at a time beside the examples, each distinct one once (three benchmark commands of
 bench_service.py are checked against one `--help`), and each example is checked against its output.
+The commands run after the server stopped (trajectories, replay, report: each reads the store, writes
+its own output) run two at a time too.
 """
 
 from __future__ import annotations
@@ -517,8 +519,11 @@ def test_the_examples_run_as_written(scratch: Scratch, tmp_path: Path) -> None:
         os.kill(server.pid, signal.SIGTERM)  # a drain: the recorded steps are flushed to the store
         rc = server.proc.wait(60)
     assert rc == 0, server.log_path.read_text()[-3000:]
-    for command, check in later:
-        check(scratch.sh(fill_placeholders(command, scratch.home)))
+    with ThreadPoolExecutor(max_workers=2) as pool:  # each reads the store; replay alone starts a runtime
+        runs = [(command, check, pool.submit(scratch.sh, fill_placeholders(command, scratch.home)))
+                for command, check in later]
+    for command, check, run in runs:
+        check(run.result())
         ran.append(command)
     assert len(ran) == len(COMMANDS) + len(PYTHON_BLOCKS) + 1, ran  # each known example ran (+ the S3 serve)
     assert len(checked) >= len(CHECKED), checked
