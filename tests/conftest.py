@@ -30,7 +30,8 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
 def remove_later() -> Iterator[Callable[[Path], None]]:
     """Deletes a tree in the background (renamed at once, then `rm -rf`), waited for at the session's end.
     For trees of a GB such as a venv: on a disk mounted with discard (this machine's ext4), deleting one
-    waits ~30 s on the device with under a second of CPU, time the tests after it need not wait."""
+    took 4 s on an idle machine and 30-90 s while other runs kept the disk busy, under a second of it CPU:
+    time the tests after it need not wait."""
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
 
     def remove(path: Path) -> None:
