@@ -34,7 +34,12 @@ every flag of the README's command is one the script takes) or, for Locust, with
 arguments plus `--list` (Locust loads the locustfile, parses every flag, lists the users and exits);
 their servers' commands are parsed by the CLI's own parser and option checks; `scripts/image` is
 syntax-checked and asked for its usage. Not run (NOT_RUN): the test suite itself, podman and kubectl
-(tests/knative builds and runs the image under podman; no Kubernetes cluster runs here).
+(tests/knative builds and runs the image under podman; no Kubernetes cluster runs here). The quick
+forms are independent of each other and of the examples run (they start no server and write nothing):
+they run two at a time beside the examples, each distinct one once (three benchmark commands of
+bench_service.py are checked against one `--help`), and each example is checked against its output.
+The commands run after the server stopped (trajectories, replay, report: each reads the store, writes
+its own output) run two at a time too.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -475,6 +481,9 @@ def test_the_examples_run_as_written(scratch: Scratch, tmp_path: Path) -> None:
     ran: list[str] = []
     checked: list[str] = []
     later: list[tuple[str, Check]] = []
+    quick = ThreadPoolExecutor(max_workers=2)  # the quick forms (CHECKED), beside the examples run
+    quick_runs: dict[str, Future[subprocess.CompletedProcess[str]]] = {}
+    quick_checks: list[tuple[str, str, Callable[[subprocess.CompletedProcess[str], str], None]]] = []
     try:
         for block in blocks:
             if block.lang == "python":
@@ -497,16 +506,24 @@ def test_the_examples_run_as_written(scratch: Scratch, tmp_path: Path) -> None:
                     ran.append(command)
                 elif kind == "checked":
                     quick_cmd, quick_check = detail[1](command)
-                    quick_check(scratch.sh(quick_cmd, timeout_s=120), quick_cmd)
-                    checked.append(command)
+                    if quick_cmd not in quick_runs:
+                        quick_runs[quick_cmd] = quick.submit(scratch.sh, quick_cmd, 120)
+                    quick_checks.append((command, quick_cmd, quick_check))
+        for command, quick_cmd, quick_check in quick_checks:
+            quick_check(quick_runs[quick_cmd].result(), quick_cmd)
+            checked.append(command)
         records = [r for r in server.log_records() if r.get("msg") == "event"]
         assert records and all(r["status"] < 500 for r in records), [r for r in records if r["status"] >= 500]
     finally:
+        quick.shutdown(cancel_futures=True)
         os.kill(server.pid, signal.SIGTERM)  # a drain: the recorded steps are flushed to the store
         rc = server.proc.wait(60)
     assert rc == 0, server.log_path.read_text()[-3000:]
-    for command, check in later:
-        check(scratch.sh(fill_placeholders(command, scratch.home)))
+    with ThreadPoolExecutor(max_workers=2) as pool:  # each reads the store; replay alone starts a runtime
+        runs = [(command, check, pool.submit(scratch.sh, fill_placeholders(command, scratch.home)))
+                for command, check in later]
+    for command, check, run in runs:
+        check(run.result())
         ran.append(command)
     assert len(ran) == len(COMMANDS) + len(PYTHON_BLOCKS) + 1, ran  # each known example ran (+ the S3 serve)
     assert len(checked) >= len(CHECKED), checked
