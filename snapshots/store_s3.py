@@ -179,6 +179,9 @@ class S3Store:
         )
         self.stats: collections.Counter[str] = collections.Counter()
         self._stats_lock = threading.Lock()
+        # HTTP requests sent, by S3 operation (each attempt of a retried call counts): what a step costs
+        self.requests: collections.Counter[str] = collections.Counter()
+        self._client.meta.events.register("before-send.s3", self._sent)
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
@@ -189,6 +192,16 @@ class S3Store:
     def _count(self, what: str) -> None:
         with self._stats_lock:
             self.stats[what] += 1
+
+    def _sent(self, event_name: str = "", **_: Any) -> None:
+        """botocore's ``before-send`` hook: count the request (returns None: the request is sent)."""
+        with self._stats_lock:
+            self.requests[event_name.rpartition(".")[2]] += 1
+
+    def requests_sent(self) -> dict[str, int]:
+        """HTTP requests sent to S3 so far, by operation (GetObject, PutObject, ListObjectsV2, ...)."""
+        with self._stats_lock:
+            return dict(self.requests)
 
     # ------------------------------------------------------------------------- the boundary
     @contextlib.contextmanager
@@ -466,6 +479,9 @@ class S3Objects:
     def __init__(self, store: S3Store):
         self.store = store
         self.url = store.url
+
+    def requests_sent(self) -> dict[str, int]:
+        return self.store.requests_sent()
 
     def put_new(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist; False if it does (another writer was first). A

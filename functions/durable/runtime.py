@@ -97,6 +97,8 @@ class DurableRuntime:
         self.journal = journal
         self.metrics = DurableMetrics(registry)
         self.store = StateStore(objects, tombstone_ttl_s=tombstone_ttl_s, io_threads=io_threads)
+        if not self.store.local:
+            self.metrics.watch_store(objects.requests_sent)
         self.residency = Residency(rt, self.store, self.metrics, cap=cap or LiveCap(), expire=self._expire,
                                    hibernate_after_s=hibernate_after_s, sweep_interval_s=sweep_interval_s,
                                    journal=journal)
