@@ -153,11 +153,10 @@ class DurableRuntime:
         ev = event
         sid = ev.next_sandbox_id() if ev is not None else "sb-" + secrets.token_hex(10)
         async with self.residency.holding(sid):
-            if ev is not None:
-                first = await self.store.read(sid, 0)
-                if first is not None:  # a redelivered create: the sandbox it made, as it replied then
-                    self._note_replay()
-                    return await self._replayed(first, ev, SandboxInfo) or recorded(SandboxInfo, first)
+            # No read first: a redelivered create learns of its sandbox from the create-only write
+            # below (412), unless the sandbox is live here (then a create would be refused)
+            if ev is not None and sid in self.rt.sandboxes and (made := await self._made(sid, ev)) is not None:
+                return made
             deferred = self.residency.defers_create()
             if deferred:
                 info = await self._deferred(snapshot, limits, metadata, sid)
@@ -168,12 +167,10 @@ class DurableRuntime:
                 live = self._new_live(info, None)
             try:
                 await self.generations.commit(live, info, ev, scan=False)
-            except SandboxBusy:  # the same event, at the same time, on another replica: its sandbox
-                first = await self.store.read(sid, 0)
-                if first is None or first.reply is None:
+            except SandboxBusy:  # the same event, before or at the same time: the sandbox it made
+                if ev is None or (made := await self._made(sid, ev)) is None:
                     raise
-                self._note_replay()
-                return recorded(SandboxInfo, first)
+                return made
             if deferred:
                 self.metrics.hibernations.labels("create").inc()
             return info
@@ -213,6 +210,14 @@ class DurableRuntime:
             self.live.pop(sandbox_id, None)
             await self.generations.commit(tomb, usage, ev, scan=False, state="destroyed", reason="destroyed")
             return usage
+
+    async def _made(self, sid: str, ev: EventRef) -> SandboxInfo | None:
+        """The sandbox a create event made before, as it replied then (None if it made none)."""
+        first = await self.store.read(sid, 0)
+        if first is None or first.reply is None:
+            return None
+        self._note_replay()
+        return await self._replayed(first, ev, SandboxInfo) or recorded(SandboxInfo, first)
 
     def fork_ids(self, count: int) -> list[str]:
         """Ids for the children of a live fork: new at each attempt. A fork that was acknowledged is

@@ -140,7 +140,8 @@ class StateStore:
         """The newest generation of a sandbox not live here; SandboxNotFound if it never existed.
         From a generation seen here before (a record read or written; the record itself is kept for
         the 4096 most recent, its generation for many more), reading forward costs a GET per
-        generation and one that finds nothing; else the sandbox's records are listed first."""
+        generation and one that finds nothing; else the sandbox's records are listed and the newest
+        read."""
         head: SandboxRecord | None = self.seen.get(sandbox_id)
         if head is None and (due := self.due.get(sandbox_id)) is not None:
             head = await self.read(sandbox_id, due[0])  # the generation seen here last
@@ -152,6 +153,10 @@ class StateStore:
             head = await self.read(sandbox_id, gens[-1])
             if head is None:  # removed between the listing and the read (the sweeper)
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed", sandbox_id=sandbox_id)
+            # the listing said it is the newest, as a read of the next one would: a commit since is caught
+            # by the step's create-only write, as one after such a read is
+            self.remember(head)
+            return head
         while (newer := await self.read(sandbox_id, head.generation + 1)) is not None:
             head = newer  # committed elsewhere since
         self.remember(head)
