@@ -553,3 +553,39 @@ async def test_s3_requests_per_step_kind(s3_replicas: Replicas, http: httpx.Asyn
     assert r.status == 410 and n == {"ListObjectsV2": 1, "GetObject": 1}, (r.data, n)
     r = await send(http, c.url, made)  # the create again where its sandbox is not live: told by the PUT's 412
     assert r.status == 200 and r.data["sandbox_id"] == sid, r.data
+
+
+async def test_a_replica_whose_sandboxes_stay_put_commits_with_the_put_alone_and_runs_again_when_behind(
+        s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    """Once a replica's steps have kept finding their sandbox where they left it (one replica, or a load
+    balancer with affinity), an exec runs on its live copy without reading the next generation first:
+    one PUT. When another replica had moved the sandbox on after all, that PUT's 412 says so: nothing
+    of the run is kept, the step runs again on the newest (every earlier step's line there, its own
+    once), and the replica reads first again."""
+    quiet = ("--record", "off", "--sweep-interval-s", "3600")
+    a, b = s3_replicas.start(*quiet), s3_replicas.start(*quiet)
+    sid = await create(http, a)
+    lines = ""
+    for i in range(9):  # each reads the next generation first and finds none: a's estimate falls
+        r = await step(http, a, sid, code=APPEND.format(f"a{i}"))
+        lines += f"a{i}\n"
+        assert (r.status, r.data["stdout"]) == (200, lines), r.data
+    before = await store_requests(http, a)
+    r = await step(http, a, sid, code=APPEND.format("trusted"))
+    lines += "trusted\n"
+    after = await store_requests(http, a)
+    assert (r.status, r.data["stdout"]) == (200, lines), r.data
+    assert {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)} == {"PutObject": 1}
+    r = await step(http, b, sid, code=APPEND.format("on b"))  # moved on behind a's back
+    lines += "on b\n"
+    assert (r.status, r.data["stdout"]) == (200, lines), r.data
+    r = await step(http, a, sid, code=APPEND.format("again"))  # ran on a's stale copy, then on the newest
+    lines += "again\n"
+    assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, lines, True), r.data
+    before = await store_requests(http, a)
+    r = await step(http, a, sid, code=APPEND.format("read first"))
+    lines += "read first\n"
+    after = await store_requests(http, a)
+    assert (r.status, r.data["stdout"]) == (200, lines), r.data
+    assert {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)} == \
+        {"GetObject": 1, "PutObject": 1}
