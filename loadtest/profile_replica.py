@@ -1,7 +1,7 @@
 """Where a replica's own CPU goes on durable steps on S3: one `rollbox serve` on SeaweedFS run under
 cProfile (its event loop's thread; the store calls' threads are not profiled: see profile_s3_step.py),
 driven by episodes as the fleet run plays them with long think times: create, then steps that each
-find their sandbox hibernated (--hibernate-after-s 0) and resume it from S3, then destroy.
+find their sandbox hibernated (--hibernate-after-s 0.02; 0 would be never) and resume it from S3, then destroy.
 
 Prints the server process's CPU per request (threads included), its children's (zygotes and
 sandboxes) and SeaweedFS's, the S3 requests per request by operation, then the profile's top functions by own time and by cumulative time.
@@ -68,8 +68,11 @@ def store_requests(url: str) -> dict[str, int]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "metrics", timeout=10).text
-    return {smp.labels["operation"]: int(smp.value) for fam in text_string_to_metric_families(text)
-            for smp in fam.samples if smp.name == "rollbox_store_requests_total" and smp.labels["operation"] != "HeadBucket"}
+    out = {smp.labels["operation"]: int(smp.value) for fam in text_string_to_metric_families(text)
+           for smp in fam.samples if smp.name == "rollbox_store_requests_total" and smp.labels["operation"] != "HeadBucket"}
+    out["(resumes)"] = int(sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+                               if smp.name == "rollbox_resumes_total"))
+    return out
 
 
 async def send(http: httpx.AsyncClient, url: str, etype: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +93,7 @@ async def drive(url: str, episodes: int, steps: int, concurrency: int) -> int:
         async with sem:
             sid = (await send(http, url, "create", {"snapshot": "python"}))["sandbox_id"]
             for _ in range(steps):
-                await asyncio.sleep(0.05)  # idle: with --hibernate-after-s 0 the next step resumes it
+                await asyncio.sleep(0.05)  # idle past --hibernate-after-s 0.02: the next step resumes it
                 await send(http, url, "exec", {"sandbox_id": sid, "code": STEP})
             await send(http, url, "destroy", {"sandbox_id": sid})
             count += steps + 2
@@ -122,7 +125,7 @@ def main() -> int:
         log = open(base / "serve.log", "wb")  # noqa: SIM115 - handed to the child
         profiler = [] if args.no_cprofile else ["-m", "cProfile", "-o", str(prof)]
         proc = subprocess.Popen([sys.executable, *profiler, "-m", "rollbox.functions.cli", "serve", "--port", str(port), "--home", str(base / "home"), "--log-level", "warning",
-                                 "--hibernate-after-s", "0"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 "--hibernate-after-s", "0.02"], stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         url = f"http://127.0.0.1:{port}/"
         deadline = time.monotonic() + 120
@@ -159,6 +162,7 @@ def main() -> int:
         print(f"  SeaweedFS {weed * 1000 / n:.2f} ms/request (its idle {weed_idle_s * 1000:.0f} ms/s taken out); "
               f"all three {all_in * 1000 / n:.2f} ms/request")
         sent = {op: k - req0.get(op, 0) for op, k in req1.items() if k > req0.get(op, 0)}
+        print(f"  steps that resumed their sandbox: {sent.pop('(resumes)', 0)} of {args.episodes * args.steps}")
         print(f"  S3 requests per request {sum(sent.values()) / n:.2f}: "
               + ", ".join(f"{op} {k / n:.2f}" for op, k in sorted(sent.items())))
         if args.no_cprofile:
