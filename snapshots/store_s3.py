@@ -175,7 +175,9 @@ class S3Store:
         self.max_attempts = max_attempts
         # durable state's hot calls (a record's GET, its create-only PUT) go through obstore when it is
         # installed: a fifth of botocore's CPU per call (loadtest/profile_s3_step.py); botocore does the rest
-        self._fast = _fast_client(session, self.bucket, endpoint_url=endpoint_url,
+        # (an endpoint botocore found elsewhere, AWS_ENDPOINT_URL or a config file, is a custom one too)
+        custom = endpoint_url or (None if self.endpoint.endswith(".amazonaws.com") else self.endpoint)
+        self._fast = _fast_client(session, self.bucket, endpoint_url=custom,
                                   region=self._client.meta.region_name, access_key_id=access_key_id,
                                   secret_access_key=secret_access_key, max_attempts=max_attempts,
                                   connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
@@ -492,7 +494,7 @@ def _fast_client(session: boto3.session.Session, bucket: str, *, endpoint_url: s
     if access_key_id is not None and secret_access_key is not None:
         creds: Any = botocore.credentials.Credentials(access_key_id, secret_access_key)
     else:
-        creds = session._session.get_credentials()  # (boto3's session: the profile and its chain)
+        creds = session.get_credentials()  # (the profile and botocore's chain)
     if creds is None:
         return None
     refreshes = isinstance(creds, botocore.credentials.RefreshableCredentials)

@@ -200,3 +200,19 @@ def test_durable_state_reads_and_create_only_writes_go_through_obstore(s3_url: s
                              secret_access_key="b", max_attempts=1))
     with pytest.raises(StoreUnavailable, match=r"unreachable or failing while reading"):
         gone.get(key)
+
+
+def test_durable_state_calls_use_the_endpoint_botocore_found_in_the_environment(
+        s3_url: str, seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An endpoint given to botocore by its environment (AWS_ENDPOINT_URL, a config file) rather than
+    as an argument is the obstore client's too: plain HTTP allowed for an http:// one, paths not hosts."""
+    from .s3server import ACCESS_KEY, SECRET_KEY
+
+    for k, v in {"AWS_ENDPOINT_URL": seaweed.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    s3 = S3Store(s3_url, max_attempts=1)
+    assert s3.endpoint == seaweed.endpoint and s3._fast is not None
+    objects = S3Objects(s3)
+    assert objects.put_new("sandboxes/sb-env/000000000000.json", b"env") is True
+    assert objects.get("sandboxes/sb-env/000000000000.json") == b"env"
