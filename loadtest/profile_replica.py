@@ -1,10 +1,10 @@
 """Where a replica's own CPU goes on durable steps on S3: one `rollbox serve` on SeaweedFS run under
 cProfile (its event loop's thread; the store calls' threads are not profiled: see profile_s3_step.py),
 driven by episodes as the fleet run plays them with long think times: create, then steps that each
-find their sandbox hibernated (--hibernate-after-s 0) and resume it from S3, then destroy.
+find their sandbox hibernated (--hibernate-after-s 0.02; 0 would be never) and resume it from S3, then destroy.
 
-Prints the server process's CPU per request (threads included) and its children's (zygotes and
-sandboxes), then the profile's top functions by own time and by cumulative time.
+Prints the server process's CPU per request (threads included), its children's (zygotes and
+sandboxes) and SeaweedFS's, the S3 requests per request by operation, then the profile's top functions by own time and by cumulative time.
 
     .venv/bin/python loadtest/profile_replica.py --episodes 40 --steps 3
 """
@@ -63,6 +63,18 @@ def cpu(pid: int) -> tuple[float, float]:
     return own, tree_cpu_s(pid, _children()) - own
 
 
+def store_requests(url: str) -> dict[str, int]:
+    """The replica's S3 requests so far by operation (rollbox_store_requests_total), but its bucket checks."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "metrics", timeout=10).text
+    out = {smp.labels["operation"]: int(smp.value) for fam in text_string_to_metric_families(text)
+           for smp in fam.samples if smp.name == "rollbox_store_requests_total" and smp.labels["operation"] != "HeadBucket"}
+    out["(resumes)"] = int(sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+                               if smp.name == "rollbox_resumes_total"))
+    return out
+
+
 async def send(http: httpx.AsyncClient, url: str, etype: str, data: dict[str, Any]) -> dict[str, Any]:
     headers = {"ce-specversion": "1.0", "ce-type": f"dev.rollbox.sandbox.{etype}", "ce-source": "/profile",
                "ce-id": uuid.uuid4().hex, "content-type": "application/json"}
@@ -81,7 +93,7 @@ async def drive(url: str, episodes: int, steps: int, concurrency: int) -> int:
         async with sem:
             sid = (await send(http, url, "create", {"snapshot": "python"}))["sandbox_id"]
             for _ in range(steps):
-                await asyncio.sleep(0.05)  # idle: with --hibernate-after-s 0 the next step resumes it
+                await asyncio.sleep(0.05)  # idle past --hibernate-after-s 0.02: the next step resumes it
                 await send(http, url, "exec", {"sandbox_id": sid, "code": STEP})
             await send(http, url, "destroy", {"sandbox_id": sid})
             count += steps + 2
@@ -113,7 +125,7 @@ def main() -> int:
         log = open(base / "serve.log", "wb")  # noqa: SIM115 - handed to the child
         profiler = [] if args.no_cprofile else ["-m", "cProfile", "-o", str(prof)]
         proc = subprocess.Popen([sys.executable, *profiler, "-m", "rollbox.functions.cli", "serve", "--port", str(port), "--home", str(base / "home"), "--log-level", "warning",
-                                 "--hibernate-after-s", "0"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 "--hibernate-after-s", "0.02"], stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         url = f"http://127.0.0.1:{port}/"
         deadline = time.monotonic() + 120
@@ -125,10 +137,16 @@ def main() -> int:
                 pass
             time.sleep(0.2)
         asyncio.run(drive(url, 4, args.steps, 4))  # warm: pools, connections, the first resumes
-        own0, kids0, th0 = *cpu(proc.pid), threads_cpu(proc.pid)
+        assert s3.proc is not None
+        idle0, i0 = tree_cpu_s(s3.proc.pid, _children()), time.monotonic()
+        time.sleep(3.0)  # SeaweedFS's own background work, to take out of its share
+        weed_idle_s = (tree_cpu_s(s3.proc.pid, _children()) - idle0) / (time.monotonic() - i0)
+        own0, kids0, th0, weed0, req0 = *cpu(proc.pid), threads_cpu(proc.pid), tree_cpu_s(s3.proc.pid, _children()), \
+            store_requests(url)
         t0 = time.monotonic()
         n = asyncio.run(drive(url, args.episodes, args.steps, args.concurrency))
-        own1, kids1, th1 = *cpu(proc.pid), threads_cpu(proc.pid)
+        own1, kids1, th1, weed1, req1 = *cpu(proc.pid), threads_cpu(proc.pid), tree_cpu_s(s3.proc.pid, _children()), \
+            store_requests(url)
         took = time.monotonic() - t0
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(120)
@@ -139,6 +157,14 @@ def main() -> int:
         for name in sorted(th1, key=lambda k: th0.get(k, 0.0) - th1[k]):
             if (d := th1[name] - th0.get(name, 0.0)) > 0:
                 print(f"    thread {name:<24} {d * 1000 / n:6.2f} ms/request")
+        weed = weed1 - weed0 - weed_idle_s * took
+        all_in = own1 - own0 + kids1 - kids0 + weed
+        print(f"  SeaweedFS {weed * 1000 / n:.2f} ms/request (its idle {weed_idle_s * 1000:.0f} ms/s taken out); "
+              f"all three {all_in * 1000 / n:.2f} ms/request")
+        sent = {op: k - req0.get(op, 0) for op, k in req1.items() if k > req0.get(op, 0)}
+        print(f"  steps that resumed their sandbox: {sent.pop('(resumes)', 0)} of {args.episodes * args.steps}")
+        print(f"  S3 requests per request {sum(sent.values()) / n:.2f}: "
+              + ", ".join(f"{op} {k / n:.2f}" for op, k in sorted(sent.items())))
         if args.no_cprofile:
             return 0
         st = pstats.Stats(str(prof))

@@ -5,7 +5,9 @@ If-None-Match: *), through rollbox's own S3Objects, against SeaweedFS on 127.0.0
 Prints the CPU per step of this process (the client: botocore, urllib3, signing) and of SeaweedFS,
 for botocore's default configuration, with its flexible checksums asked for only where an
 operation requires them (``request_checksum_calculation`` / ``response_checksum_validation`` =
-``when_required``), and with its parameter validation off too; then a cProfile of the client side by package and the top functions.
+``when_required``), with its parameter validation off too, and through obstore (what S3Objects uses
+for these two calls when it is installed: a Rust client, its own threads counted in this process's
+CPU); then a cProfile of botocore's client side by package and the top functions.
 
     .venv/bin/python loadtest/profile_s3_step.py -n 400
 """
@@ -22,6 +24,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import botocore.config
 
@@ -60,13 +63,19 @@ def main() -> int:
         bucket = s3.new_bucket()
         make = store_factory(s3)
         checksums = {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"}
-        variants = {"botocore default": {}, "checksums when_required": checksums,
-                    "+ no parameter validation": {**checksums, "parameter_validation": False}}
+        variants: dict[str, dict[str, Any] | None] = {
+            "botocore default": {}, "checksums when_required": checksums,
+            "+ no parameter validation": {**checksums, "parameter_validation": False},
+            "obstore (rollbox's hot path)": None}
         stores = {}
         for name, extra in variants.items():
             store = make(f"s3://{bucket}/p{len(stores)}")
+            if extra is not None:  # botocore for these calls too
+                store._fast = None
             if extra:  # the same client, with only these settings changed
                 store._client = _client_with(store, store._client.meta.config.merge(botocore.config.Config(**extra)))
+            elif extra is None:
+                assert store._fast is not None, "obstore is not installed"
             stores[name] = S3Objects(store)
             steps(stores[name], 20)  # warm: connections, bucket volumes
         print(f"{'variant':<28} {'steps':>6} {'client ms/step':>15} {'SeaweedFS ms/step':>18} {'wall ms/step':>13}")

@@ -62,6 +62,11 @@ def default_home() -> Path:
 LimitsArg = Limits | Mapping[str, Any] | None
 
 
+def _timers(limits: Limits) -> dict[str, float]:
+    """A sandbox's lifetime and idle limits: enforced by the supervisor's reaper, nothing inside sees them."""
+    return {"lifetime_s": limits.lifetime_s, "idle_s": limits.idle_s}
+
+
 def effective_limits(view: SnapshotView, limits: LimitsArg) -> Limits:
     """The limits a sandbox gets: the snapshot's defaults, or those with the given fields changed (a
     ``Limits`` counts only the fields it was given: ``Limits(memory_max_bytes=...)`` keeps the rest
@@ -357,9 +362,15 @@ class Runtime:
         t0 = time.perf_counter()
         self._creating += 1
         try:
-            pool = self.residency.pool_for(view, lim) if pooled and lim == view.limits and not self.closing else None
+            # the timers are the supervisor's (its reaper's), not seen inside: a sandbox asking only for
+            # other ones comes from the pool of the snapshot's defaults, and gets them when taken
+            pool = (self.residency.pool_for(view, view.limits)
+                    if pooled and lim.model_copy(update=_timers(view.limits)) == view.limits and not self.closing
+                    else None)
             sb = pool.take() if pool else None
             pooled = sb is not None
+            if sb is not None:
+                sb.limits = lim
             if sb is None:
                 sb = await self.restorer.restore(view, lim)
                 if pool:

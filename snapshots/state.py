@@ -85,6 +85,10 @@ class Objects(Protocol):
 
     def delete(self, keys: list[str]) -> None: ...
 
+    def requests_sent(self) -> dict[str, int]:
+        """Requests sent to a remote store so far, by operation (S3's: GetObject, PutObject, ...); none
+        for a directory."""
+
 
 class LocalObjects:
     """``Objects`` in a local directory. A create-only write is a fsync'd temporary file hard-linked
@@ -209,6 +213,9 @@ class LocalObjects:
             with contextlib.suppress(OSError):
                 if d != self.root:
                     d.rmdir()
+
+    def requests_sent(self) -> dict[str, int]:
+        return {}  # files, not requests
 
 
 def record_key(sandbox_id: str, generation: int) -> str:

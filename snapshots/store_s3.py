@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 import hashlib
 import math
 import os
@@ -39,6 +40,7 @@ from typing import Any
 import boto3
 import boto3.exceptions
 import botocore.config
+import botocore.credentials
 import botocore.exceptions
 from boto3.s3.transfer import TransferConfig
 from rollbox.runtime.errors import (
@@ -171,6 +173,14 @@ class S3Store:
             raise StoreError(f"cannot configure the S3 client for {url}: {exc}") from exc
         self.endpoint = self._client.meta.endpoint_url
         self.max_attempts = max_attempts
+        # durable state's hot calls (a record's GET, its create-only PUT) go through obstore when it is
+        # installed: a fifth of botocore's CPU per call (loadtest/profile_s3_step.py); botocore does the rest
+        # (an endpoint botocore found elsewhere, AWS_ENDPOINT_URL or a config file, is a custom one too)
+        custom = endpoint_url or (None if self.endpoint.endswith(".amazonaws.com") else self.endpoint)
+        self._fast = _fast_client(session, self.bucket, endpoint_url=custom,
+                                  region=self._client.meta.region_name, access_key_id=access_key_id,
+                                  secret_access_key=secret_access_key, max_attempts=max_attempts,
+                                  connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
         self._transfer = TransferConfig(
             multipart_threshold=multipart_threshold_bytes,
             multipart_chunksize=multipart_chunk_bytes,
@@ -179,6 +189,9 @@ class S3Store:
         )
         self.stats: collections.Counter[str] = collections.Counter()
         self._stats_lock = threading.Lock()
+        # HTTP requests sent, by S3 operation (each attempt of a retried call counts): what a step costs
+        self.requests: collections.Counter[str] = collections.Counter()
+        self._client.meta.events.register("before-send.s3", self._sent)
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
@@ -189,6 +202,16 @@ class S3Store:
     def _count(self, what: str) -> None:
         with self._stats_lock:
             self.stats[what] += 1
+
+    def _sent(self, event_name: str = "", **_: Any) -> None:
+        """botocore's ``before-send`` hook: count the request (returns None: the request is sent)."""
+        with self._stats_lock:
+            self.requests[event_name.rpartition(".")[2]] += 1
+
+    def requests_sent(self) -> dict[str, int]:
+        """HTTP requests sent to S3 so far, by operation (GetObject, PutObject, ListObjectsV2, ...)."""
+        with self._stats_lock:
+            return dict(self.requests)
 
     # ------------------------------------------------------------------------- the boundary
     @contextlib.contextmanager
@@ -458,6 +481,45 @@ class S3Store:
         return removed
 
 
+def _fast_client(session: boto3.session.Session, bucket: str, *, endpoint_url: str | None, region: str,
+                 access_key_id: str | None, secret_access_key: str | None, max_attempts: int,
+                 connect_timeout_s: float, read_timeout_s: float) -> Any | None:
+    """An obstore client of the bucket, signing with botocore's credentials (the same sources, refreshed
+    as botocore refreshes them), or None: obstore not installed, or no credentials (botocore's calls
+    then say what to fix)."""
+    try:
+        import obstore.store
+    except ImportError:
+        return None
+    if access_key_id is not None and secret_access_key is not None:
+        creds: Any = botocore.credentials.Credentials(access_key_id, secret_access_key)
+    else:
+        creds = session.get_credentials()  # (the profile and botocore's chain)
+    if creds is None:
+        return None
+    refreshes = isinstance(creds, botocore.credentials.RefreshableCredentials)
+
+    def credential() -> dict[str, Any]:
+        frozen = creds.get_frozen_credentials()
+        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key, "token": frozen.token,
+                # asked again within minutes when botocore refreshes them (roles, web identity)
+                "expires_at": datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5) if refreshes
+                else None}
+
+    kw: dict[str, Any] = {"region": region}
+    if endpoint_url:
+        kw.update(endpoint=endpoint_url, virtual_hosted_style_request=False)
+    return obstore.store.S3Store(
+        bucket, credential_provider=credential,  # type: ignore[arg-type]
+        client_options={"allow_http": bool(endpoint_url and endpoint_url.startswith("http://")),
+                        "connect_timeout": datetime.timedelta(seconds=connect_timeout_s),
+                        "timeout": datetime.timedelta(seconds=read_timeout_s)},
+        retry_config={"max_retries": max(0, max_attempts - 1), "retry_timeout": datetime.timedelta(seconds=30),
+                      "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
+                                  "max_backoff": datetime.timedelta(seconds=5), "base": 2}},
+        **kw)
+
+
 class S3Objects:
     """Plain objects under an ``S3Store``'s prefix, for the durable sandbox state
     (``rollbox.snapshots.state``): create-only puts (``If-None-Match: *``), reads, listing, deletes.
@@ -467,10 +529,23 @@ class S3Objects:
         self.store = store
         self.url = store.url
 
+    def requests_sent(self) -> dict[str, int]:
+        return self.store.requests_sent()
+
     def put_new(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist; False if it does (another writer was first). A
         retried request whose first try landed is told apart by reading the object back."""
         st = self.store
+        if st._fast is not None:
+            import obstore
+
+            st._sent(event_name="PutObject")
+            with self._fast_errors(f"writing {key}"):
+                try:
+                    obstore.put(st._fast, st._key(key), data, mode="create", use_multipart=False)
+                except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
+                    return self.get(key) == data
+            return True
         with st._errors(f"writing {key}"):
             try:
                 st._client.put_object(Bucket=st.bucket, Key=st._key(key), Body=data, IfNoneMatch="*")
@@ -501,7 +576,34 @@ class S3Objects:
                 st._count("refreshes")
 
     def get(self, key: str) -> bytes | None:
-        return self.store._get_bytes(self.store._key(key), f"reading {key}")
+        st = self.store
+        if st._fast is None:
+            return st._get_bytes(st._key(key), f"reading {key}")
+        import obstore
+
+        st._sent(event_name="GetObject")
+        with self._fast_errors(f"reading {key}"):
+            try:
+                return bytes(obstore.get(st._fast, st._key(key)).bytes())
+            except FileNotFoundError:
+                return None
+
+    @contextlib.contextmanager
+    def _fast_errors(self, doing: str) -> Iterator[None]:
+        """obstore's errors as rollbox's, as ``S3Store._convert`` does botocore's."""
+        import obstore.exceptions as oe
+
+        st = self.store
+        where = f"S3 {st.endpoint} bucket {st.bucket!r}"
+        try:
+            yield
+        except (oe.PermissionDeniedError, oe.UnauthenticatedError) as exc:
+            raise StoreError(f"{where} refused access while {doing}: check the credentials and the bucket "
+                             f"policy ({_first_line(exc)})") from exc
+        except oe.BaseError as exc:  # unreachable, timed out, 5xx after its retries
+            raise StoreUnavailable(f"{where} is unreachable or failing while {doing} ({_first_line(exc)}; tried "
+                                   f"{st.max_attempts} times with backoff); check that the S3 endpoint is up, then "
+                                   "retry") from exc
 
     def keys(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` (relative to the store's prefix), in S3's (lexicographic) order."""
@@ -515,6 +617,10 @@ class S3Objects:
             batch = [{"Key": st._key(k)} for k in keys[i:i + 1000]]
             with st._errors(f"deleting {len(batch)} objects"):
                 st._client.delete_objects(Bucket=st.bucket, Delete={"Objects": batch, "Quiet": True})
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
 
 
 def _root_cause(exc: BaseException) -> BaseException:

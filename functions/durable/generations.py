@@ -115,8 +115,9 @@ class Generations:
             if state == "live":  # a step lost to the sandbox's end (a destroy, an expiry elsewhere): that is final
                 with contextlib.suppress(StoreError):
                     winner = await self.store.read(sid, gen)
-                    if winner is not None and winner.state == "destroyed":
+                    if winner is not None:  # (a step run again here reads on from it)
                         self.store.remember(winner)
+                    if winner is not None and winner.state == "destroyed":
                         raise SandboxGone(f"sandbox {sid} ended ({winner.reason}) while this step ran; nothing of "
                                           "it was kept", sandbox_id=sid, reason=winner.reason or "destroyed")
             raise SandboxBusy(f"sandbox {sid}: another replica committed step {gen} first; nothing of this "

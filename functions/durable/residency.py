@@ -56,6 +56,7 @@ class Live:
     last_used: float = field(default_factory=time.monotonic)
     resume_ms: float | None = None  # set by a resume, reported by the step that caused it
     passing: bool = False  # resumed for one exec that runs as its init: it hibernates when the step ends
+    trusted: bool = False  # this step runs on what was seen here last, unread (``StateStore.trusts_seen``)
 
 
 class Residency:

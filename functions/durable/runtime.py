@@ -79,6 +79,10 @@ log = logging.getLogger("rollbox.durable")
 M = TypeVar("M", bound=BaseModel)
 
 
+class _RanBehind(Exception):
+    """A step run on what its replica saw last of the sandbox, unread, lost its commit (``step``)."""
+
+
 class DurableRuntime:
     """The service's runtime when durability is on (``--durability step``): see the module docstring.
     Its parts: ``store`` (records, blobs: ``store.py``), ``residency`` (live copies, make-room,
@@ -97,6 +101,8 @@ class DurableRuntime:
         self.journal = journal
         self.metrics = DurableMetrics(registry)
         self.store = StateStore(objects, tombstone_ttl_s=tombstone_ttl_s, io_threads=io_threads)
+        if not self.store.local:
+            self.metrics.watch_store(objects.requests_sent)
         self.residency = Residency(rt, self.store, self.metrics, cap=cap or LiveCap(), expire=self._expire,
                                    hibernate_after_s=hibernate_after_s, sweep_interval_s=sweep_interval_s,
                                    journal=journal)
@@ -151,11 +157,10 @@ class DurableRuntime:
         ev = event
         sid = ev.next_sandbox_id() if ev is not None else "sb-" + secrets.token_hex(10)
         async with self.residency.holding(sid):
-            if ev is not None:
-                first = await self.store.read(sid, 0)
-                if first is not None:  # a redelivered create: the sandbox it made, as it replied then
-                    self._note_replay()
-                    return await self._replayed(first, ev, SandboxInfo) or recorded(SandboxInfo, first)
+            # No read first: a redelivered create learns of its sandbox from the create-only write
+            # below (412), unless the sandbox is live here (then a create would be refused)
+            if ev is not None and sid in self.rt.sandboxes and (made := await self._made(sid, ev)) is not None:
+                return made
             deferred = self.residency.defers_create()
             if deferred:
                 info = await self._deferred(snapshot, limits, metadata, sid)
@@ -166,12 +171,10 @@ class DurableRuntime:
                 live = self._new_live(info, None)
             try:
                 await self.generations.commit(live, info, ev, scan=False)
-            except SandboxBusy:  # the same event, at the same time, on another replica: its sandbox
-                first = await self.store.read(sid, 0)
-                if first is None or first.reply is None:
+            except SandboxBusy:  # the same event, before or at the same time: the sandbox it made
+                if ev is None or (made := await self._made(sid, ev)) is None:
                     raise
-                self._note_replay()
-                return recorded(SandboxInfo, first)
+                return made
             if deferred:
                 self.metrics.hibernations.labels("create").inc()
             return info
@@ -187,7 +190,8 @@ class DurableRuntime:
             return result
 
         # (files to read back are read by the agent after the program: that step cannot pass through)
-        return await self.step(sandbox_id, action, ExecResult, may_pass=not request.read_files, event=event)
+        return await self.step(sandbox_id, action, ExecResult, may_pass=not request.read_files, event=event,
+                               may_trust=True)
 
     async def destroy(self, sandbox_id: str, *, event: EventRef | None = None) -> Usage:
         ev = event
@@ -211,6 +215,14 @@ class DurableRuntime:
             self.live.pop(sandbox_id, None)
             await self.generations.commit(tomb, usage, ev, scan=False, state="destroyed", reason="destroyed")
             return usage
+
+    async def _made(self, sid: str, ev: EventRef) -> SandboxInfo | None:
+        """The sandbox a create event made before, as it replied then (None if it made none)."""
+        first = await self.store.read(sid, 0)
+        if first is None or first.reply is None:
+            return None
+        self._note_replay()
+        return await self._replayed(first, ev, SandboxInfo) or recorded(SandboxInfo, first)
 
     def fork_ids(self, count: int) -> list[str]:
         """Ids for the children of a live fork: new at each attempt. A fork that was acknowledged is
@@ -276,46 +288,63 @@ class DurableRuntime:
                            isolation=self.rt.isolation_report(), hibernated=True)
 
     async def step(self, sandbox_id: str, action: Callable[[Live], Awaitable[M]], model: type[M],
-                   may_pass: bool = False, room: int = 0, event: EventRef | None = None) -> M:
+                   may_pass: bool = False, room: int = 0, event: EventRef | None = None,
+                   may_trust: bool = False) -> M:
         """Run one step on a sandbox's newest state and commit it before returning its reply: the
         sandbox is resumed first if it is not live here (or its copy here is stale); a redelivered
         event gets its recorded reply without running. ``may_pass``: the step may pass through
         (``_passes``). ``room``: live sandboxes the step makes beside this one (a fork's children),
         made room for as a create's are (idle ones hibernated). ``event``: the request's, under which
-        the reply is recorded (and found again when it is redelivered)."""
-        ev = event
+        the reply is recorded (and found again when it is redelivered). ``may_trust``: the step may run
+        on what this replica saw last of the sandbox, unread (``StateStore.trusts_seen``): if its commit
+        finds that another replica had moved on, nothing of it is kept and it runs again, once, on the
+        newest (only for a step whose running leaves nothing outside its sandbox: an exec)."""
         async with self.residency.holding(sandbox_id):
-            live, replay = await self._prepare(sandbox_id, ev, model, may_pass)
-            if replay is not None:
-                return replay
-            assert live is not None
-            if room:
-                if not self.cap.fits(0, room + 1):
-                    raise Overloaded(f"{room} new sandboxes beside sandbox {sandbox_id} do not fit under this "
-                                     f"replica's live cap ({self.cap.max_live}, --max-live)", retry_after_s=1.0)
-                await self.residency.make_room(room)
-            passing = live.passing
+            trust = may_trust and room == 0 and self.store.trusts_seen()
             try:
-                try:
-                    reply = await action(live)
-                except SandboxDied:
-                    self._cut_short(sandbox_id, live)
-                    raise
-                finally:
-                    live.last_used = time.monotonic()
-                    live.passing = False  # for this step only (one refused before it ran leaves a live copy)
+                return await self._step(sandbox_id, action, model, may_pass, room, event, trust)
+            except _RanBehind:  # (or lost a race): nothing of it was kept; again on the newest, read
+                self.store.note_behind(True)
+            return await self._step(sandbox_id, action, model, may_pass, room, event, False)
+
+    async def _step(self, sandbox_id: str, action: Callable[[Live], Awaitable[M]], model: type[M],
+                    may_pass: bool, room: int, ev: EventRef | None, trust: bool) -> M:
+        live, replay = await self._prepare(sandbox_id, ev, model, may_pass, trust)
+        if replay is not None:
+            return replay
+        assert live is not None
+        if room:
+            if not self.cap.fits(0, room + 1):
+                raise Overloaded(f"{room} new sandboxes beside sandbox {sandbox_id} do not fit under this "
+                                 f"replica's live cap ({self.cap.max_live}, --max-live)", retry_after_s=1.0)
+            await self.residency.make_room(room)
+        passing = live.passing
+        try:
+            try:
+                reply = await action(live)
+            except SandboxDied:
                 self._cut_short(sandbox_id, live)
-                await self.generations.commit(live, reply, ev)
-            except (SandboxBusy, SandboxGone):  # another replica committed this generation: nothing is kept
-                await self._disown(self._adopted.pop(sandbox_id, []))
                 raise
             finally:
-                self._adopted.pop(sandbox_id, None)
-            live.resume_ms = None
-            if passing:
-                self.residency.drop(sandbox_id, "hibernated")
-                self.metrics.hibernations.labels("step").inc()
-            return reply
+                live.last_used = time.monotonic()
+                live.passing = False  # for this step only (one refused before it ran leaves a live copy)
+            self._cut_short(sandbox_id, live)
+            await self.generations.commit(live, reply, ev)
+        except (SandboxBusy, SandboxGone) as exc:  # another replica committed this generation: nothing is kept
+            await self._disown(self._adopted.pop(sandbox_id, []))
+            if live.trusted and isinstance(exc, SandboxBusy):
+                raise _RanBehind from exc
+            raise
+        finally:
+            self._adopted.pop(sandbox_id, None)
+        if live.trusted:
+            self.store.note_behind(False)
+            live.trusted = False
+        live.resume_ms = None
+        if passing:
+            self.residency.drop(sandbox_id, "hibernated")
+            self.metrics.hibernations.labels("step").inc()
+        return reply
 
     def _cut_short(self, sandbox_id: str, live: Live) -> None:
         """SandboxGone if the sandbox's lifetime passed while this step ran and the runtime's reaper
@@ -333,10 +362,15 @@ class DurableRuntime:
             await self._prepare(sandbox_id, None, BaseModel)
 
     async def _prepare(self, sandbox_id: str, ev: EventRef | None, model: type[M],
-                       may_pass: bool = False) -> tuple[Live | None, M | None]:
-        """(the live copy to run a step on, None), or (None, the recorded reply of ``ev``)."""
-        live = await self._fresh_live(sandbox_id)
-        head = live.record if live is not None else await self.store.head(sandbox_id)
+                       may_pass: bool = False, trust: bool = False) -> tuple[Live | None, M | None]:
+        """(the live copy to run a step on, None), or (None, the recorded reply of ``ev``). ``trust``:
+        on what this replica saw last of the sandbox, unread (``step``)."""
+        live = await self._fresh_live(sandbox_id, trust)
+        seen = self.store.seen.get(sandbox_id) if trust and live is None else None
+        head = live.record if live is not None else seen or await self.store.head(sandbox_id)
+        trusted = trust and (live is not None or seen is not None)
+        if trusted and head.state != "destroyed" and head.expired(time.time()) is not None:
+            return await self._prepare(sandbox_id, ev, model, may_pass)  # an expiry is decided on the newest, read
         if ev is not None and (replay := await self._replayed(head, ev, model)) is not None:
             return None, replay
         if head.state == "destroyed":
@@ -354,18 +388,23 @@ class DurableRuntime:
             live.passing = passing
         elif may_pass:  # its live copy lasted until this step
             self.residency.note_passing(False)
+        live.trusted = trusted
         return live, None
 
     # ----------------------------------------------------------------------------- internals
-    async def _fresh_live(self, sandbox_id: str) -> Live | None:
-        """The live copy here, if it is still the newest generation and its sandbox still runs."""
+    async def _fresh_live(self, sandbox_id: str, trust: bool = False) -> Live | None:
+        """The live copy here, if it is still the newest generation (unread with ``trust``: ``step``)
+        and its sandbox still runs."""
         live = self.live.get(sandbox_id)
         if live is None:
             return None
         if sandbox_id not in self.rt.sandboxes or not self.rt.sandboxes[sandbox_id].alive():
             self.residency.drop(sandbox_id, "died")
             return None
+        if trust:
+            return live
         newer = await self.store.read(sandbox_id, live.record.generation + 1)
+        self.store.note_behind(newer is not None)
         if newer is not None:  # another replica moved it on: never run a step on this copy
             self.metrics.stale.inc()
             self.store.remember(newer)

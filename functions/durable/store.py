@@ -45,6 +45,9 @@ _DOING = {"get": "reading a sandbox's state", "get_blob": "reading a sandbox's f
 M = TypeVar("M", bound=BaseModel)
 AIO_COMMITS = 32  # local commits syncing at once (the AIO context has room for 64 syncs in flight)
 SEEN_RECORDS = 4096  # newest records kept (their sandboxes' next resume here skips the listing)
+# an exec trusts what this replica saw last of its sandbox (no read of the next generation first) while
+# fewer than this share of recent steps found that another replica had moved it on (``behind``)
+TRUST_BELOW = 0.1
 
 
 def recorded(model: type[M], record: SandboxRecord) -> M:
@@ -85,6 +88,9 @@ class StateStore:
         # with it: it cannot expire, or its tombstone is kept, until then). The sweep reads only the
         # records of sandboxes that passed that time or moved on, not every sandbox in the store.
         self.due: dict[str, tuple[int, float]] = {}
+        # of recent steps on sandboxes seen here, the share that found them moved on by another replica
+        # (a moving average, from 0.5: a new replica trusts nothing until its steps have shown it)
+        self.behind = 0.5
         self._blob_cache: OrderedDict[str, bytes] = OrderedDict()  # content-addressed, so never stale
         self._blob_cache_bytes = 0
         self._blob_lock = threading.Lock()
@@ -136,11 +142,23 @@ class StateStore:
         data = self.objects.get(key)
         return None if data is None else SandboxRecord.from_bytes(data, key)
 
+    def note_behind(self, behind: bool) -> None:
+        """A step on a sandbox seen here found it moved on by another replica (True), or not."""
+        self.behind = 0.8 * self.behind + 0.2 * behind
+
+    def trusts_seen(self) -> bool:
+        """Whether a step may run on what this replica saw last of its sandbox without reading the next
+        generation first: when that read has rarely found one lately (one replica, or a load balancer
+        with affinity). The step's create-only commit is the check then: a 412 says it ran behind, and it
+        runs again on the newest (``DurableRuntime.step``)."""
+        return self.behind < TRUST_BELOW
+
     async def head(self, sandbox_id: str) -> SandboxRecord:
         """The newest generation of a sandbox not live here; SandboxNotFound if it never existed.
         From a generation seen here before (a record read or written; the record itself is kept for
         the 4096 most recent, its generation for many more), reading forward costs a GET per
-        generation and one that finds nothing; else the sandbox's records are listed first."""
+        generation and one that finds nothing; else the sandbox's records are listed and the newest
+        read."""
         head: SandboxRecord | None = self.seen.get(sandbox_id)
         if head is None and (due := self.due.get(sandbox_id)) is not None:
             head = await self.read(sandbox_id, due[0])  # the generation seen here last
@@ -152,8 +170,14 @@ class StateStore:
             head = await self.read(sandbox_id, gens[-1])
             if head is None:  # removed between the listing and the read (the sweeper)
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed", sandbox_id=sandbox_id)
+            # the listing said it is the newest, as a read of the next one would: a commit since is caught
+            # by the step's create-only write, as one after such a read is
+            self.remember(head)
+            return head
+        seen_generation = head.generation
         while (newer := await self.read(sandbox_id, head.generation + 1)) is not None:
             head = newer  # committed elsewhere since
+        self.note_behind(head.generation > seen_generation)
         self.remember(head)
         return head
 

@@ -512,3 +512,80 @@ async def test_racing_steps_through_two_replicas_with_files_are_200_and_409(
         for srv in (a, b):
             await assert_files(http, srv, sid, acked)
     assert [200, 409] in seen, seen  # the race was lost at least once (a 500 before the fix)
+
+
+async def store_requests(http: httpx.AsyncClient, srv: ServerProc) -> dict[str, int]:
+    """The replica's S3 requests by operation, but for its readiness checks of the bucket (HeadBucket)."""
+    text = (await http.get(srv.url + "metrics")).text
+    return {smp.labels["operation"]: int(smp.value) for fam in text_string_to_metric_families(text)
+            for smp in fam.samples if smp.name == "rollbox_store_requests_total" and smp.value
+            and smp.labels["operation"] != "HeadBucket"}
+
+
+async def test_s3_requests_per_step_kind(s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    """What each kind of step asks of S3 (rollbox_store_requests_total, by operation): a create is its
+    create-only PUT alone (a redelivered one learns of its sandbox from that PUT's 412); a step on a
+    replica that never saw the sandbox lists its records, reads the newest and commits (the listing
+    says it is the newest: a commit since is caught by the create-only PUT)."""
+    quiet = ("--record", "off", "--sweep-interval-s", "3600")
+    a, b = s3_replicas.start(*quiet), s3_replicas.start(*quiet)
+
+    async def asks(srv: ServerProc, ev: Any) -> tuple[Reply, dict[str, int]]:
+        before = await store_requests(http, srv)
+        r = await send(http, srv.url, ev)
+        after = await store_requests(http, srv)
+        return r, {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
+
+    made = event(CREATE, {})
+    r, n = await asks(a, made)
+    assert r.status == 200 and n == {"PutObject": 1}, (r.data, n)
+    sid = r.data["sandbox_id"]
+    r, n = await asks(a, event(EXEC, {"sandbox_id": sid, "code": APPEND.format("s1")}))  # its live copy is here
+    assert r.status == 200 and n == {"GetObject": 1, "PutObject": 1}, (r.data, n)
+    r, n = await asks(b, event(EXEC, {"sandbox_id": sid, "code": APPEND.format("s2")}))  # never seen on b
+    assert r.data["stdout"] == "s1\ns2\n" and n == {"ListObjectsV2": 1, "GetObject": 1, "PutObject": 1}, (r.data, n)
+    r, n = await asks(b, made)  # the create again, on the replica that did not make it: the same sandbox
+    assert r.status == 200 and r.data["sandbox_id"] == sid, r.data
+    r, n = await asks(a, event(DESTROY, {"sandbox_id": sid}))  # a's copy is stale: the newer record, and none after
+    assert r.status == 200 and n == {"GetObject": 2, "PutObject": 1}, (r.data, n)
+    c = s3_replicas.start(*quiet)  # scaled to zero and back: a replica with nothing cached
+    r, n = await asks(c, event(EXEC, {"sandbox_id": sid, "code": "print(1)"}))
+    assert r.status == 410 and n == {"ListObjectsV2": 1, "GetObject": 1}, (r.data, n)
+    r = await send(http, c.url, made)  # the create again where its sandbox is not live: told by the PUT's 412
+    assert r.status == 200 and r.data["sandbox_id"] == sid, r.data
+
+
+async def test_a_replica_whose_sandboxes_stay_put_commits_with_the_put_alone_and_runs_again_when_behind(
+        s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    """Once a replica's steps have kept finding their sandbox where they left it (one replica, or a load
+    balancer with affinity), an exec runs on its live copy without reading the next generation first:
+    one PUT. When another replica had moved the sandbox on after all, that PUT's 412 says so: nothing
+    of the run is kept, the step runs again on the newest (every earlier step's line there, its own
+    once), and the replica reads first again."""
+    quiet = ("--record", "off", "--sweep-interval-s", "3600")
+    a, b = s3_replicas.start(*quiet), s3_replicas.start(*quiet)
+    sid = await create(http, a)
+    lines = ""
+    for i in range(9):  # each reads the next generation first and finds none: a's estimate falls
+        r = await step(http, a, sid, code=APPEND.format(f"a{i}"))
+        lines += f"a{i}\n"
+        assert (r.status, r.data["stdout"]) == (200, lines), r.data
+    before = await store_requests(http, a)
+    r = await step(http, a, sid, code=APPEND.format("trusted"))
+    lines += "trusted\n"
+    after = await store_requests(http, a)
+    assert (r.status, r.data["stdout"]) == (200, lines), r.data
+    assert {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)} == {"PutObject": 1}
+    r = await step(http, b, sid, code=APPEND.format("on b"))  # moved on behind a's back
+    lines += "on b\n"
+    assert (r.status, r.data["stdout"]) == (200, lines), r.data
+    r = await step(http, a, sid, code=APPEND.format("again"))  # ran on a's stale copy, then on the newest
+    lines += "again\n"
+    assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, lines, True), r.data
+    before = await store_requests(http, a)
+    r = await step(http, a, sid, code=APPEND.format("read first"))
+    lines += "read first\n"
+    after = await store_requests(http, a)
+    assert (r.status, r.data["stdout"]) == (200, lines), r.data
+    assert {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)} == \
+        {"GetObject": 1, "PutObject": 1}

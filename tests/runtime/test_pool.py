@@ -77,3 +77,28 @@ async def test_a_prewarm_short_of_its_target_is_logged_and_counted(
         assert await pool.wait_ready(1, timeout_s=30)  # it does get there: a shortfall, not a failure
     finally:
         pool.min_size = 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_longer_timers_come_from_the_pool_and_hold(rt: Runtime) -> None:
+    """A trainer thinking for minutes asks for longer idle and lifetime limits: the timers are the
+    supervisor's, so such a sandbox still comes from the warm pool of the snapshot's defaults, with its
+    own timers (the reaper's); other limits (what the sandbox's processes see) still do not."""
+    await rt.prewarm("python", count=2)
+    info = await rt.create(limits={"idle_s": 1200.0, "lifetime_s": 3600.0})
+    assert info.pooled, info
+    assert (info.limits.idle_s, info.limits.lifetime_s) == (1200.0, 3600.0)
+    assert rt.sandboxes[info.sandbox_id].limits == info.limits
+    r = await rt.exec(info.sandbox_id, ExecRequest(code="print('long think')", timeout_s=1000.0))
+    assert r.stdout == "long think\n"  # (a timeout past the default lifetime of 900 s: the sandbox's own)
+    await rt.destroy(info.sandbox_id)
+    short = await rt.create(limits={"idle_s": 0.5})
+    assert short.pooled
+    for _ in range(100):  # the reaper ends it at its own idle limit
+        if short.sandbox_id not in rt.sandboxes:
+            break
+        await asyncio.sleep(0.05)
+    assert short.sandbox_id not in rt.sandboxes
+    other = await rt.create(limits={"pids_max": 64})
+    assert not other.pooled
+    await rt.destroy(other.sandbox_id)

@@ -6,15 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
-from rollbox.runtime.errors import IntegrityError, SnapshotNotFound, StoreError
+from rollbox.runtime.errors import IntegrityError, SnapshotNotFound, StoreError, StoreUnavailable
 from rollbox.snapshots.cache import LayerCache
 from rollbox.snapshots.layers import layer_id
 from rollbox.snapshots.resolver import StoreResolver
 from rollbox.snapshots.store import copy_snapshot
 from rollbox.snapshots.store_local import LocalStore
-from rollbox.snapshots.store_s3 import S3Store
+from rollbox.snapshots.store_s3 import S3Objects, S3Store
 
-from .s3server import S3Factory, SeaweedS3, sample_snapshot, store_factory
+from .s3server import S3Factory, SeaweedS3, free_ports, sample_snapshot, store_factory
 
 MiB = 1024 * 1024
 
@@ -165,3 +165,54 @@ def test_a_layer_modified_on_disk_is_not_pushed(tmp_path: Path, s3_url: str, mak
     with pytest.raises(IntegrityError, match="was modified on disk"):
         copy_snapshot(a, s3, "demo")
     assert not s3.has_layer(manifest.layers[1].id) and s3.list_ids() == []
+
+
+def test_durable_state_reads_and_create_only_writes_go_through_obstore(s3_url: str, make_s3: S3Factory,
+                                                                       seaweed: SeaweedS3) -> None:
+    """A record's GET and its create-only PUT (the durable step's hot calls) go through obstore, not
+    botocore, with the same answers: None for a missing key, False when another writer was first, True
+    for a retried write whose first try landed; and its errors converted as botocore's are."""
+    s3 = make_s3(s3_url)
+    objects = S3Objects(s3)
+
+    def refuse(event_name: str = "", **_: object) -> None:
+        raise AssertionError(f"botocore sent {event_name}")
+
+    s3._client.meta.events.register("before-send.s3", refuse)
+    key = "sandboxes/sb-1/000000000000.json"
+    assert objects.get(key) is None
+    assert objects.put_new(key, b"first") is True
+    assert objects.put_new(key, b"second") is False  # taken: the other writer's bytes stay
+    assert objects.put_new(key, b"first") is True  # the same bytes: a retry whose first try landed
+    assert objects.get(key) == b"first"
+    assert s3.requests_sent() == {"GetObject": 4, "PutObject": 3}
+    s3._client.meta.events.unregister("before-send.s3", refuse)
+    assert make_s3(s3_url)._client.get_object(Bucket=s3.bucket, Key=s3._key(key))["Body"].read() == b"first"
+
+    wrong = S3Objects(S3Store(s3_url, endpoint_url=seaweed.endpoint, access_key_id="nobody",
+                              secret_access_key="wrong", max_attempts=1))
+    with pytest.raises(StoreError, match=r"refused access.*check the credentials"):
+        wrong.get(key)
+    with pytest.raises(StoreError, match=r"refused access.*check the credentials"):
+        wrong.put_new("sandboxes/sb-2/000000000000.json", b"x")
+    (port,) = free_ports(1)
+    gone = S3Objects(S3Store(s3_url, endpoint_url=f"http://127.0.0.1:{port}", access_key_id="a",
+                             secret_access_key="b", max_attempts=1))
+    with pytest.raises(StoreUnavailable, match=r"unreachable or failing while reading"):
+        gone.get(key)
+
+
+def test_durable_state_calls_use_the_endpoint_botocore_found_in_the_environment(
+        s3_url: str, seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An endpoint given to botocore by its environment (AWS_ENDPOINT_URL, a config file) rather than
+    as an argument is the obstore client's too: plain HTTP allowed for an http:// one, paths not hosts."""
+    from .s3server import ACCESS_KEY, SECRET_KEY
+
+    for k, v in {"AWS_ENDPOINT_URL": seaweed.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    s3 = S3Store(s3_url, max_attempts=1)
+    assert s3.endpoint == seaweed.endpoint and s3._fast is not None
+    objects = S3Objects(s3)
+    assert objects.put_new("sandboxes/sb-env/000000000000.json", b"env") is True
+    assert objects.get("sandboxes/sb-env/000000000000.json") == b"env"
