@@ -79,8 +79,9 @@ log = logging.getLogger("rollbox.durable")
 M = TypeVar("M", bound=BaseModel)
 
 
-class _RanBehind(Exception):
-    """A step run on what its replica saw last of the sandbox, unread, lost its commit (``step``)."""
+class _RanBehind(RollboxError):
+    """A step run on what its replica saw last of the sandbox, unread, lost its commit (``step``): caught
+    there and run again on the newest state; never leaves this module."""
 
 
 class DurableRuntime:
@@ -333,7 +334,7 @@ class DurableRuntime:
         except (SandboxBusy, SandboxGone) as exc:  # another replica committed this generation: nothing is kept
             await self._disown(self._adopted.pop(sandbox_id, []))
             if live.trusted and isinstance(exc, SandboxBusy):
-                raise _RanBehind from exc
+                raise _RanBehind("ran behind the newest generation", sandbox_id=sandbox_id) from exc
             raise
         finally:
             self._adopted.pop(sandbox_id, None)
