@@ -225,6 +225,7 @@ async def main() -> int:
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds (the verdict is their median ratio)")
     args = p.parse_args()
     t_start, load_start = time.monotonic(), os.getloadavg()[0]
+    busy0, own0, tree_total = bench_service.machine_busy_s(), time.process_time(), 0.0
     with tempfile.TemporaryDirectory(prefix="bench-languages-") as tmp:
         proc, url = start(args.home, Path(tmp) / "serve.log")
         pid = proc.pid
@@ -246,11 +247,15 @@ async def main() -> int:
                         await settle(pid)
                         await py_round(http, url, args.concurrency, args.python_runs, event, st, pid)
         finally:
+            tree_total = tree_cpu_s(pid)
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
+    elapsed = time.monotonic() - t_start
+    # the machine's busy CPU less this bench's (the server's tree and this process): the other jobs' share
+    others = max(0.0, bench_service.machine_busy_s() - busy0 - tree_total - (time.process_time() - own0)) / elapsed
     print(f"bench_languages: c{args.concurrency}, {args.rounds} alternating rounds, home {args.home}, "
           f"{os.cpu_count()} CPUs, {time.monotonic() - t_start:.0f} s "
-          f"(load average at the end: {os.getloadavg()[0]:.1f})")
+          f"(load average {load_start:.1f} at the start; other work used {others:.2f} of the CPUs during the run)")
     speedups = show(f"C++, 10 test cases per program ({args.programs} programs per mode per round; A: off, B: on)",
                     "programs", ("compile cache off", off), ("compile cache on", on))
     ratios = show(f"Python, {args.python_runs} runs per interface per round (A: run event, B: /run_code)", "runs",
@@ -264,10 +269,9 @@ async def main() -> int:
     print(f"/run_code / run event, median of {len(ratios)} rounds: {ratio:.2f} (target >= 0.90; "
           f"{sum(x >= 0.9 for x in ratios)} of {len(ratios)} rounds >= 0.90); CPU per run event / /run_code: "
           f"{cpu_ratio:.2f}")
-    load = max(load_start, os.getloadavg()[0])
-    if load > (os.cpu_count() or 1):
-        print(f"\nthe machine was busy with other work (load average up to {load:.1f} on {os.cpu_count()} CPUs): the "
-              "ratios of throughput move with it (and 'off', 16 compiles at once, gets more of a contended machine "
+    if others > 0.2:
+        print(f"\nthe machine was busy with other work ({others:.2f} CPUs on average, load average {load_start:.1f} "
+              f"at the start, {os.cpu_count()} CPUs): the ratios of throughput move with it (and 'off', 16 compiles at once, gets more of a contended machine "
               "than 'on'); the CPU ratios are not moved by it")
     bad = off.errors or on.errors or rc.errors or ev.errors
     return 1 if bad else 0
