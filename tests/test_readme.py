@@ -158,7 +158,8 @@ def image_usage(command: str) -> tuple[str, Callable[[subprocess.CompletedProces
 
 
 CHECKED: tuple[tuple[str, str, Quick], ...] = (
-    (r"^\.venv/bin/python loadtest/bench_\w+\.py", "a benchmark of minutes: --help lists its flags", bench_help),
+    (r"^\.venv/bin/python loadtest/(bench|profile)_\w+\.py", "a benchmark of minutes: --help lists its flags",
+     bench_help),
     (r"^su rollbox-rootless -s /bin/sh -c '\.venv/bin/python loadtest/bench_\w+\.py",
      "a benchmark of minutes as an unprivileged user: --help lists its flags", rootless_bench),
     (r"^\.venv/bin/python loadtest/fleet_local\.py", "a fleet that runs until stopped: --help lists its flags",
@@ -236,6 +237,7 @@ COMMANDS: tuple[tuple[str, int, Check], ...] = (
      exits(0, has="pulled ")),
     (r"^\.venv/bin/python loadtest/locustfile\.py --host http://127\.0\.0\.1:8080 --think-min-s 0 --think-max-s 0$", 1,
      exits(0)),
+    (r"^\.venv/bin/python loadtest/fleet\.py(\s|$)", 1, exits(0, has="always-on (")),  # the model: ~1 s
     (r"^\.venv/bin/rollbox trajectories ls$", 2, exits(0, has="demo")),
     (r"^\.venv/bin/rollbox trajectories show EPISODE --experiment E$", 2, exits(0, has="assert f(2) == 4")),
     (r"^\.venv/bin/rollbox trajectories export --experiment E --format jsonl --since 2026-12-01 --out e\.jsonl$",
