@@ -56,6 +56,7 @@ FETCHED = "/tmp/.rollbox-out"
 BASE, CASE = "/tmp/.rollbox-base", "/tmp/.rollbox-case"  # a batch's prepared home, and its copy for one case
 BASE_COPY = f"rm -rf {BASE} && cp -a /home/sandbox {BASE}"
 MAX_TIMEOUT_S = 3600.0
+MAX_LIFETIME_S = 7 * 24 * 3600.0  # the runtime's largest lifetime_s (runtime/spec.py Limits)
 MIN_TIMEOUT_S = 0.001  # SandboxFusion takes 0 and negative timeouts (asyncio answers them as timed out at once)
 
 
@@ -114,6 +115,17 @@ def _clamp(t: float) -> float:
     return min(max(t, MIN_TIMEOUT_S), MAX_TIMEOUT_S)
 
 
+def _lifetime_for(p: Program, default_s: float) -> dict[str, Any] | None:
+    """``p.limits``, with a lifetime long enough for the compile and every run when its timeouts ask for
+    more than the snapshot's default (SandboxFusion has no cap below its timeouts: a run_timeout of 1200 s
+    runs for up to 1200 s there, so here too, up to the runtime's largest lifetime)."""
+    runs = len(p.cases) if p.cases else 1
+    needed = _clamp(p.compile_timeout_s) + _clamp(p.run_timeout_s) * runs + 60.0  # + set-up and fetch
+    if needed <= default_s or (p.limits or {}).get("lifetime_s", 0) >= needed:
+        return p.limits
+    return {**(p.limits or {}), "lifetime_s": min(needed, MAX_LIFETIME_S)}
+
+
 def _exec(**kw: Any) -> ExecRequest:
     try:
         return ExecRequest(**kw)
@@ -148,7 +160,7 @@ class Runner:
                 raise SnapshotNotFound(languages.missing_snapshot(p.language), snapshot_id=plan.snapshot) from exc
             await self.builds.ensure(p.language, p.build_wait_s)  # StillBuilding (retry) past the wait
             view = await self.rt.resolve(plan.snapshot)
-        limits = p.limits
+        limits = _lifetime_for(p, view.limits.lifetime_s)
         text, binary = _split(p.files)
         files = {**text, **plan.files}  # the code's file last: as in SandboxFusion, it wins over a request file
         binary = {k: v for k, v in binary.items() if k not in plan.files}

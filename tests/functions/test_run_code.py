@@ -162,6 +162,16 @@ async def test_timeout_keeps_flushed_output_and_kills_children(http: httpx.Async
     assert (r["status"], r["compile_result"]["status"], r["run_result"]) == ("Failed", "TimeLimitExceeded", None)
 
 
+async def test_timeouts_longer_than_a_sandboxs_default_lifetime_run(http: httpx.AsyncClient, srv: ServerProc) -> None:
+    """SandboxFusion puts no cap below its timeouts: a trainer's generous run_timeout (over the default
+    15 min lifetime) runs, the sandbox living as long as the compile and the run may take (was a 422)."""
+    r = await run_code(http, srv, code="print(6 * 7)", language="python", run_timeout=1200)
+    assert (r["status"], r["run_result"]["stdout"]) == ("Success", "42\n"), r
+    r = await run_code(http, srv, code=CPP_SUM + f"// {uuid.uuid4()}", language="cpp", stdin="20 22",
+                       compile_timeout=600, run_timeout=900)
+    assert (r["status"], r["run_result"]["stdout"]) == ("Success", "42\n"), r
+
+
 def _cmdline(pid: str) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
