@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from rollbox.runtime.errors import SandboxDied
 from rollbox.runtime.inside import proto
 from rollbox.runtime.inside.proto import Op
+from rollbox.runtime.isolation import cgroupfs
 from rollbox.runtime.isolation.cgroups import CgroupStats, Group
 from rollbox.runtime.spec import ExecRequest, ExecResult, Limits
 
@@ -192,17 +193,11 @@ def kill_all_but_init(init_pid: int, group: Group | None, max_passes: int = 100)
     own agent (a fork bomb under a small CPU quota) still ends at its deadline. Passes repeat while
     new processes appear (a process forked just before its parent was killed); a killed one cannot
     fork. Returns how many processes were signalled."""
-    seen: set[int] = set()
-    for _ in range(max_passes):
+    def members() -> list[int]:
         found = group.pids() if group is not None else descendants(init_pid)
-        new = [p for p in found if p != init_pid and p not in seen]
-        if not new:
-            break
-        for p in new:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(p, signal.SIGKILL)
-        seen.update(new)
-    return len(seen)
+        return [p for p in found if p != init_pid]
+
+    return cgroupfs.kill_while_new(members, max_passes)
 
 
 def _exit_code(status: int) -> tuple[int, str | None]:

@@ -8,6 +8,7 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -286,13 +287,12 @@ def read_peak(kept: KeptFiles, path: str) -> int:
         return -1
 
 
-def kill_procs(path: Path | str, max_passes: int = 100) -> int:
-    """SIGKILL every process listed in a cgroup.procs file, again while new ones appear (a process
-    forked just before its parent was killed; a killed one cannot fork). Returns how many were
-    signalled."""
+def kill_while_new(list_pids: Callable[[], Iterable[int]], max_passes: int = 100) -> int:
+    """SIGKILL every process ``list_pids()`` names, again while new ones appear (a process forked just
+    before its parent was killed; a killed one cannot fork). Returns how many were signalled."""
     seen: set[int] = set()
     for _ in range(max_passes):
-        new = [p for p in read_pids(Path(path)) if p not in seen]
+        new = [p for p in list_pids() if p not in seen]
         if not new:
             break
         for p in new:
@@ -300,6 +300,11 @@ def kill_procs(path: Path | str, max_passes: int = 100) -> int:
                 os.kill(p, signal.SIGKILL)
         seen.update(new)
     return len(seen)
+
+
+def kill_procs(path: Path | str, max_passes: int = 100) -> int:
+    """SIGKILL every process listed in a cgroup.procs file (``kill_while_new``)."""
+    return kill_while_new(lambda: read_pids(Path(path)), max_passes)
 
 
 def has_children(paths: list[str]) -> bool:
