@@ -34,6 +34,17 @@ def missing_tools() -> list[str]:
     return [t for t in TOOLS if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
 
 
+def base_image() -> str:
+    """The pod tests' image (``image()``), or a skip when not root; the tools it needs asserted present."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("the pod tests need root (rootful podman with runc, as CI runs them)")
+    missing = missing_tools()
+    assert not missing, f"{', '.join(missing)} missing: scripts/bootstrap installs them when run as root"
+    return image()
+
+
 def version() -> str:
     import tomllib
 
