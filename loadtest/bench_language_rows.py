@@ -1,5 +1,7 @@
 """One row per language through POST /run_code: a hello world and a typical solution (read two numbers,
-print their sum; 10 test cases of one program, as verl sends them), compile cache off and on.
+print their sum; 10 test cases of one program, as verl sends them), compile cache off and on. The test
+runners' languages (pytest, junit, go_test, jest, D_ut) run a test file (one test; ten tests of a sum),
+sql and verilog a program that prints a fixed sum (no stdin for them here).
 
     .venv/bin/python loadtest/bench_language_rows.py                          # every language below
     .venv/bin/python loadtest/bench_language_rows.py --languages cpp,go,lua -n 20 -c 16
@@ -54,21 +56,53 @@ PROGRAMS: dict[str, tuple[str, str, str]] = {
                "System.Console.WriteLine(long.Parse(s[0])+long.Parse(s[1]));}}"),
     "R": ("#", "cat('hello\\n')", "x <- scan(file('stdin'), quiet=TRUE); cat(x[1] + x[2], '\\n', sep='')"),
     "racket": (";", "#lang racket\n(displayln \"hello\")", "#lang racket\n(displayln (+ (read) (read)))"),
-    "D_ut": ("//", "unittest { assert(1 + 1 == 2); }\nvoid main() {}", "unittest { assert(20 + 22 == 42); }\nvoid main() {}"),
+    "D_ut": ("//", "unittest { assert(1 + 1 == 2); }\nvoid main() {}",
+             "long sum(long a, long b) { return a + b; }\n"
+             + "".join(f"unittest {{ assert(sum({i}, {i * 7}) == {i * 8}); }}\n" for i in range(1, 11))
+             + "void main() {}"),
     "scala": ("//", 'object Main extends App { println("hello") }',
               "object Main extends App { val Array(a, b) = scala.io.StdIn.readLine().split(' ').map(_.toLong); "
               "println(a + b) }"),
+    "kotlin_script": ("//", 'println("hello")',
+                      'val (a, b) = readLine()!!.trim().split(" ").map { it.toLong() }\nprintln(a + b)'),
+    # sqlite3 reads the program from its stdin and Icarus has no handy stdin: both print a fixed sum
+    "sql": ("--", "SELECT 'hello';", "SELECT 20 + 22;"),
+    "verilog": ("//", 'module tb; initial begin $display("hello"); $finish; end endmodule',
+                'module tb; integer a = 20, b = 22; initial begin $display("%0d", a + b); $finish; end endmodule'),
+    # test runners: a test file whose tests pass (status Success); their report's wording is not compared
+    "pytest": ("#", "def test_hello():\n    assert 'hello'\n",
+               "def add(a, b):\n    return a + b\n\n"
+               + "".join(f"def test_{i}():\n    assert add({i}, {i * 7}) == {i * 8}\n" for i in range(1, 11))),
+    "junit": ("//", "import org.junit.jupiter.api.Test;\nimport static org.junit.jupiter.api.Assertions.*;\n"
+                    "public class HelloTest { @Test void hello() { assertEquals(2, 1 + 1); } }",
+              "import org.junit.jupiter.api.Test;\nimport static org.junit.jupiter.api.Assertions.*;\n"
+              "public class SumTest { static long add(long a, long b) { return a + b; }\n"
+              + "".join(f"  @Test void t{i}() {{ assertEquals({i * 8}, add({i}, {i * 7})); }}\n" for i in range(1, 11))
+              + "}"),
+    "go_test": ("//", 'package main\nimport "testing"\nfunc TestHello(t *testing.T){ if 1+1 != 2 { t.Fatal("no") } }\n',
+                'package main\nimport "testing"\nfunc add(a, b int) int { return a + b }\n'
+                + "".join(f'func Test{i}(t *testing.T){{ if add({i}, {i * 7}) != {i * 8} {{ t.Fatal("no") }} }}\n'
+                          for i in range(1, 11))),
+    "jest": ("//", "test('hello', () => { expect(1 + 1).toBe(2); });",
+             "const add = (a: number, b: number): number => a + b;\n"
+             + "".join(f"test('{i}', () => {{ expect(add({i}, {i * 7})).toBe({i * 8}); }});\n" for i in range(1, 11))),
 }
+# languages whose programs are test files (verdict: the tests pass) or print a fixed sum
+TEST_FILES = ("pytest", "junit", "go_test", "jest", "D_ut")
+FIXED_SUM = ("sql", "verilog")
 SUM_CASES = [(f"{i} {i * 7}\n", f"{i * 8}\n") for i in range(1, 11)]
 
 
 async def rows_for(http: httpx.AsyncClient, url: str, lang: str, n: int, c: int) -> list[tuple[str, bench_languages.Stats]]:
     comment, hello, solution = PROGRAMS[lang]
     out = []
-    for kind, code, cases in (("hello", hello, [("", "" if lang == "D_ut" else "hello\n")]),
-                              ("a+b x10", solution, SUM_CASES)):
-        if lang == "D_ut":  # its tests: a passing unittest prints nothing
-            cases = [("", "")]
+    hello_out: str | None = "hello\n"
+    sum_cases: list[tuple[str, str | None]] = list(SUM_CASES)
+    if lang in TEST_FILES:  # one test file of ten tests; each request runs it
+        hello_out, sum_cases = None, [("", None)]
+    elif lang in FIXED_SUM:
+        sum_cases = [("", "42\n")]
+    for kind, code, cases in (("hello", hello, [("", hello_out)]), ("a+b x10", solution, sum_cases)):
         for cache in ("off", "on"):
             st = bench_languages.Stats()
             sem = asyncio.Semaphore(c)
@@ -111,7 +145,8 @@ async def main() -> int:
                                          limits=httpx.Limits(max_connections=args.concurrency + 4)) as http:
                 for lang in langs:
                     warm = bench_languages.Stats()  # the language's zygote, not measured
-                    await bench_languages.post(http, asyncio.Semaphore(1), url, warm, "hello\n" if lang != "D_ut" else "",
+                    await bench_languages.post(http, asyncio.Semaphore(1), url, warm,
+                                               None if lang in TEST_FILES else "hello\n",
                                                {"code": PROGRAMS[lang][1], "language": lang, "compile_timeout": 60,
                                                 "run_timeout": 30})
                     for name, st in await rows_for(http, url, lang, args.requests, args.concurrency):
