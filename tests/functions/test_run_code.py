@@ -29,6 +29,8 @@ import httpx
 import pytest
 from svc_testkit import ServerProc, event, send, start_server
 
+from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, store_factory
+
 LANG_HOME = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
 TEMPLATES = Path(__file__).resolve().parents[2] / "snapshots" / "templates"
 BUILT = ("python3", "cpp", "java", "nodejs", "go")
@@ -492,6 +494,51 @@ async def test_a_missing_language_snapshot_is_built_on_first_use_once_with_its_s
         assert any(m.startswith("building bash, step 1/2: base: reusing layer") for m in msgs), msgs
         assert any(m.startswith("building bash, step 2/2: snapshot bash = ") for m in msgs), msgs
         assert (home / "names" / "bash").read_text().strip() == langs["bash"]["snapshot_id"]
+    finally:
+        assert srv.stop() == 0, srv.log_path.read_text()[-4000:]
+
+
+async def test_a_language_built_by_one_replica_is_pushed_to_s3_and_another_replica_runs_it_without_building(
+        lang_store: Path, tmp_path: Path, seaweed: SeaweedS3) -> None:
+    """Replica A: ``rollbox languages build bash --store s3://...`` on a home whose layers and Debian build
+    records are the language test store's (bash's Debian layer is reused; the manifest, name and push run
+    here). Replica B: ``rollbox serve`` on an empty home with that store: GET /languages says bash is ready
+    in the store, and the first /run_code runs it from the pulled snapshot; B builds nothing (its home has
+    no Debian records: a build would run mmdebstrap for minutes)."""
+    import subprocess
+
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    aws = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": seaweed.endpoint}
+    store = f"s3://{seaweed.new_bucket()}/p"
+    a = tmp_path / "a"
+    a.mkdir()
+    for sub in ("layers", "layers-meta", "debian"):
+        (a / sub).symlink_to(lang_store / sub)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "ROLLBOX_"))}
+    done = subprocess.run([sys.executable, "-m", "rollbox.functions.cli", "languages", "build", "bash", "--home", str(a),
+                           "--store", store, "--json"], env={**env, **aws, "ROLLBOX_DEBIAN_MAX_AGE_DAYS": "3650"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (built,) = json.loads(done.stdout.strip().splitlines()[-1])
+    s3 = store_factory(seaweed)(store)
+    assert s3.names()["bash"] == built["snapshot_id"] and S3Objects(s3).keys("language-builds/") == []
+    srv = start_server(tmp_path / "log", "--home", str(tmp_path / "b"), "--store", store, "--prewarm", "",
+                       "--durability", "off", "--record", "off", env=aws)
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
+            langs = {r["language"]: r for r in (await http.get(srv.url + "languages")).json()}
+            assert (langs["bash"]["state"], langs["bash"]["where"]) == ("ready", "store"), langs["bash"]
+            assert langs["bash"]["snapshot_id"] == built["snapshot_id"] and langs["lua"]["state"] == "missing"
+            body = {"code": "read a b; echo $((a + b))", "language": "bash", "stdin": "40 2", "run_timeout": 30}
+            r = await http.post(srv.url + "run_code", json=body)
+            assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "42\n", r.text
+            langs = {r["language"]: r for r in (await http.get(srv.url + "languages")).json()}
+            assert (langs["bash"]["state"], langs["bash"]["where"]) == ("ready", "here")  # pulled
+        msgs = [str(r.get("msg", "")) for r in srv.log_records()]
+        assert not any(m.startswith(("building bash", "built bash")) for m in msgs), msgs
+        assert not (tmp_path / "b" / "builds" / "bash.json").exists()
     finally:
         assert srv.stop() == 0, srv.log_path.read_text()[-4000:]
 
