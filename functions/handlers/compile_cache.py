@@ -10,7 +10,10 @@ depends on the machine's load).
 Two levels: an LRU in this process, bounded in bytes, and the snapshot store's object API
 (``rollbox.snapshots.state.Objects``: the local store's directory, or S3 shared by every replica),
 under ``compiled/<key>.json``. Concurrent requests for one key wait for the first one's compile (one
-compile per key per replica at a time).
+compile per key per replica at a time). A compile that timed out is not kept, but it is the verdict of
+the requests waiting for it then whose own compile timeout is no longer (verl's ten cases of a program
+share one compile timeout): they answer its timeout instead of each compiling again, which on an
+overloaded machine would multiply the load that made it time out.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from rollbox.runtime.errors import RollboxError
 from rollbox.snapshots.state import Objects
 
-__all__ = ["CompileCache", "Compiled", "cache_key"]
+__all__ = ["CompileCache", "Compiled", "TimedOut", "cache_key"]
 
 log = logging.getLogger("rollbox.compile_cache")
 KEY_PREFIX = "compiled/"
@@ -55,6 +59,15 @@ class Compiled:
                    wall_s=float(d["wall_s"]), artifacts_b64=str(d.get("artifacts_b64", "")))
 
 
+@dataclass(frozen=True)
+class TimedOut:
+    """A compile that ran out of its ``timeout_s``: never kept, only handed to the requests waiting for it
+    (``CompileCache.once``). ``result``: the compile step as the caller reports it."""
+
+    result: Any
+    timeout_s: float
+
+
 def cache_key(language: str, snapshot_id: str, command: str, files: dict[str, bytes]) -> str:
     """sha256 of the language, the toolchain snapshot id, the compile command and each file's path and hash."""
     h = hashlib.sha256()
@@ -73,9 +86,10 @@ class CompileCache:
         self.max_bytes = max_bytes
         self._lru: OrderedDict[str, Compiled] = OrderedDict()
         self._bytes = 0
-        self._inflight: dict[str, asyncio.Future[Compiled | None]] = {}
+        self._inflight: dict[str, asyncio.Future[Compiled | TimedOut | None]] = {}
         self.hits = 0
         self.misses = 0
+        self.shared_timeouts = 0  # waiters answered with the timeout of the compile they waited for
 
     async def get(self, key: str) -> Compiled | None:
         hit = self._lru.get(key)
@@ -114,13 +128,16 @@ class CompileCache:
             _, gone = self._lru.popitem(last=False)
             self._bytes -= gone.size()
 
-    async def once(self, key: str, compile_: Callable[[Callable[[Compiled | None], Awaitable[None]]], Awaitable[None]]
-                   ) -> tuple[Compiled | None, bool]:
+    async def once(self, key: str,
+                   compile_: Callable[[Callable[[Compiled | TimedOut | None], Awaitable[None]]], Awaitable[None]],
+                   timeout_s: float = float("inf")) -> tuple[Compiled | TimedOut | None, bool]:
         """The cached outcome for ``key`` and True; else ``compile_(done)`` runs and False is returned
-        with what it passed to ``done`` (which keeps it, when not None). ``done`` may be called as soon as
+        with what it passed to ``done`` (which keeps a ``Compiled``). ``done`` may be called as soon as
         the compile is over (before the program runs): callers waiting for this key go on from then.
-        While one compile of a key runs, other callers wait for it and share it; if it keeps nothing (a
-        timeout) each of them compiles on its own."""
+        While one compile of a key runs, other callers wait for it and share it. If it timed out (``done``
+        got a ``TimedOut``), the callers waiting then whose ``timeout_s`` (their compile timeout) is at
+        most its own get that TimedOut and True; the others, and every caller when it kept nothing (a
+        sandbox fault), compile on their own."""
         while True:
             hit = await self.get(key)
             if hit is not None:
@@ -129,20 +146,24 @@ class CompileCache:
             running = self._inflight.get(key)
             if running is None:
                 break
-            if await asyncio.shield(running) is None:
+            shared = await asyncio.shield(running)
+            if isinstance(shared, TimedOut) and timeout_s <= shared.timeout_s:
+                self.shared_timeouts += 1
+                return shared, True  # the same source, no more time: it would time out again
+            if shared is None or isinstance(shared, TimedOut):
                 break  # that compile kept nothing: compile this one (not waiting in turn for a twin)
-        fut: asyncio.Future[Compiled | None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Compiled | TimedOut | None] = asyncio.get_running_loop().create_future()
         mine = key not in self._inflight
         if mine:
             self._inflight[key] = fut
         self.misses += 1
-        got: list[Compiled | None] = []
+        got: list[Compiled | TimedOut | None] = []
 
-        async def done(value: Compiled | None) -> None:
+        async def done(value: Compiled | TimedOut | None) -> None:
             if got:
                 return
             got.append(value)
-            if value is not None:
+            if isinstance(value, Compiled):
                 await self.put(key, value)
             if mine:
                 self._inflight.pop(key, None)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from rollbox.functions.durable.runtime import DurableRuntime
-from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, cache_key
+from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, TimedOut, cache_key
 from rollbox.functions.handlers.routing import InProcess
 from rollbox.runtime.errors import InvalidRequest, RollboxError, SnapshotNotFound
 from rollbox.runtime.spec import CaseResult, CompileResult, ExecRequest, ExecResult
@@ -177,22 +177,28 @@ class Runner:
         key = cache_key(plan.language, view.id, plan.compile, all_bytes)
         box: list[ProgramResult] = []
 
-        async def compile_(done: Callable[[Compiled | None], Awaitable[None]]) -> None:
+        async def compile_(done: Callable[[Compiled | TimedOut | None], Awaitable[None]]) -> None:
             async def compiled(c: ExecResult) -> ExecResult:
-                """Right after the compile step (before the run): what the cache keeps, and the compile
-                step without the artifacts (they are not the program's output)."""
-                keep = None
+                """Right after the compile step (before the run): what the cache keeps (or, a timeout, what
+                the requests waiting for this compile answer), and the compile step without the artifacts
+                (they are not the program's output)."""
+                keep: Compiled | TimedOut | None = None
+                step = c.model_copy(update={"files": {}})
                 art = (c.files.get(ARTIFACTS) or "").strip()
-                if not (c.timed_out or c.oom_killed or c.signal is not None or (c.exit_code == 0 and not art)):
+                if c.timed_out:
+                    keep = TimedOut(step, _clamp(p.compile_timeout_s))
+                elif not (c.oom_killed or c.signal is not None or (c.exit_code == 0 and not art)):
                     keep = Compiled(c.exit_code, c.stdout, c.stderr, c.wall_s, art if c.exit_code == 0 else "")
                 await done(keep)  # (not kept: a timeout or a kill depends on the load, not on the source)
-                return c.model_copy(update={"files": {}})
+                return step
 
             box.append(await self._compile_and_run(p, plan, limits, files, unpack, key, compiled))
 
-        found, cached = await self.cache.once(key, compile_)
+        found, cached = await self.cache.once(key, compile_, _clamp(p.compile_timeout_s))
         if not cached:
             return box[0] if box else ProgramResult(plan, None, False, None)  # (compile_ raised otherwise)
+        if isinstance(found, TimedOut):  # the compile this request waited for timed out: its verdict too
+            return ProgramResult(plan, found.result.model_copy(update={"sandbox_id": ""}), True, None)
         assert found is not None
         if found.return_code != 0:
             return ProgramResult(plan, found, True, None)
@@ -338,7 +344,7 @@ async def run_event(rt: Any, data: RunData) -> ExecResult:
                              cached=res.compile_cached)
     elif c is not None:
         step = CompileResult(exit_code=None if c.timed_out else c.exit_code, stdout=c.stdout, stderr=c.stderr,
-                             timed_out=c.timed_out, wall_s=c.wall_s)
+                             timed_out=c.timed_out, wall_s=c.wall_s, cached=res.compile_cached)
     base = res.last()
     if base is None:  # a cached failed compile: no sandbox was needed
         assert isinstance(c, Compiled)
@@ -495,9 +501,9 @@ def _command_result(r: ExecResult | Compiled, cached: bool = False) -> CommandRu
         return CommandRunResult(status=CommandRunStatus.Finished, execution_time=0.0 if cached else r.wall_s,
                                 return_code=r.return_code, stdout=r.stdout, stderr=r.stderr,
                                 cached=True if cached else None)
-    if r.timed_out:
+    if r.timed_out:  # (cached: another request's compile of this source, which this one waited for)
         return CommandRunResult(status=CommandRunStatus.TimeLimitExceeded, execution_time=r.wall_s,
-                                return_code=None, stdout=r.stdout, stderr=r.stderr)
+                                return_code=None, stdout=r.stdout, stderr=r.stderr, cached=True if cached else None)
     code = r.exit_code
     if r.signal is not None:  # SandboxFusion (asyncio) reports a death by signal N as -N
         try:

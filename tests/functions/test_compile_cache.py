@@ -9,7 +9,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, cache_key
+from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, TimedOut, cache_key
 from rollbox.functions.handlers.run_code import _members
 from rollbox.snapshots.state import LocalObjects
 
@@ -71,6 +71,31 @@ async def test_a_compile_that_keeps_nothing_lets_each_waiter_compile() -> None:
     except RuntimeError:
         pass
     assert "k2" not in cache._inflight and await cache.get("k2") is None
+
+
+async def test_the_waiters_of_a_compile_that_timed_out_get_its_timeout_instead_of_compiling_again() -> None:
+    """verl's ten cases of one program on an overloaded machine: their one compile times out; the nine
+    waiting for it answer that timeout (their compile timeout is the same) rather than compiling nine
+    times more. A waiter allowed longer compiles on its own, and the timeout is not kept for later."""
+    cache = CompileCache()
+    calls = 0
+
+    async def times_out(done):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.05)
+        await done(TimedOut("the compile step, timed out", 10.0))
+
+    first = asyncio.create_task(cache.once("k", times_out, 10.0))
+    await asyncio.sleep(0.01)
+    waiters = [cache.once("k", times_out, t) for t in (10.0,) * 8 + (5.0, 30.0)]
+    results = await asyncio.wait_for(asyncio.gather(first, *waiters), 5)
+    assert results[0] == (TimedOut("the compile step, timed out", 10.0), False)
+    assert results[1:10] == [(TimedOut("the compile step, timed out", 10.0), True)] * 9
+    assert results[10] == (TimedOut("the compile step, timed out", 10.0), False)  # 30 s: compiled itself
+    assert calls == 2 and cache.shared_timeouts == 9
+    assert await cache.once("k", times_out, 10.0) == (TimedOut("the compile step, timed out", 10.0), False)
+    assert calls == 3 and await cache.get("k") is None  # not kept: the next wave compiles again
 
 
 async def test_bounded_in_memory_and_shared_through_the_store(tmp_path: Path) -> None:

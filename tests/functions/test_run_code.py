@@ -281,6 +281,23 @@ async def test_same_program_compiles_once_and_concurrent_cases_share_the_compile
     assert len(cached) >= 3  # kept in the store the replicas share
 
 
+async def test_cases_waiting_for_a_compile_that_timed_out_get_its_timeout_without_compiling_again(
+        http: httpx.AsyncClient, srv: ServerProc) -> None:
+    """verl's pattern on an overloaded machine: four cases of one program, whose one compile runs out of its
+    2 s (a constexpr loop of 4e10 steps: g++ needs minutes). The three that waited for it answer its timeout (cached:
+    not compiled again); they used to compile one each, multiplying the load that made it time out."""
+    slow = ("constexpr long f(){long s=0; for(long i=0;i<200000;i++) for(long j=0;j<200000;j++) s+=(i^j)%7;"
+            " return s;}\n"
+            f"static_assert(f() > 0);\nint main(){{}}\n// {uuid.uuid4()}\n")
+    rs = await asyncio.gather(*(run_code(http, srv, code=slow, language="cpp", compile_timeout=2, stdin=str(i))
+                                for i in range(4)))
+    assert [(r["status"], r["compile_result"]["status"], r["run_result"]) for r in rs] == [
+        ("Failed", "TimeLimitExceeded", None)] * 4
+    assert sorted(bool(r["compile_result"].get("cached")) for r in rs) == [False, True, True, True]
+    r = await run_code(http, srv, code=slow, language="cpp", compile_timeout=2)  # not kept: compiled again
+    assert (r["compile_result"]["status"], r["compile_result"].get("cached")) == ("TimeLimitExceeded", None)
+
+
 async def test_runs_are_steps_of_the_experiment_and_lives_are_billed(http: httpx.AsyncClient, srv: ServerProc) -> None:
     from rollbox.functions.analysis.trajectories import steps, usage
 
