@@ -76,6 +76,8 @@ class Program:
     metadata: dict[str, str] = field(default_factory=dict)
     cases: tuple[str | None, ...] | None = None  # a batch: one run per stdin, after one compile, in one sandbox
     build_wait_s: float | None = None  # the language's snapshot being built on first use: how long to wait for it
+    env: dict[str, str] = field(default_factory=dict)  # the run's (each case's) environment
+    plan: languages.Plan | None = None  # what to run, given (a plain `run` with cases); else the language's plan
 
 
 @dataclass
@@ -147,7 +149,7 @@ class Runner:
         self.build_on_first_use = False  # a missing language snapshot is built (else: 503 with the build command)
 
     async def run(self, p: Program) -> ProgramResult:
-        plan = languages.plan(p.language, p.code)  # UnsupportedLanguage (an InvalidRequest) names the language
+        plan = p.plan or languages.plan(p.language, p.code)  # UnsupportedLanguage (an InvalidRequest) names it
         for what, value in (("code", p.code), ("stdin", p.stdin or ""), *(("files", k) for k in p.files)):
             try:
                 value.encode("utf-8")
@@ -156,6 +158,8 @@ class Runner:
         try:
             view = await self.rt.resolve(plan.snapshot)
         except SnapshotNotFound as exc:
+            if p.plan is not None:  # not a language's snapshot: the run's own, named by the request
+                raise
             if self.builds is None or not self.build_on_first_use:
                 raise SnapshotNotFound(languages.missing_snapshot(p.language), snapshot_id=plan.snapshot) from exc
             await self.builds.ensure(p.language, p.build_wait_s)  # StillBuilding (retry) past the wait
@@ -247,8 +251,9 @@ class Runner:
         if plan.python_inline and not unpack:  # the warm interpreter runs the code itself: no python start
             files = dict(files)
             code = files.pop(next(iter(plan.files)))
-            return _exec(code=code, files=files, stdin=p.stdin, timeout_s=timeout)
-        return _exec(command=_prefixed(unpack, _exec_form(plan.run)), files=files, stdin=p.stdin, timeout_s=timeout)
+            return _exec(code=code, files=files, stdin=p.stdin, timeout_s=timeout, env=p.env)
+        return _exec(command=_prefixed(unpack, _exec_form(plan.run)), files=files, stdin=p.stdin, timeout_s=timeout,
+                     env=p.env)
 
     async def _session(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
                        compile_req: ExecRequest | None, run_req: ExecRequest | None = None,
@@ -291,7 +296,7 @@ class Runner:
         run = f"rm -rf {CASE} && cp -a {BASE} {CASE} && cd {CASE} && {_exec_form(plan.run)}"
         out = []
         for stdin in p.cases or ():
-            out.append(await self.rt.exec(sandbox_id, _exec(command=run, stdin=stdin,
+            out.append(await self.rt.exec(sandbox_id, _exec(command=run, stdin=stdin, env=p.env,
                                                             timeout_s=_clamp(p.run_timeout_s))))
         return out
 
@@ -327,16 +332,31 @@ def runner_for(rt: Any) -> Runner:
 
 
 async def run_event(rt: Any, data: RunData) -> ExecResult:
-    """The `run` event with a ``language``: the same runner as /run_code; the reply is the run step's
-    ExecResult with its ``compile`` step (or the compile's, when it failed and nothing ran)."""
-    assert data.language is not None and data.code is not None
-    program = Program(language=data.language, code=data.code, stdin=data.stdin,
+    """The `run` event with a ``language``, or with ``cases``: the same runner as /run_code; the reply is the
+    run step's ExecResult with its ``compile`` step (or the compile's, when it failed and nothing ran).
+    Cases without a language run what a plain `run` runs (``code``: Python, in the snapshot's warm
+    interpreter; or ``command``) in ``snapshot``, once per case."""
+    runner = runner_for(rt)
+    plan = None
+    if data.language is None:
+        assert data.cases is not None
+        view = await runner.rt.resolve(data.snapshot)
+        if data.code is not None:
+            run, plan_files = f"{shlex.quote(view.warm.python)} main.py", {"main.py": data.code}
+        else:
+            assert data.command is not None
+            run, plan_files = data.command, {}
+        plan = languages.Plan(language="python" if data.code is not None else "", snapshot=data.snapshot,
+                              files=plan_files, compile=None, run=run, artifacts=())
+    assert data.code is not None or plan is not None
+    program = Program(language=data.language or "", code=data.code or "", stdin=data.stdin, plan=plan,
+                      env=dict(data.env),
                       files={k: v.encode() for k, v in data.files.items()}, fetch_files=tuple(data.read_files),
                       compile_timeout_s=data.compile_timeout_s or 10.0, run_timeout_s=data.timeout_s,
                       limits=data.limits.model_dump(exclude_unset=True) if data.limits is not None else None,
                       metadata=dict(data.metadata),
                       cases=tuple(c.stdin for c in data.cases) if data.cases is not None else None)
-    res = await runner_for(rt).run(program)
+    res = await runner.run(program)
     c = res.compile
     step: CompileResult | None = None
     if isinstance(c, Compiled):

@@ -346,7 +346,7 @@ async def test_the_run_event_takes_a_language_and_shares_the_compile_cache(http:
                          ({"language": "cobol", "code": "x"}, "unknown language 'cobol'"),
                          ({"language": "cpp", "command": "ls"}, "'code' is the program's source"),
                          ({"language": "cpp", "code": "x", "snapshot": "python"}, "give 'language' or 'snapshot'"),
-                         ({"command": "ls", "compile_timeout_s": 3}, "compile_timeout_s and cases are for a run with")):
+                         ({"command": "ls", "compile_timeout_s": 3}, "compile_timeout_s is for a run with 'language'")):
         r = await send(http, srv.url, event(run, data))
         assert r.status == 400 and needle in r.data["message"], r.data
 
@@ -372,6 +372,30 @@ async def test_a_batch_of_cases_compiles_once_and_keeps_each_cases_files_apart(h
     assert [c["exit_code"] for c in r.data["cases"]] == [0, 3, 0] and r.data["exit_code"] == 3  # the first failed
     r = await send(http, srv.url, event(run, {"language": "python", "code": "x", "cases": [{}], "stdin": "1"}))
     assert r.status == 400 and "each case has its stdin" in r.data["message"]
+
+
+async def test_cases_without_a_language_run_the_runs_code_or_command_once_per_case(http: httpx.AsyncClient,
+                                                                                   srv: ServerProc) -> None:
+    """A trainer's Python solution with its cases and no `language`: `code` means what it means in any `run`
+    (Python, in the snapshot's warm interpreter; the built-in `python` snapshot by default: nothing to
+    build), run once per case; a `command` likewise. It used to be refused ("cases are for a run with
+    'language'")."""
+    run = "dev.rollbox.sandbox.run"
+    code = ("import os, sys\nif os.path.exists('seen'): print('seen'); sys.exit(0)\nopen('seen', 'w').close()\n"
+            "a, b = map(int, sys.stdin.read().split()); print(a + b, os.environ.get('TAG', ''), sys.version_info[0])")
+    cases = [{"stdin": "1 2", "expected_stdout": "3 x 3"}, {"stdin": "20 22", "expected_stdout": "42 x 3\n"},
+             {"stdin": "1 1", "expected_stdout": "3 x 3"}]
+    r = await send(http, srv.url, event(run, {"code": code, "cases": cases, "env": {"TAG": "x"}, "timeout_s": 20}))
+    assert r.status == 200, r.data
+    assert [(c["stdout"], c["passed"]) for c in r.data["cases"]] == [("3 x 3\n", True), ("42 x 3\n", True),
+                                                                      ("2 x 3\n", False)]
+    assert r.data["compile"] is None and r.data["stdout"] == "2 x 3\n"  # no case failed: the last one's
+    r = await send(http, srv.url, event(run, {"command": "read a b; echo $((a * b)); test $a -lt 9", "timeout_s": 20,
+                                              "cases": [{"stdin": "6 7", "expected_stdout": "42"}, {"stdin": "9 9"}]}))
+    assert r.status == 200 and [(c["stdout"], c["exit_code"]) for c in r.data["cases"]] == [("42\n", 0), ("81\n", 1)]
+    assert r.data["cases"][0]["passed"] is True and r.data["exit_code"] == 1  # the first failed case's
+    r = await send(http, srv.url, event(run, {"code": "print(1)", "cases": [{"stdin": "1"}], "snapshot": "nowhere"}))
+    assert r.status == 404 and "nowhere" in r.data["message"], r.data
 
 
 HELLO: dict[str, str] = {
@@ -568,6 +592,10 @@ async def test_the_python_client_runs_a_language_with_cases(srv: ServerProc) -> 
                                cases=[{"stdin": "1 2", "expected_stdout": "3"}, {"stdin": "2 2", "expected_stdout": "5"}])
     assert res.compile is not None and res.compile.exit_code == 0
     assert res.cases is not None and [c.passed for c in res.cases] == [True, False]
+    async with Client(srv.url) as client:  # no language: the code is Python, run per case (it used to run once)
+        res = await client.run("print(sum(map(int, input().split())))", timeout_s=20,
+                               cases=[{"stdin": "1 2", "expected_stdout": "3"}, {"stdin": "2 2", "expected_stdout": "5"}])
+    assert res.cases is not None and [c.passed for c in res.cases] == [True, False] and res.compile is None
 
 
 # ----------------------------------------------------------------------- verl's own client, unchanged
