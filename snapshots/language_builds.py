@@ -187,7 +187,7 @@ class LanguageBuilds:
         if self.remote is None:
             return None
         try:
-            names = self.remote.names()
+            names = self._shared_names()
             elsewhere: dict[str, BuildProgress] = {}
             if self.claims is not None:
                 keys = self.claims.keys(f"{CLAIMS}/")
@@ -199,6 +199,21 @@ class LanguageBuilds:
             log.warning(f"the language snapshots in the shared store {self.remote.url} are not known: {exc.message}")
             return None
         return SharedState(names, elsewhere)
+
+    def _shared_names(self) -> dict[str, str]:
+        """The shared store's names of language snapshots (-> id). With ``claims`` (objects under the same
+        prefix as the store's ``names/``) one listing and a read per language snapshot there, not a read
+        of every name the store holds (a fleet's checkpoints may have thousands)."""
+        assert self.remote is not None
+        wanted = {languages.language(name).snapshot for name in languages.SUPPORTED}
+        if self.claims is None:
+            return {k: v for k, v in self.remote.names().items() if k in wanted}
+        present = {k.rsplit("/", 1)[-1] for k in self.claims.keys("names/")} & wanted
+        out: dict[str, str] = {}
+        for name in sorted(n for n in present if n is not None):
+            with contextlib.suppress(SnapshotNotFound):  # (removed meanwhile)
+                out[name] = self.remote.resolve_id(name)
+        return out
 
     def _elsewhere(self, snapshot: str) -> tuple[BuildProgress, float] | None:
         """A build of ``snapshot`` claimed in the shared store (its progress and when it last beat), or its
