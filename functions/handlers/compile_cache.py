@@ -14,6 +14,12 @@ compile per key per replica at a time). A compile that timed out is not kept, bu
 the requests waiting for it then whose own compile timeout is no longer (verl's ten cases of a program
 share one compile timeout): they answer its timeout instead of each compiling again, which on an
 overloaded machine would multiply the load that made it time out.
+
+Across replicas sharing the store (S3), a compile is claimed there first: the replica that creates
+``compiled/<key>.claim`` (a create-only put) compiles; another replica whose cases of that program
+arrive meanwhile polls for the outcome (``compiled/<key>.json``, every 50 ms growing to 0.5 s) instead
+of compiling it too, and compiles on its own only if the claim goes away without one (the compile timed
+out or failed) or is stale (older than its compile timeout + 30 s: its replica died).
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
+import socket
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -34,6 +44,8 @@ __all__ = ["CompileCache", "Compiled", "TimedOut", "cache_key"]
 
 log = logging.getLogger("rollbox.compile_cache")
 KEY_PREFIX = "compiled/"
+CLAIM_GRACE_S = 30.0  # a claim older than its compile timeout and this: its replica died
+POLL_FIRST_S, POLL_MAX_S = 0.05, 0.5  # how often a replica looks for another's compile
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,8 @@ class CompileCache:
         self.hits = 0
         self.misses = 0
         self.shared_timeouts = 0  # waiters answered with the timeout of the compile they waited for
+        self.from_replicas = 0  # compiles another replica made while this one waited for them
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
 
     async def get(self, key: str) -> Compiled | None:
         hit = self._lru.get(key)
@@ -156,6 +170,16 @@ class CompileCache:
         mine = key not in self._inflight
         if mine:
             self._inflight[key] = fut
+        claim: str | None = None
+        if mine and self.objects is not None:  # another replica's compile of it, or the claim to make it here
+            other = await self._claim_or_wait(key, timeout_s)
+            if isinstance(other, Compiled):
+                self._inflight.pop(key, None)
+                fut.set_result(other)
+                self.from_replicas += 1
+                self.hits += 1
+                return other, True
+            claim = other
         self.misses += 1
         got: list[Compiled | TimedOut | None] = []
 
@@ -165,6 +189,11 @@ class CompileCache:
             got.append(value)
             if isinstance(value, Compiled):
                 await self.put(key, value)
+            if claim is not None and self.objects is not None:  # (after the put: a waiter sees the outcome first)
+                try:
+                    await asyncio.to_thread(self.objects.delete, [claim])
+                except (RollboxError, OSError) as exc:
+                    log.warning("compile cache: removing the claim %s failed: %s", claim, exc)
             if mine:
                 self._inflight.pop(key, None)
                 if not fut.done():
@@ -176,3 +205,41 @@ class CompileCache:
             if not got:
                 await done(None)
         return got[0], False
+
+    async def _claim_or_wait(self, key: str, timeout_s: float) -> Compiled | str | None:
+        """Claim ``key``'s compile in the shared store (returns the claim's key: compile it here), or wait
+        for the replica that claimed it: its outcome (a Compiled), or None when it left none (compile
+        here, unclaimed). A store that fails: None (the store is optional)."""
+        assert self.objects is not None
+        objects = self.objects
+        claim = KEY_PREFIX + key + ".claim"
+        limit = min(timeout_s, 3600.0)
+        body = json.dumps({"replica": self.replica, "token": uuid.uuid4().hex, "since": time.time(),
+                           "timeout_s": limit}).encode()
+        try:
+            if await asyncio.to_thread(objects.put_new, claim, body):
+                found = await self.get(key)  # (made and unclaimed since this replica last looked)
+                if found is None:
+                    return claim
+                await asyncio.to_thread(objects.delete, [claim])
+                return found
+            t0, pause = time.monotonic(), POLL_FIRST_S
+            while True:
+                raw = await asyncio.to_thread(objects.get, claim)  # (the claim first: its outcome is put before
+                found = await self.get(key)                       # it goes)
+                if found is not None:
+                    return found
+                if raw is None:
+                    return None  # it went without an outcome (a timeout, a fault): compile here
+                other = json.loads(raw)
+                if time.time() - float(other["since"]) > float(other["timeout_s"]) + CLAIM_GRACE_S:
+                    log.warning("compile cache: the claim of %s by %s is stale: compiling here", key, other["replica"])
+                    await asyncio.to_thread(objects.delete, [claim])
+                    return None
+                if time.monotonic() - t0 > limit + CLAIM_GRACE_S:
+                    return None
+                await asyncio.sleep(pause)
+                pause = min(pause * 1.5, POLL_MAX_S)
+        except (RollboxError, OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("compile cache: claiming %s failed: %s", key, exc)
+            return None

@@ -13,6 +13,8 @@ from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, Tim
 from rollbox.functions.handlers.run_code import _members
 from rollbox.snapshots.state import LocalObjects
 
+from tests.snapshots.s3server import SeaweedS3, store_factory
+
 OK = Compiled(0, "", "", 1.0, "QUJD")
 
 
@@ -108,6 +110,46 @@ async def test_bounded_in_memory_and_shared_through_the_store(tmp_path: Path) ->
     fail = Compiled(1, "", "main.cpp:1: error", 0.3)
     await a.put("key", fail)
     assert await b.get("key") == fail and (tmp_path / "store" / "compiled" / "key.json").is_file()
+
+
+async def test_replicas_sharing_s3_compile_a_program_once(seaweed: SeaweedS3) -> None:
+    """Two replicas (two caches on one SeaweedFS bucket) get cases of one program at once: one claims the
+    compile in the store and makes it, the other waits for its outcome there instead of compiling too. A
+    claim that goes without an outcome (a timeout) or that is stale (its replica died) lets the other
+    compile on its own."""
+    import json
+    import time
+
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    url = f"s3://{seaweed.new_bucket()}/p"
+    a, b = (CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(2))
+    compiles: list[str] = []
+
+    def compiler(name: str, value: Compiled | TimedOut, took_s: float = 0.3):  # type: ignore[no-untyped-def]
+        async def compile_(done):  # type: ignore[no-untyped-def]
+            compiles.append(name)
+            await asyncio.sleep(took_s)
+            await done(value)
+        return compile_
+
+    got = await asyncio.wait_for(asyncio.gather(a.once("k", compiler("a", OK), 10.0),
+                                                b.once("k", compiler("b", OK), 10.0)), 20)
+    assert len(compiles) == 1 and sorted(cached for _, cached in got) == [False, True], (compiles, got)
+    assert all(value == OK for value, _ in got) and a.from_replicas + b.from_replicas == 1
+    assert a.objects is not None and a.objects.keys("compiled/") == ["compiled/k.json"]  # the claim is gone
+
+    compiles.clear()  # the claimer's compile times out: it leaves no outcome, the other compiles itself
+    late = TimedOut("timed out", 10.0)
+    got = await asyncio.wait_for(asyncio.gather(a.once("t", compiler("a", late), 10.0),
+                                                b.once("t", compiler("b", late), 10.0)), 20)
+    assert len(compiles) == 2 and [cached for _, cached in got] == [False, False]
+
+    compiles.clear()  # a claim left by a replica that died an hour ago
+    a.objects.put_new("compiled/s.claim", json.dumps({"replica": "dead:1", "since": time.time() - 3600,
+                                                       "timeout_s": 10.0}).encode())
+    assert await asyncio.wait_for(b.once("s", compiler("b", OK, 0.0), 10.0), 20) == (OK, False)
+    assert compiles == ["b"]
 
 
 def _tar(*members: tuple[str, bytes, int, bytes]) -> str:
