@@ -325,12 +325,17 @@ class LanguageBuilds:
                     raise SnapshotNotFound(other[0].describe(), snapshot_id=snapshot)
                 if other is None and self._put_json(claim, {"language": language, "snapshot": snapshot,
                                                             "replica": self.me, "since": time.time()}):
-                    return self._build_claimed(language, snapshot, template_file, on_progress)
+                    found = self._in_store(snapshot)  # (built, pushed and unclaimed since the look above)
+                    if found is None:
+                        return self._build_claimed(language, snapshot, template_file, on_progress)
+                    self.claims.delete([claim])
+                    return found
             except StoreError as exc:
                 log.warning(f"the shared store {self.remote.url} cannot be used ({exc.message}): building "
                             f"{language} on this replica alone", extra={"fields": {"language": language}})
                 return self._build_locked(language, snapshot, template_file, on_progress, push=False)
             if other is None:
+                time.sleep(0.1)
                 continue  # another replica claimed it between the look and the claim: look again
             p, beat = other
             if waiting is None:
