@@ -4,6 +4,7 @@ all cases of a program at once.
     .venv/bin/python loadtest/bench_languages.py                       # ROLLBOX_HOME or /var/tmp/rbx-langs
     .venv/bin/python loadtest/bench_languages.py --home DIR -c 16 --programs 2 --rounds 9
     .venv/bin/python loadtest/bench_languages.py --rounds 3 --programs 2 --python-runs 100   # a short run
+    .venv/bin/python loadtest/bench_languages.py --replicas 2 --rounds 1 --programs 2 --python-runs 50
 
 Two comparisons, side by side in one run, in alternating rounds (the machine may be shared): each
 round measures one block of each mode, in the order A B, the next round B A, and so on; before each
@@ -27,12 +28,21 @@ cstime), which other jobs on the machine do not inflate: the ratio of the latter
 given to this load alone would show. Starts its own `rollbox serve` on the store given (with its
 language snapshots: python3 and cpp at least), stops it by pid. The default run takes about 2 minutes
 on an idle 2-core machine.
+
+``--replicas N`` (N > 1): the same load through HAProxy to N `rollbox serve` replicas sharing one S3
+store (SeaweedFS), as loadtest/fleet_local.py runs them (round-robin, each replica a new empty home):
+python3's and cpp's snapshots are pushed from ``--home`` to the store first, each replica pulls them
+when it starts (prewarm), and the compile cache is shared through the store (``compiled/`` objects):
+a program's ten cases land on every replica, and a replica that finds the compile in the store does
+not compile it. The CPU figures are the sum over the replicas' process trees. Language builds are off
+in the replicas (a snapshot missing from the store is an error, not a build).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import statistics
@@ -108,14 +118,18 @@ def tree_cpu_s(root: int) -> float:
     return total
 
 
-async def settle(pid: int, timeout_s: float = 5.0) -> None:
-    """Until the server and its sandboxes are idle (under 5 % of a core for 0.2 s: the warm pools
+def trees_cpu_s(pids: tuple[int, ...]) -> float:
+    return sum(tree_cpu_s(pid) for pid in pids)
+
+
+async def settle(pids: tuple[int, ...], timeout_s: float = 5.0) -> None:
+    """Until the servers and their sandboxes are idle (under 5 % of a core for 0.2 s: the warm pools
     refilled, the last block's sandboxes torn down), at most ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    before = tree_cpu_s(pid)
+    before = trees_cpu_s(pids)
     while time.monotonic() < deadline:
         await asyncio.sleep(0.2)
-        now = tree_cpu_s(pid)
+        now = trees_cpu_s(pids)
         if now - before < 0.01:
             return
         before = now
@@ -157,14 +171,14 @@ async def post(http: httpx.AsyncClient, sem: asyncio.Semaphore, url: str, st: St
             st.errors.append(resp.text[:300])
 
 
-async def block(st: Stats, pid: int, units: int, jobs: list[Coroutine[Any, Any, None]]) -> float:
+async def block(st: Stats, pids: tuple[int, ...], units: int, jobs: list[Coroutine[Any, Any, None]]) -> float:
     """Run one block's requests (the caller's semaphore bounds them): its units/s, kept in ``st``."""
-    t0, cpu0, tree0 = time.perf_counter(), server_cpu_s(pid) if pid else 0.0, tree_cpu_s(pid) if pid else 0.0
+    t0, cpu0, tree0 = time.perf_counter(), sum(server_cpu_s(p) for p in pids), trees_cpu_s(pids)
     await asyncio.gather(*jobs)
     wall = time.perf_counter() - t0
-    if pid:
-        st.server_cpu_s += server_cpu_s(pid) - cpu0
-        st.tree_cpu_s += tree_cpu_s(pid) - tree0
+    if pids:
+        st.server_cpu_s += sum(server_cpu_s(p) for p in pids) - cpu0
+        st.tree_cpu_s += trees_cpu_s(pids) - tree0
     st.wall += wall
     st.units += units
     st.rounds.append(units / wall)
@@ -172,7 +186,7 @@ async def block(st: Stats, pid: int, units: int, jobs: list[Coroutine[Any, Any, 
 
 
 async def cpp_round(http: httpx.AsyncClient, url: str, c: int, programs: int, cache: bool, st: Stats,
-                    pid: int = 0) -> float:
+                    pids: tuple[int, ...] = ()) -> float:
     sem = asyncio.Semaphore(c)
     cases = [cpp_case(i) for i in range(10)]
     jobs = []
@@ -183,10 +197,11 @@ async def cpp_round(http: httpx.AsyncClient, url: str, c: int, programs: int, ca
             jobs.append(post(http, sem, url, st, want, {"code": code, "language": "cpp", "stdin": stdin,
                                                         "memory_limit_MB": 1024, "compile_timeout": 600,
                                                         "run_timeout": 30}))
-    return await block(st, pid, programs, jobs)
+    return await block(st, pids, programs, jobs)
 
 
-async def py_round(http: httpx.AsyncClient, url: str, c: int, n: int, event: bool, st: Stats, pid: int = 0) -> float:
+async def py_round(http: httpx.AsyncClient, url: str, c: int, n: int, event: bool, st: Stats,
+                   pids: tuple[int, ...] = ()) -> float:
     sem = asyncio.Semaphore(c)
     stdin, want = "3 1 4 1 5 9 2 6\n", "31 9\n"
     if event:
@@ -194,7 +209,7 @@ async def py_round(http: httpx.AsyncClient, url: str, c: int, n: int, event: boo
                 "limits": {"memory_max_bytes": 1 << 30}}
     else:
         body = {"code": PY, "language": "python", "stdin": stdin, "memory_limit_MB": 1024, "run_timeout": 10}
-    return await block(st, pid, n, [post(http, sem, url, st, want, body, event) for _ in range(n)])
+    return await block(st, pids, n, [post(http, sem, url, st, want, body, event) for _ in range(n)])
 
 
 def show(title: str, unit: str, a: tuple[str, Stats], b: tuple[str, Stats]) -> list[float]:
@@ -217,6 +232,31 @@ def show(title: str, unit: str, a: tuple[str, Stats], b: tuple[str, Stats]) -> l
     return ratios
 
 
+def start_fleet(home: str, base: Path, replicas: int) -> Any:
+    """``replicas`` servers behind HAProxy sharing a SeaweedFS store into which python3's and cpp's
+    snapshots are pushed from ``home`` before they start."""
+    from fleet_local import ACCESS_KEY, SECRET_KEY, Fleet
+    from rollbox.snapshots.store import copy_snapshot
+    from rollbox.snapshots.store_local import LocalStore
+    from rollbox.snapshots.store_s3 import S3Store
+
+    def push(fleet: Fleet) -> None:
+        t0 = time.monotonic()
+        remote = S3Store(fleet.store_env["ROLLBOX_STORE"], endpoint_url=fleet.s3.endpoint, access_key_id=ACCESS_KEY,
+                         secret_access_key=SECRET_KEY)
+        local = LocalStore(home)
+        for name in ("python3", "cpp"):
+            copy_snapshot(local, remote, name, tmp_dir=str(local.root / "tmp"))
+        print(f"pushed python3 and cpp from {home} to {remote.url} in {time.monotonic() - t0:.0f} s", flush=True)
+
+    t0 = time.monotonic()
+    fleet = Fleet(base, replicas, on_store=push, start_timeout_s=300.0,
+                  serve_args=["--prewarm", "python3,cpp", "--max-queued", "4096", "--language-builds", "off"])
+    fleet.start()
+    print(f"{replicas} replicas up in {time.monotonic() - t0:.0f} s", flush=True)
+    return fleet
+
+
 async def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--home", default=os.environ.get("ROLLBOX_HOME", "/var/tmp/rbx-langs"))
@@ -224,12 +264,25 @@ async def main() -> int:
     p.add_argument("--programs", type=int, default=2, help="C++ programs (10 cases each) per mode per round")
     p.add_argument("--python-runs", type=int, default=200, help="python runs per interface per round")
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds (the verdict is their median ratio)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="N > 1: N replicas behind HAProxy sharing a SeaweedFS store (loadtest/fleet_local.py)")
     args = p.parse_args()
     t_start, load_start = time.monotonic(), os.getloadavg()[0]
     busy0, own0, tree_total = bench_service.machine_busy_s(), time.process_time(), 0.0
-    with tempfile.TemporaryDirectory(prefix="bench-languages-") as tmp:
-        proc, url = start(args.home, Path(tmp) / "serve.log")
-        pid = proc.pid
+    with tempfile.TemporaryDirectory(prefix="bench-languages-") as tmp, contextlib.ExitStack() as stack:
+        if args.replicas > 1:
+            fleet = start_fleet(args.home, Path(tmp) / "fleet", args.replicas)
+            stack.callback(fleet.stop)
+            url, pids = fleet.url, tuple(srv.pid for srv in fleet.replicas if srv is not None)
+        else:
+            proc, url = start(args.home, Path(tmp) / "serve.log")
+            pids = (proc.pid,)
+
+            def stop_server() -> None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(120)
+
+            stack.callback(stop_server)
         try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0),
                                          limits=httpx.Limits(max_connections=args.concurrency + 4)) as http:
@@ -241,20 +294,20 @@ async def main() -> int:
                 for r in range(args.rounds):
                     order = [(False, off), (True, on)] if r % 2 == 0 else [(True, on), (False, off)]
                     for cache, st in order:
-                        await settle(pid)
-                        await cpp_round(http, url, args.concurrency, args.programs, cache, st, pid)
+                        await settle(pids)
+                        await cpp_round(http, url, args.concurrency, args.programs, cache, st, pids)
                     py_order = [(True, ev), (False, rc)] if r % 2 == 0 else [(False, rc), (True, ev)]
                     for event, st in py_order:
-                        await settle(pid)
-                        await py_round(http, url, args.concurrency, args.python_runs, event, st, pid)
+                        await settle(pids)
+                        await py_round(http, url, args.concurrency, args.python_runs, event, st, pids)
         finally:
-            tree_total = tree_cpu_s(pid)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
+            tree_total = trees_cpu_s(pids)
     elapsed = time.monotonic() - t_start
     # the machine's busy CPU less this bench's (the server's tree and this process): the other jobs' share
     others = max(0.0, bench_service.machine_busy_s() - busy0 - tree_total - (time.process_time() - own0)) / elapsed
-    print(f"bench_languages: c{args.concurrency}, {args.rounds} alternating rounds, home {args.home}, "
+    where = (f"{args.replicas} replicas behind HAProxy sharing SeaweedFS (snapshots and compile cache)"
+             if args.replicas > 1 else "one server")
+    print(f"bench_languages: {where}, c{args.concurrency}, {args.rounds} alternating rounds, home {args.home}, "
           f"{os.cpu_count()} CPUs, {time.monotonic() - t_start:.0f} s "
           f"(load average {load_start:.1f} at the start; other work used {others:.2f} of the CPUs during the run)")
     speedups = show(f"C++, 10 test cases per program ({args.programs} programs per mode per round; A: off, B: on)",

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -100,8 +100,11 @@ class Fleet:
     """SeaweedFS + ``replicas`` `rollbox serve` processes + HAProxy, under ``base`` (logs, homes, data)."""
 
     def __init__(self, base: Path, replicas: int = 2, *, serve_args: Sequence[str] = (), port: int = 0,
-                 start_timeout_s: float = 120.0, s3: SeaweedS3 | None = None):
-        """``s3``: a running SeaweedFS to use (a new bucket in it; left running), else one of its own."""
+                 start_timeout_s: float = 120.0, s3: SeaweedS3 | None = None,
+                 on_store: Callable[[Fleet], None] | None = None):
+        """``s3``: a running SeaweedFS to use (a new bucket in it; left running), else one of its own.
+        ``on_store``: called once the bucket exists, before the replicas start (to fill the store: push
+        the snapshots they will use; ``store_env`` has its URL and credentials)."""
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         self.base = base
@@ -118,6 +121,7 @@ class Fleet:
         self.replicas: list[ServerProc | None] = [None] * replicas
         self.generation = 0  # how many times the replicas were started
         self.haproxy: subprocess.Popen[bytes] | None = None
+        self.on_store = on_store
 
     @property
     def url(self) -> str:
@@ -134,6 +138,8 @@ class Fleet:
             self.store_env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                               "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.s3.endpoint,
                               "ROLLBOX_STORE": f"s3://{self.bucket}/fleet"}
+            if self.on_store is not None:
+                self.on_store(self)
             cfg = self.base / "haproxy.cfg"
             cfg.write_text(haproxy_config(self.port, self.replica_ports, self.base / "haproxy.sock"))
             log = open(self.base / "haproxy.log", "ab")  # noqa: SIM115 - handed to the child

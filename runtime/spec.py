@@ -126,7 +126,7 @@ class ExecRequest(_Frozen):
 
 class CompileResult(BaseModel):
     """A run with a ``language``: its compile step (``cached``: not run, the outcome of an earlier compile
-    of the same source with the same toolchain and flags)."""
+    of the same source with the same toolchain and flags; timed out: of the one this run waited for)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -54,6 +54,9 @@ from rollbox.snapshots.store_s3 import (
     is_own_rule,
 )
 from rollbox.snapshots.template import PipOptions, Template, load_template
+
+if TYPE_CHECKING:
+    from rollbox.snapshots.language_builds import LanguageBuilds
 
 
 def _env_bool(name: str, env: Mapping[str, str]) -> bool:
@@ -126,15 +129,14 @@ def add_parser(subparsers: Any) -> None:
                                   "(snapshots/templates/<language>.yaml, built from Debian's packages, as root): "
                                   "`list` shows each one's state in the local store; `build` builds those missing, "
                                   "with each build's steps (a server building one on first use is waited for, "
-                                  "not repeated).")
+                                  "not repeated). With --store (the store the servers share), both also look "
+                                  "there: what it holds is ready for every server, and a build is pushed to it.")
     lsub = langs.add_subparsers(dest="languages_command", required=True)
-    home = argparse.ArgumentParser(add_help=False)  # the local store only: builds are made there
-    home.add_argument("--home", default=env.get("ROLLBOX_HOME") or None,
-                      help=f"local store and cache directory (ROLLBOX_HOME; default: {default_home()})")
-    home.add_argument("--json", action="store_true", default=False, help="machine-readable output")
-    p = lsub.add_parser("list", parents=[home], help="each language and its snapshot's state in the local store")
+    p = lsub.add_parser("list", parents=[common],
+                        help="each language and its snapshot's state in the local store (and in --store)")
     p.set_defaults(func=_guard(_languages_list))
-    p = lsub.add_parser("build", parents=[home], help="build the language snapshots the local store lacks")
+    p = lsub.add_parser("build", parents=[common],
+                        help="build the language snapshots the local store (or --store) lacks; pushed to --store")
     p.add_argument("language", nargs="*", help="languages to build (default: every supported one)")
     p.set_defaults(func=_guard(_languages_build))
 
@@ -301,39 +303,53 @@ def _pull(args: argparse.Namespace, console: Console) -> int:
 
 
 def _languages_list(args: argparse.Namespace, console: Console) -> int:
-    from rollbox.snapshots.language_builds import LanguageBuilds
-
-    rows = LanguageBuilds(_local(args)).statuses()
+    rows = _language_builds(args).statuses()
     if args.json:
         print(json.dumps([r.as_json() for r in rows]))
         return 0
     table = Table("language", "snapshot", "state", "id / step", title=str(_local(args).root))
     for r in rows:
-        what = (r.snapshot_id or "")[:12] if r.state == "ready" else r.describe() if r.state != "missing" else ""
+        what = r.describe() if r.state not in ("ready", "missing") else ""
+        if r.state == "ready":
+            what = (r.snapshot_id or "")[:12] + (" (in --store)" if r.where == "store" else "")
         table.add_row(r.language, r.snapshot, r.state, escape(what))
     console.print(table)
     return 0
 
 
+def _language_builds(args: argparse.Namespace) -> LanguageBuilds:
+    """The language builds of the home, shared through --store when one is given."""
+    from rollbox.snapshots.language_builds import LanguageBuilds
+    from rollbox.snapshots.state import LocalObjects, Objects
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    if not args.store:
+        return LanguageBuilds(_local(args))
+    remote = _remote(args)
+    claims: Objects = S3Objects(remote) if isinstance(remote, S3Store) else LocalObjects(args.store)
+    return LanguageBuilds(_local(args), remote=remote, claims=claims)
+
+
 def _languages_build(args: argparse.Namespace, console: Console) -> int:
     from rollbox.snapshots import languages
-    from rollbox.snapshots.language_builds import BuildProgress, LanguageBuilds
+    from rollbox.snapshots.language_builds import BuildProgress
 
     names = list(dict.fromkeys(args.language)) or list(languages.SUPPORTED)
     for name in names:
         languages.language(name)  # an unknown or unsupported one: refused before anything is built
-    builds = LanguageBuilds(_local(args))
+    builds = _language_builds(args)
     failed: list[str] = []
     results: list[dict[str, Any]] = []
     for i, name in enumerate(names, 1):
         before = builds.status(name)
-        if before.state == "ready":
+        if before.state == "ready" and builds.remote is None:  # (with --store: built here, maybe not pushed yet)
             console.print(f"[{i}/{len(names)}] {name}: ready ({(before.snapshot_id or '')[:12]})", highlight=False)
             results.append(before.as_json())
             continue
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                       transient=True) as progress:
             task = progress.add_task(f"[{i}/{len(names)}] building {name}")
+            started = builds.started
             try:
                 def show(p: BuildProgress, head: str = f"[{i}/{len(names)}]", task: TaskID = task) -> None:
                     progress.update(task, description=escape(f"{head} {p.describe()}"))
@@ -345,9 +361,15 @@ def _languages_build(args: argparse.Namespace, console: Console) -> int:
                               highlight=False)
                 results.append(builds.status(name).as_json())
                 continue
-        console.print(f"[{i}/{len(names)}] {name}: built {manifest.id[:12]} ({manifest.size_bytes / 1e6:.0f} MB)",
-                      highlight=False)
-        results.append(builds.status(name).as_json())
+        now = builds.status(name, builds.shared_state())
+        if builds.started > started:
+            console.print(f"[{i}/{len(names)}] {name}: built {manifest.id[:12]} ({manifest.size_bytes / 1e6:.0f} MB)"
+                          + (f", in {builds.remote.url}" if builds.remote is not None and now.where else ""),
+                          highlight=False)
+        else:
+            console.print(f"[{i}/{len(names)}] {name}: ready ({manifest.id[:12]}"
+                          + (f", in {builds.remote.url})" if builds.remote is not None else ")"), highlight=False)
+        results.append(now.as_json())
     if args.json:
         print(json.dumps(results))
     if failed:

@@ -16,16 +16,34 @@ Steps: one per Debian layer of the template (the shared base, then the toolchain
 template's pip packages and files, and the manifest; ``describe()`` says "building lua, step 2/3:
 toolchain: mmdebstrap ...". The server logs each step (``rollbox.snapshots.language_builds``).
 
+With a shared store (``remote``: the S3 store every replica uses) a language is built once for all of
+them: a snapshot the shared store names is used from there (the resolver pulls it; nothing is built),
+one built here is pushed to it (layers, manifest, name), and the replica that builds says so first
+with a create-only object in the shared store's ``claims``:
+
+    language-builds/<snapshot>.claim    created (If-None-Match) by the replica that builds it; the others
+                                        wait for the name to appear in the shared store, then use it
+    language-builds/<snapshot>.beat     the builder's progress, rewritten every BEAT_S: a claim whose
+                                        beat is older than CLAIM_STALE_S (its builder was killed) is
+                                        taken over
+    language-builds/<snapshot>.failed   why the last build failed: the waiters get that failure, and
+                                        nobody builds it again for ``retry_failed_after_s``
+
+A build is reproducible (its layers are content-addressed), so two builds racing past a claim only cost
+time, never a wrong snapshot. When the shared store cannot be reached the build is made here alone.
+
     builds = LanguageBuilds(LocalStore(home))
     builds.build("lua", on_progress=print)          # blocking (the CLI); returns the manifest
     await builds.ensure("lua", wait_s=20)            # the server: one build per snapshot; StillBuilding
                                                      # (an Overloaded: retry) if not done within wait_s
     builds.statuses()                                # every language: ready / building / failed / missing
+    LanguageBuilds(local, remote=s3, claims=S3Objects(s3))   # shared: built once, pushed, used by every replica
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
@@ -35,20 +53,26 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from rollbox.runtime.errors import Overloaded, RollboxError, SnapshotNotFound
+from rollbox.runtime.errors import Overloaded, RollboxError, SnapshotNotFound, StoreError
 from rollbox.snapshots import languages
 from rollbox.snapshots.manifest import Manifest
+from rollbox.snapshots.state import Objects
+from rollbox.snapshots.store import Store, copy_snapshot
 from rollbox.snapshots.store_local import LocalStore
 from rollbox.snapshots.template import DebianBase, Template, load_template
 
-__all__ = ["TEMPLATES", "BuildProgress", "LanguageBuilds", "StillBuilding", "steps_of"]
+__all__ = ["TEMPLATES", "BuildProgress", "LanguageBuilds", "SharedState", "StillBuilding", "steps_of"]
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 log = logging.getLogger(__name__)
 State = Literal["ready", "building", "failed", "missing"]
 RETRY_FAILED_AFTER_S = 60.0  # a failed build is not started again for this long (each request would)
+CLAIMS = "language-builds"  # the claims' key prefix in the shared store's objects
+BEAT_S = 10.0  # how often a replica building a language rewrites its beat
+CLAIM_STALE_S = 90.0  # a claim whose beat is older than this: its builder is gone
+POLL_S = 2.0  # how often a replica waiting for another's build looks at the shared store
 
 
 @dataclass(frozen=True)
@@ -66,16 +90,27 @@ class BuildProgress:
     since: float | None = None  # unix time the build started (building) or failed
     pid: int | None = None
     snapshot_id: str | None = None
+    where: str | None = None  # ready: "here" (the local store) or "store" (the shared store: pulled on first use)
+    replica: str | None = None  # building or failed on another replica: which (host:pid)
 
     def describe(self) -> str:
+        on = f" on replica {self.replica}" if self.replica else ""
         if self.state == "building":
-            return f"building {self.language}, step {self.step}/{self.steps}: {self.doing}"
+            return f"building {self.language}{on}, step {self.step}/{self.steps}: {self.doing}"
         if self.state == "failed":
-            return f"building {self.language} failed: {self.error}"
+            return f"building {self.language}{on} failed: {self.error}"
         return f"{self.language}: {self.state}"
 
     def as_json(self) -> dict[str, object]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class SharedState:
+    """What the shared store says: its names (name -> snapshot id) and the builds on other replicas."""
+
+    names: dict[str, str]
+    elsewhere: dict[str, BuildProgress]
 
 
 class StillBuilding(Overloaded):
@@ -103,9 +138,12 @@ def steps_of(template: Template, template_dir: Path) -> int:
 class LanguageBuilds:
     """Builds the language snapshots a local store lacks (see the module's docstring)."""
 
-    def __init__(self, store: LocalStore, templates: Path = TEMPLATES, *,
-                 retry_failed_after_s: float = RETRY_FAILED_AFTER_S):
+    def __init__(self, store: LocalStore, templates: Path = TEMPLATES, *, remote: Store | None = None,
+                 claims: Objects | None = None, retry_failed_after_s: float = RETRY_FAILED_AFTER_S):
         self.store = store
+        self.remote = remote  # the store the replicas share (S3): built once for all, pushed there
+        self.claims = claims  # objects in the shared store: who builds what (the module's docstring)
+        self.me = f"{os.uname().nodename}:{os.getpid()}"
         self.templates = templates
         self.retry_failed_after_s = retry_failed_after_s
         self.dir = store.root / "builds"
@@ -114,21 +152,104 @@ class LanguageBuilds:
         self.started = 0  # builds this process started (the ones it ran, not the ones it waited for)
 
     # ------------------------------------------------------------------------------ status
-    def status(self, language: str) -> BuildProgress:
+    def status(self, language: str, shared: SharedState | None = None) -> BuildProgress:
+        """``language``'s state here; with ``shared`` (``shared_state()``) also what the shared store has:
+        ready there (``where`` "store"), building or failed on another replica."""
         row = languages.language(language)
         assert row.snapshot is not None
         sid = self.store.names().get(row.snapshot)
         if sid is not None and self.store.has_manifest(sid):
-            return BuildProgress(language, row.snapshot, "ready", snapshot_id=sid)
+            return BuildProgress(language, row.snapshot, "ready", snapshot_id=sid, where="here")
         rec = self._record(row.snapshot)
         if rec is not None and rec.state == "building" and not self._held(row.snapshot):
             rec = None  # its builder is gone (killed): nothing is building it now
+        if rec is not None and rec.state == "building":
+            return replace(rec, language=language)
+        if shared is not None:
+            sid = shared.names.get(row.snapshot)
+            if sid is not None:
+                return BuildProgress(language, row.snapshot, "ready", snapshot_id=sid, where="store")
+            other = shared.elsewhere.get(row.snapshot)
+            if other is not None and (rec is None or other.state == "building"):
+                return replace(other, language=language)
         if rec is not None:
             return replace(rec, language=language)
         return BuildProgress(language, row.snapshot, "missing")
 
     def statuses(self) -> list[BuildProgress]:
-        return [self.status(name) for name in languages.SUPPORTED]
+        """Every supported language's state: here, and in the shared store when there is one (unreachable:
+        this store's alone, logged)."""
+        shared = self.shared_state()
+        return [self.status(name, shared) for name in languages.SUPPORTED]
+
+    def shared_state(self) -> SharedState | None:
+        """The shared store's names, and the languages being built (or failed) on other replicas."""
+        if self.remote is None:
+            return None
+        try:
+            names = self._shared_names()
+            elsewhere: dict[str, BuildProgress] = {}
+            if self.claims is not None:
+                keys = self.claims.keys(f"{CLAIMS}/")
+                for snapshot in sorted({k.rsplit("/", 1)[-1].rsplit(".", 1)[0] for k in keys}):
+                    found = self._elsewhere(snapshot)
+                    if found is not None:
+                        elsewhere[snapshot] = found[0]
+        except StoreError as exc:
+            log.warning(f"the language snapshots in the shared store {self.remote.url} are not known: {exc.message}")
+            return None
+        return SharedState(names, elsewhere)
+
+    def _shared_names(self) -> dict[str, str]:
+        """The shared store's names of language snapshots (-> id). With ``claims`` (objects under the same
+        prefix as the store's ``names/``) one listing and a read per language snapshot there, not a read
+        of every name the store holds (a fleet's checkpoints may have thousands)."""
+        assert self.remote is not None
+        wanted = {languages.language(name).snapshot for name in languages.SUPPORTED}
+        if self.claims is None:
+            return {k: v for k, v in self.remote.names().items() if k in wanted}
+        present = {k.rsplit("/", 1)[-1] for k in self.claims.keys("names/")} & wanted
+        out: dict[str, str] = {}
+        for name in sorted(n for n in present if n is not None):
+            with contextlib.suppress(SnapshotNotFound):  # (removed meanwhile)
+                out[name] = self.remote.resolve_id(name)
+        return out
+
+    def _elsewhere(self, snapshot: str) -> tuple[BuildProgress, float] | None:
+        """A build of ``snapshot`` claimed in the shared store (its progress and when it last beat), or its
+        failure there (younger than ``retry_failed_after_s``); raises StoreError."""
+        assert self.claims is not None
+        claim = self._get_json(f"{CLAIMS}/{snapshot}.claim")
+        if claim is not None:
+            beat = self._get_json(f"{CLAIMS}/{snapshot}.beat") or claim
+            p = BuildProgress(str(beat.get("language", snapshot)), snapshot, "building",
+                              step=int(beat.get("step", 0)), steps=int(beat.get("steps", 0)),
+                              doing=str(beat.get("doing", "")), since=float(claim.get("since", 0.0)),
+                              replica=str(claim.get("replica", "")))
+            return p, max(float(beat.get("beat", 0.0)), float(claim.get("since", 0.0)))
+        failed = self._get_json(f"{CLAIMS}/{snapshot}.failed")
+        if failed is not None and time.time() - float(failed.get("since", 0.0)) < self.retry_failed_after_s:
+            p = BuildProgress(str(failed.get("language", snapshot)), snapshot, "failed", error=str(failed.get("error")),
+                              since=float(failed.get("since", 0.0)), replica=str(failed.get("replica", "")))
+            return p, p.since or 0.0
+        return None
+
+    def _get_json(self, key: str) -> dict[str, Any] | None:
+        assert self.claims is not None
+        raw = self.claims.get(key)
+        try:
+            out = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        return out if isinstance(out, dict) else None
+
+    def _put_json(self, key: str, value: dict[str, object], *, replace_it: bool = False) -> bool:
+        """Create ``key`` (create-only); ``replace_it``: delete it first (the beat, the failure: only the
+        claim's creation decides anything)."""
+        assert self.claims is not None
+        if replace_it:
+            self.claims.delete([key])
+        return self.claims.put_new(key, json.dumps(value).encode())
 
     def _record(self, snapshot: str) -> BuildProgress | None:
         try:
@@ -171,10 +292,135 @@ class LanguageBuilds:
             fcntl.flock(fd, fcntl.LOCK_EX)
             done = self._built(row.snapshot)
             if done is not None:
+                self._push(language, done)  # (built before the store was shared: the others get it now)
                 return done
-            return self._build_locked(language, row.snapshot, row.template, on_progress)
+            if self.remote is None:
+                return self._build_locked(language, row.snapshot, row.template, on_progress)
+            return self._build_shared(language, row.snapshot, row.template, on_progress)
         finally:
             os.close(fd)  # (releases the lock)
+
+    def _build_shared(self, language: str, snapshot: str, template_file: str,
+                      on_progress: Callable[[BuildProgress], None] | None) -> Manifest:
+        """With a shared store: its snapshot if it names one; else the build this replica claims, or the
+        wait for the one another replica claimed (then its snapshot, or its failure)."""
+        assert self.remote is not None
+        claim = f"{CLAIMS}/{snapshot}.claim"
+        stale_seen = 0
+        waiting: str | None = None
+        while True:
+            try:
+                found = self._in_store(snapshot)
+                if found is not None:
+                    (self.dir / f"{snapshot}.json").unlink(missing_ok=True)
+                    log.info(f"{language}: snapshot {snapshot} = {found.id} is in {self.remote.url} (built by "
+                             f"{waiting or 'another replica'}): used from there, not built here",
+                             extra={"fields": {"language": language}})
+                    return found
+                if self.claims is None:
+                    return self._build_locked(language, snapshot, template_file, on_progress)
+                other = self._elsewhere(snapshot)
+                if other is not None and other[0].state == "failed":
+                    (self.dir / f"{snapshot}.json").unlink(missing_ok=True)
+                    raise SnapshotNotFound(other[0].describe(), snapshot_id=snapshot)
+                if other is None and self._put_json(claim, {"language": language, "snapshot": snapshot,
+                                                            "replica": self.me, "since": time.time()}):
+                    found = self._in_store(snapshot)  # (built, pushed and unclaimed since the look above)
+                    if found is None:
+                        return self._build_claimed(language, snapshot, template_file, on_progress)
+                    self.claims.delete([claim])
+                    return found
+            except StoreError as exc:
+                log.warning(f"the shared store {self.remote.url} cannot be used ({exc.message}): building "
+                            f"{language} on this replica alone", extra={"fields": {"language": language}})
+                return self._build_locked(language, snapshot, template_file, on_progress, push=False)
+            if other is None:
+                time.sleep(0.1)
+                continue  # another replica claimed it between the look and the claim: look again
+            p, beat = other
+            if waiting is None:
+                waiting = p.replica or "another replica"
+                log.info(f"waiting for the build of {language} on replica {waiting}",
+                         extra={"fields": {"language": language}})
+            stale_seen = stale_seen + 1 if time.time() - beat > CLAIM_STALE_S else 0
+            if stale_seen >= 2:  # (twice: a beat being rewritten is absent for a moment)
+                log.warning(f"the build of {language} on replica {p.replica} gave no news for "
+                            f"{time.time() - beat:.0f} s: building it here", extra={"fields": {"language": language}})
+                with contextlib.suppress(StoreError):
+                    self.claims.delete([claim, f"{CLAIMS}/{snapshot}.beat"])
+                stale_seen = 0
+                continue
+            mine = replace(p, language=language, pid=os.getpid())
+            self._write(mine)  # this store's status: building (elsewhere) while this process waits
+            if on_progress is not None:
+                on_progress(mine)
+            time.sleep(POLL_S)
+
+    def _in_store(self, snapshot: str) -> Manifest | None:
+        """The shared store's snapshot of that name, if it has one."""
+        assert self.remote is not None
+        try:
+            sid = self.remote.resolve_id(snapshot)
+        except SnapshotNotFound:
+            return None
+        return self.remote.get_manifest(sid)
+
+    def _build_claimed(self, language: str, snapshot: str, template_file: str,
+                       on_progress: Callable[[BuildProgress], None] | None) -> Manifest:
+        """The build this replica claimed: its progress beaten into the shared store meanwhile, its failure
+        left there for the others, the claim removed at the end (after the push)."""
+        assert self.claims is not None
+        beat_key, failed_key = f"{CLAIMS}/{snapshot}.beat", f"{CLAIMS}/{snapshot}.failed"
+        latest: list[BuildProgress] = []
+        stop = threading.Event()
+
+        def beat() -> None:
+            while True:
+                if latest:
+                    try:
+                        self._put_json(beat_key, {**latest[-1].as_json(), "beat": time.time()}, replace_it=True)
+                    except StoreError as exc:
+                        log.debug(f"the beat of {language}'s build: {exc.message}")
+                if stop.wait(BEAT_S):
+                    return
+
+        beater = threading.Thread(target=beat, name=f"rollbox-build-beat-{snapshot}", daemon=True)
+        beater.start()
+        try:
+            manifest = self._build_locked(language, snapshot, template_file, on_progress, tap=latest.append)
+        except Exception as exc:
+            why = exc.message if isinstance(exc, RollboxError) else f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(StoreError):
+                self._put_json(failed_key, {"language": language, "snapshot": snapshot, "replica": self.me,
+                                            "since": time.time(), "error": why[-2000:]}, replace_it=True)
+            raise
+        else:
+            with contextlib.suppress(StoreError):
+                self.claims.delete([failed_key])
+        finally:
+            stop.set()
+            beater.join()
+            with contextlib.suppress(StoreError):
+                self.claims.delete([f"{CLAIMS}/{snapshot}.claim", beat_key])
+        return manifest
+
+    def _push(self, language: str, manifest: Manifest) -> None:
+        """Copy the snapshot (its layers the shared store lacks, manifest, name) to the shared store, unless
+        it names that snapshot already; a failure is logged (the snapshot is here; the next build pushes)."""
+        row = languages.language(language)
+        if self.remote is None or row.snapshot is None:
+            return
+        try:
+            if self.remote.names().get(row.snapshot) == manifest.id:
+                return
+            started = time.time()
+            copy_snapshot(self.store, self.remote, row.snapshot, tmp_dir=str(self.store.root / "tmp"))
+        except StoreError as exc:
+            log.warning(f"{language}: snapshot {manifest.id} was built here but not pushed to {self.remote.url}: "
+                        f"{exc.message}", extra={"fields": {"language": language}})
+            return
+        log.info(f"pushed {language}: snapshot {row.snapshot} = {manifest.id} to {self.remote.url} in "
+                 f"{time.time() - started:.0f} s", extra={"fields": {"language": language}})
 
     def _built(self, snapshot: str) -> Manifest | None:
         sid = self.store.names().get(snapshot)
@@ -183,7 +429,8 @@ class LanguageBuilds:
         return self.store.get_manifest(sid)
 
     def _build_locked(self, language: str, snapshot: str, template_file: str,
-                      on_progress: Callable[[BuildProgress], None] | None) -> Manifest:
+                      on_progress: Callable[[BuildProgress], None] | None, *, push: bool = True,
+                      tap: Callable[[BuildProgress], None] | None = None) -> Manifest:
         from rollbox.snapshots.build import build
 
         self.started += 1
@@ -203,6 +450,8 @@ class LanguageBuilds:
                 log.info(p.describe(), extra={"fields": {"language": language, "step": p.step, "steps": p.steps}})
             if on_progress is not None:
                 on_progress(p)
+            if tap is not None:
+                tap(p)
 
         try:
             template, where = load_template(self.templates / template_file)
@@ -218,6 +467,9 @@ class LanguageBuilds:
                 report(replace(p, step=step, steps=steps, doing=msg[:300]), force_log=new_phase)
 
             manifest = build(template, where, self.store, on_step=on_step)
+            if push and self.remote is not None:
+                report(replace(p, doing=f"pushing the snapshot to {self.remote.url}"), force_log=True)
+                self._push(language, manifest)
         except Exception as exc:
             why = exc.message if isinstance(exc, RollboxError) else f"{type(exc).__name__}: {exc}"
             failed = replace(p, state="failed", error=why[-2000:], since=time.time())

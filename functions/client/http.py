@@ -586,18 +586,18 @@ class Client:
     ) -> ExecResult:
         """One-shot: a fresh sandbox runs ``code`` (or ``command``) once and is destroyed. With ``language``
         (docs/languages.md), ``code`` is a program in it, compiled (once) and run in its snapshot;
-        ``cases`` (``{stdin, expected_stdout}``) run it once per case after one compile."""
+        ``cases`` (``{stdin, expected_stdout}``) run it once per case (after one compile, with a language)."""
         data = _exec_data(code, command, stdin, files, read_files, env, timeout_s)
-        wait_s = timeout_s
+        wait_s = timeout_s * max(1, len(cases or ()))
         if language is None:
             data["snapshot"] = snapshot
         else:
             data["language"] = language
-            if compile_timeout_s is not None:
-                data["compile_timeout_s"] = compile_timeout_s
-            if cases is not None:
-                data["cases"] = [dict(c) for c in cases]
-            wait_s = (compile_timeout_s or 10.0) + timeout_s * max(1, len(cases or ()))
+            wait_s += compile_timeout_s or 10.0
+        if compile_timeout_s is not None:
+            data["compile_timeout_s"] = compile_timeout_s  # (without a language: refused, saying so)
+        if cases is not None:
+            data["cases"] = [dict(c) for c in cases]
         if limits is not None:
             data["limits"] = limits.model_dump(exclude_unset=True)
         if metadata:

@@ -278,19 +278,20 @@ class RunData(ExecRequest, _ExecChecks):
     compile_timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = Field(
         default=None, description="with language: the compile step's timeout (default 10)")
     cases: Annotated[list[Case], Field(min_length=1, max_length=256)] | None = Field(
-        default=None, description="with language: compile once, then run the program once per case (its stdin; "
-        "timeout_s each) in one sandbox, each case in a fresh copy of the home")
+        default=None, description="run the program once per case (its stdin; timeout_s each) in one sandbox, each "
+        "case in a fresh copy of the home; with language, compiled once first; without, `code` (Python) or "
+        "`command` in `snapshot`")
 
     _metadata = field_validator("metadata")(_check_metadata)
 
     @model_validator(mode="after")
     def _language(self) -> RunData:
-        if self.language is None:
-            if self.compile_timeout_s is not None or self.cases is not None:
-                raise ValueError("compile_timeout_s and cases are for a run with 'language'")
-            return self
         if self.cases is not None and self.stdin is not None:
             raise ValueError("with 'cases' each case has its stdin: give 'stdin' in the cases")
+        if self.language is None:  # (cases alone: `code` or `command` runs once per case, as a plain run)
+            if self.compile_timeout_s is not None:
+                raise ValueError("compile_timeout_s is for a run with 'language' (nothing is compiled otherwise)")
+            return self
         from rollbox.snapshots import languages
 
         try:

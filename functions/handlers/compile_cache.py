@@ -10,7 +10,16 @@ depends on the machine's load).
 Two levels: an LRU in this process, bounded in bytes, and the snapshot store's object API
 (``rollbox.snapshots.state.Objects``: the local store's directory, or S3 shared by every replica),
 under ``compiled/<key>.json``. Concurrent requests for one key wait for the first one's compile (one
-compile per key per replica at a time).
+compile per key per replica at a time). A compile that timed out is not kept, but it is the verdict of
+the requests waiting for it then whose own compile timeout is no longer (verl's ten cases of a program
+share one compile timeout): they answer its timeout instead of each compiling again, which on an
+overloaded machine would multiply the load that made it time out.
+
+Across replicas sharing the store (S3), a compile is claimed there first: the replica that creates
+``compiled/<key>.claim`` (a create-only put) compiles; another replica whose cases of that program
+arrive meanwhile polls for the outcome (``compiled/<key>.json``, every 50 ms growing to 0.5 s) instead
+of compiling it too, and compiles on its own only if the claim goes away without one (the compile timed
+out or failed) or is stale (older than its compile timeout + 30 s: its replica died).
 """
 
 from __future__ import annotations
@@ -19,17 +28,24 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
+import socket
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from rollbox.runtime.errors import RollboxError
 from rollbox.snapshots.state import Objects
 
-__all__ = ["CompileCache", "Compiled", "cache_key"]
+__all__ = ["CompileCache", "Compiled", "TimedOut", "cache_key"]
 
 log = logging.getLogger("rollbox.compile_cache")
 KEY_PREFIX = "compiled/"
+CLAIM_GRACE_S = 30.0  # a claim older than its compile timeout and this: its replica died
+POLL_FIRST_S, POLL_MAX_S = 0.05, 0.5  # how often a replica looks for another's compile
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,15 @@ class Compiled:
                    wall_s=float(d["wall_s"]), artifacts_b64=str(d.get("artifacts_b64", "")))
 
 
+@dataclass(frozen=True)
+class TimedOut:
+    """A compile that ran out of its ``timeout_s``: never kept, only handed to the requests waiting for it
+    (``CompileCache.once``). ``result``: the compile step as the caller reports it."""
+
+    result: Any
+    timeout_s: float
+
+
 def cache_key(language: str, snapshot_id: str, command: str, files: dict[str, bytes]) -> str:
     """sha256 of the language, the toolchain snapshot id, the compile command and each file's path and hash."""
     h = hashlib.sha256()
@@ -73,9 +98,12 @@ class CompileCache:
         self.max_bytes = max_bytes
         self._lru: OrderedDict[str, Compiled] = OrderedDict()
         self._bytes = 0
-        self._inflight: dict[str, asyncio.Future[Compiled | None]] = {}
+        self._inflight: dict[str, asyncio.Future[Compiled | TimedOut | None]] = {}
         self.hits = 0
         self.misses = 0
+        self.shared_timeouts = 0  # waiters answered with the timeout of the compile they waited for
+        self.from_replicas = 0  # compiles another replica made while this one waited for them
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
 
     async def get(self, key: str) -> Compiled | None:
         hit = self._lru.get(key)
@@ -114,13 +142,16 @@ class CompileCache:
             _, gone = self._lru.popitem(last=False)
             self._bytes -= gone.size()
 
-    async def once(self, key: str, compile_: Callable[[Callable[[Compiled | None], Awaitable[None]]], Awaitable[None]]
-                   ) -> tuple[Compiled | None, bool]:
+    async def once(self, key: str,
+                   compile_: Callable[[Callable[[Compiled | TimedOut | None], Awaitable[None]]], Awaitable[None]],
+                   timeout_s: float = float("inf")) -> tuple[Compiled | TimedOut | None, bool]:
         """The cached outcome for ``key`` and True; else ``compile_(done)`` runs and False is returned
-        with what it passed to ``done`` (which keeps it, when not None). ``done`` may be called as soon as
+        with what it passed to ``done`` (which keeps a ``Compiled``). ``done`` may be called as soon as
         the compile is over (before the program runs): callers waiting for this key go on from then.
-        While one compile of a key runs, other callers wait for it and share it; if it keeps nothing (a
-        timeout) each of them compiles on its own."""
+        While one compile of a key runs, other callers wait for it and share it. If it timed out (``done``
+        got a ``TimedOut``), the callers waiting then whose ``timeout_s`` (their compile timeout) is at
+        most its own get that TimedOut and True; the others, and every caller when it kept nothing (a
+        sandbox fault), compile on their own."""
         while True:
             hit = await self.get(key)
             if hit is not None:
@@ -129,21 +160,40 @@ class CompileCache:
             running = self._inflight.get(key)
             if running is None:
                 break
-            if await asyncio.shield(running) is None:
+            shared = await asyncio.shield(running)
+            if isinstance(shared, TimedOut) and timeout_s <= shared.timeout_s:
+                self.shared_timeouts += 1
+                return shared, True  # the same source, no more time: it would time out again
+            if shared is None or isinstance(shared, TimedOut):
                 break  # that compile kept nothing: compile this one (not waiting in turn for a twin)
-        fut: asyncio.Future[Compiled | None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Compiled | TimedOut | None] = asyncio.get_running_loop().create_future()
         mine = key not in self._inflight
         if mine:
             self._inflight[key] = fut
+        claim: str | None = None
+        if mine and self.objects is not None:  # another replica's compile of it, or the claim to make it here
+            other = await self._claim_or_wait(key, timeout_s)
+            if isinstance(other, Compiled):
+                self._inflight.pop(key, None)
+                fut.set_result(other)
+                self.from_replicas += 1
+                self.hits += 1
+                return other, True
+            claim = other
         self.misses += 1
-        got: list[Compiled | None] = []
+        got: list[Compiled | TimedOut | None] = []
 
-        async def done(value: Compiled | None) -> None:
+        async def done(value: Compiled | TimedOut | None) -> None:
             if got:
                 return
             got.append(value)
-            if value is not None:
+            if isinstance(value, Compiled):
                 await self.put(key, value)
+            if claim is not None and self.objects is not None:  # (after the put: a waiter sees the outcome first)
+                try:
+                    await asyncio.to_thread(self.objects.delete, [claim])
+                except (RollboxError, OSError) as exc:
+                    log.warning("compile cache: removing the claim %s failed: %s", claim, exc)
             if mine:
                 self._inflight.pop(key, None)
                 if not fut.done():
@@ -155,3 +205,41 @@ class CompileCache:
             if not got:
                 await done(None)
         return got[0], False
+
+    async def _claim_or_wait(self, key: str, timeout_s: float) -> Compiled | str | None:
+        """Claim ``key``'s compile in the shared store (returns the claim's key: compile it here), or wait
+        for the replica that claimed it: its outcome (a Compiled), or None when it left none (compile
+        here, unclaimed). A store that fails: None (the store is optional)."""
+        assert self.objects is not None
+        objects = self.objects
+        claim = KEY_PREFIX + key + ".claim"
+        limit = min(timeout_s, 3600.0)
+        body = json.dumps({"replica": self.replica, "token": uuid.uuid4().hex, "since": time.time(),
+                           "timeout_s": limit}).encode()
+        try:
+            if await asyncio.to_thread(objects.put_new, claim, body):
+                found = await self.get(key)  # (made and unclaimed since this replica last looked)
+                if found is None:
+                    return claim
+                await asyncio.to_thread(objects.delete, [claim])
+                return found
+            t0, pause = time.monotonic(), POLL_FIRST_S
+            while True:
+                raw = await asyncio.to_thread(objects.get, claim)  # (the claim first: its outcome is put before
+                found = await self.get(key)                       # it goes)
+                if found is not None:
+                    return found
+                if raw is None:
+                    return None  # it went without an outcome (a timeout, a fault): compile here
+                other = json.loads(raw)
+                if time.time() - float(other["since"]) > float(other["timeout_s"]) + CLAIM_GRACE_S:
+                    log.warning("compile cache: the claim of %s by %s is stale: compiling here", key, other["replica"])
+                    await asyncio.to_thread(objects.delete, [claim])
+                    return None
+                if time.monotonic() - t0 > limit + CLAIM_GRACE_S:
+                    return None
+                await asyncio.sleep(pause)
+                pause = min(pause * 1.5, POLL_MAX_S)
+        except (RollboxError, OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("compile cache: claiming %s failed: %s", key, exc)
+            return None

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from rollbox.functions.durable.runtime import DurableRuntime
-from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, cache_key
+from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, TimedOut, cache_key
 from rollbox.functions.handlers.routing import InProcess
 from rollbox.runtime.errors import InvalidRequest, RollboxError, SnapshotNotFound
 from rollbox.runtime.spec import CaseResult, CompileResult, ExecRequest, ExecResult
@@ -76,6 +76,8 @@ class Program:
     metadata: dict[str, str] = field(default_factory=dict)
     cases: tuple[str | None, ...] | None = None  # a batch: one run per stdin, after one compile, in one sandbox
     build_wait_s: float | None = None  # the language's snapshot being built on first use: how long to wait for it
+    env: dict[str, str] = field(default_factory=dict)  # the run's (each case's) environment
+    plan: languages.Plan | None = None  # what to run, given (a plain `run` with cases); else the language's plan
 
 
 @dataclass
@@ -147,7 +149,7 @@ class Runner:
         self.build_on_first_use = False  # a missing language snapshot is built (else: 503 with the build command)
 
     async def run(self, p: Program) -> ProgramResult:
-        plan = languages.plan(p.language, p.code)  # UnsupportedLanguage (an InvalidRequest) names the language
+        plan = p.plan or languages.plan(p.language, p.code)  # UnsupportedLanguage (an InvalidRequest) names it
         for what, value in (("code", p.code), ("stdin", p.stdin or ""), *(("files", k) for k in p.files)):
             try:
                 value.encode("utf-8")
@@ -156,6 +158,8 @@ class Runner:
         try:
             view = await self.rt.resolve(plan.snapshot)
         except SnapshotNotFound as exc:
+            if p.plan is not None:  # not a language's snapshot: the run's own, named by the request
+                raise
             if self.builds is None or not self.build_on_first_use:
                 raise SnapshotNotFound(languages.missing_snapshot(p.language), snapshot_id=plan.snapshot) from exc
             await self.builds.ensure(p.language, p.build_wait_s)  # StillBuilding (retry) past the wait
@@ -177,22 +181,28 @@ class Runner:
         key = cache_key(plan.language, view.id, plan.compile, all_bytes)
         box: list[ProgramResult] = []
 
-        async def compile_(done: Callable[[Compiled | None], Awaitable[None]]) -> None:
+        async def compile_(done: Callable[[Compiled | TimedOut | None], Awaitable[None]]) -> None:
             async def compiled(c: ExecResult) -> ExecResult:
-                """Right after the compile step (before the run): what the cache keeps, and the compile
-                step without the artifacts (they are not the program's output)."""
-                keep = None
+                """Right after the compile step (before the run): what the cache keeps (or, a timeout, what
+                the requests waiting for this compile answer), and the compile step without the artifacts
+                (they are not the program's output)."""
+                keep: Compiled | TimedOut | None = None
+                step = c.model_copy(update={"files": {}})
                 art = (c.files.get(ARTIFACTS) or "").strip()
-                if not (c.timed_out or c.oom_killed or c.signal is not None or (c.exit_code == 0 and not art)):
+                if c.timed_out:
+                    keep = TimedOut(step, _clamp(p.compile_timeout_s))
+                elif not (c.oom_killed or c.signal is not None or (c.exit_code == 0 and not art)):
                     keep = Compiled(c.exit_code, c.stdout, c.stderr, c.wall_s, art if c.exit_code == 0 else "")
                 await done(keep)  # (not kept: a timeout or a kill depends on the load, not on the source)
-                return c.model_copy(update={"files": {}})
+                return step
 
             box.append(await self._compile_and_run(p, plan, limits, files, unpack, key, compiled))
 
-        found, cached = await self.cache.once(key, compile_)
+        found, cached = await self.cache.once(key, compile_, _clamp(p.compile_timeout_s))
         if not cached:
             return box[0] if box else ProgramResult(plan, None, False, None)  # (compile_ raised otherwise)
+        if isinstance(found, TimedOut):  # the compile this request waited for timed out: its verdict too
+            return ProgramResult(plan, found.result.model_copy(update={"sandbox_id": ""}), True, None)
         assert found is not None
         if found.return_code != 0:
             return ProgramResult(plan, found, True, None)
@@ -241,8 +251,9 @@ class Runner:
         if plan.python_inline and not unpack:  # the warm interpreter runs the code itself: no python start
             files = dict(files)
             code = files.pop(next(iter(plan.files)))
-            return _exec(code=code, files=files, stdin=p.stdin, timeout_s=timeout)
-        return _exec(command=_prefixed(unpack, _exec_form(plan.run)), files=files, stdin=p.stdin, timeout_s=timeout)
+            return _exec(code=code, files=files, stdin=p.stdin, timeout_s=timeout, env=p.env)
+        return _exec(command=_prefixed(unpack, _exec_form(plan.run)), files=files, stdin=p.stdin, timeout_s=timeout,
+                     env=p.env)
 
     async def _session(self, p: Program, plan: languages.Plan, limits: dict[str, int] | None,
                        compile_req: ExecRequest | None, run_req: ExecRequest | None = None,
@@ -285,7 +296,7 @@ class Runner:
         run = f"rm -rf {CASE} && cp -a {BASE} {CASE} && cd {CASE} && {_exec_form(plan.run)}"
         out = []
         for stdin in p.cases or ():
-            out.append(await self.rt.exec(sandbox_id, _exec(command=run, stdin=stdin,
+            out.append(await self.rt.exec(sandbox_id, _exec(command=run, stdin=stdin, env=p.env,
                                                             timeout_s=_clamp(p.run_timeout_s))))
         return out
 
@@ -321,16 +332,31 @@ def runner_for(rt: Any) -> Runner:
 
 
 async def run_event(rt: Any, data: RunData) -> ExecResult:
-    """The `run` event with a ``language``: the same runner as /run_code; the reply is the run step's
-    ExecResult with its ``compile`` step (or the compile's, when it failed and nothing ran)."""
-    assert data.language is not None and data.code is not None
-    program = Program(language=data.language, code=data.code, stdin=data.stdin,
+    """The `run` event with a ``language``, or with ``cases``: the same runner as /run_code; the reply is the
+    run step's ExecResult with its ``compile`` step (or the compile's, when it failed and nothing ran).
+    Cases without a language run what a plain `run` runs (``code``: Python, in the snapshot's warm
+    interpreter; or ``command``) in ``snapshot``, once per case."""
+    runner = runner_for(rt)
+    plan = None
+    if data.language is None:
+        assert data.cases is not None
+        view = await runner.rt.resolve(data.snapshot)
+        if data.code is not None:
+            run, plan_files = f"{shlex.quote(view.warm.python)} main.py", {"main.py": data.code}
+        else:
+            assert data.command is not None
+            run, plan_files = data.command, {}
+        plan = languages.Plan(language="python" if data.code is not None else "", snapshot=data.snapshot,
+                              files=plan_files, compile=None, run=run, artifacts=())
+    assert data.code is not None or plan is not None
+    program = Program(language=data.language or "", code=data.code or "", stdin=data.stdin, plan=plan,
+                      env=dict(data.env),
                       files={k: v.encode() for k, v in data.files.items()}, fetch_files=tuple(data.read_files),
                       compile_timeout_s=data.compile_timeout_s or 10.0, run_timeout_s=data.timeout_s,
                       limits=data.limits.model_dump(exclude_unset=True) if data.limits is not None else None,
                       metadata=dict(data.metadata),
                       cases=tuple(c.stdin for c in data.cases) if data.cases is not None else None)
-    res = await runner_for(rt).run(program)
+    res = await runner.run(program)
     c = res.compile
     step: CompileResult | None = None
     if isinstance(c, Compiled):
@@ -338,7 +364,7 @@ async def run_event(rt: Any, data: RunData) -> ExecResult:
                              cached=res.compile_cached)
     elif c is not None:
         step = CompileResult(exit_code=None if c.timed_out else c.exit_code, stdout=c.stdout, stderr=c.stderr,
-                             timed_out=c.timed_out, wall_s=c.wall_s)
+                             timed_out=c.timed_out, wall_s=c.wall_s, cached=res.compile_cached)
     base = res.last()
     if base is None:  # a cached failed compile: no sandbox was needed
         assert isinstance(c, Compiled)
@@ -495,9 +521,9 @@ def _command_result(r: ExecResult | Compiled, cached: bool = False) -> CommandRu
         return CommandRunResult(status=CommandRunStatus.Finished, execution_time=0.0 if cached else r.wall_s,
                                 return_code=r.return_code, stdout=r.stdout, stderr=r.stderr,
                                 cached=True if cached else None)
-    if r.timed_out:
+    if r.timed_out:  # (cached: another request's compile of this source, which this one waited for)
         return CommandRunResult(status=CommandRunStatus.TimeLimitExceeded, execution_time=r.wall_s,
-                                return_code=None, stdout=r.stdout, stderr=r.stderr)
+                                return_code=None, stdout=r.stdout, stderr=r.stderr, cached=True if cached else None)
     code = r.exit_code
     if r.signal is not None:  # SandboxFusion (asyncio) reports a death by signal N as -N
         try:

@@ -34,7 +34,7 @@ async def exec_(rt: SandboxRuntime, data: ExecData, event: EventRef | None = Non
 
 
 async def run(rt: SandboxRuntime, data: RunData, event: EventRef | None = None) -> ExecResult:
-    if data.language is not None:  # a program in a language: compiled (once) and run (handlers/run_code.py)
+    if data.language is not None or data.cases is not None:  # compiled (once) and run, per case (handlers/run_code.py)
         from rollbox.functions.handlers import run_code
 
         return await run_code.run_event(rt, data)

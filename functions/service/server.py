@@ -534,7 +534,8 @@ async def _build(cfg: ServeConfig, rt: Runtime, resolver: StoreResolver, home: P
     from rollbox.snapshots.language_builds import LanguageBuilds
 
     runner = runner_for(service.runtime)  # languages: their snapshots' state (GET /languages), built on first use
-    runner.builds = LanguageBuilds(resolver.cache.local)
+    # with S3: a language is built once for every replica (pushed there, used from there; docs/languages.md)
+    runner.builds = LanguageBuilds(resolver.cache.local, remote=remote, claims=objects if remote is not None else None)
     runner.build_on_first_use = cfg.language_builds == "on"
     return _Replica(rt=rt, service=service, snapshots=snapshots, durable=durable, recorder=recorder, remote=remote)
 

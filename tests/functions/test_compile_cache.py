@@ -9,9 +9,11 @@ import io
 import tarfile
 from pathlib import Path
 
-from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, cache_key
+from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, TimedOut, cache_key
 from rollbox.functions.handlers.run_code import _members
 from rollbox.snapshots.state import LocalObjects
+
+from tests.snapshots.s3server import SeaweedS3, store_factory
 
 OK = Compiled(0, "", "", 1.0, "QUJD")
 
@@ -73,6 +75,31 @@ async def test_a_compile_that_keeps_nothing_lets_each_waiter_compile() -> None:
     assert "k2" not in cache._inflight and await cache.get("k2") is None
 
 
+async def test_the_waiters_of_a_compile_that_timed_out_get_its_timeout_instead_of_compiling_again() -> None:
+    """verl's ten cases of one program on an overloaded machine: their one compile times out; the nine
+    waiting for it answer that timeout (their compile timeout is the same) rather than compiling nine
+    times more. A waiter allowed longer compiles on its own, and the timeout is not kept for later."""
+    cache = CompileCache()
+    calls = 0
+
+    async def times_out(done):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.05)
+        await done(TimedOut("the compile step, timed out", 10.0))
+
+    first = asyncio.create_task(cache.once("k", times_out, 10.0))
+    await asyncio.sleep(0.01)
+    waiters = [cache.once("k", times_out, t) for t in (10.0,) * 8 + (5.0, 30.0)]
+    results = await asyncio.wait_for(asyncio.gather(first, *waiters), 5)
+    assert results[0] == (TimedOut("the compile step, timed out", 10.0), False)
+    assert results[1:10] == [(TimedOut("the compile step, timed out", 10.0), True)] * 9
+    assert results[10] == (TimedOut("the compile step, timed out", 10.0), False)  # 30 s: compiled itself
+    assert calls == 2 and cache.shared_timeouts == 9
+    assert await cache.once("k", times_out, 10.0) == (TimedOut("the compile step, timed out", 10.0), False)
+    assert calls == 3 and await cache.get("k") is None  # not kept: the next wave compiles again
+
+
 async def test_bounded_in_memory_and_shared_through_the_store(tmp_path: Path) -> None:
     small = CompileCache(max_bytes=3 * OK.size())
     for i in range(5):
@@ -83,6 +110,46 @@ async def test_bounded_in_memory_and_shared_through_the_store(tmp_path: Path) ->
     fail = Compiled(1, "", "main.cpp:1: error", 0.3)
     await a.put("key", fail)
     assert await b.get("key") == fail and (tmp_path / "store" / "compiled" / "key.json").is_file()
+
+
+async def test_replicas_sharing_s3_compile_a_program_once(seaweed: SeaweedS3) -> None:
+    """Two replicas (two caches on one SeaweedFS bucket) get cases of one program at once: one claims the
+    compile in the store and makes it, the other waits for its outcome there instead of compiling too. A
+    claim that goes without an outcome (a timeout) or that is stale (its replica died) lets the other
+    compile on its own."""
+    import json
+    import time
+
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    url = f"s3://{seaweed.new_bucket()}/p"
+    a, b = (CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(2))
+    compiles: list[str] = []
+
+    def compiler(name: str, value: Compiled | TimedOut, took_s: float = 0.3):  # type: ignore[no-untyped-def]
+        async def compile_(done):  # type: ignore[no-untyped-def]
+            compiles.append(name)
+            await asyncio.sleep(took_s)
+            await done(value)
+        return compile_
+
+    got = await asyncio.wait_for(asyncio.gather(a.once("k", compiler("a", OK), 10.0),
+                                                b.once("k", compiler("b", OK), 10.0)), 20)
+    assert len(compiles) == 1 and sorted(cached for _, cached in got) == [False, True], (compiles, got)
+    assert all(value == OK for value, _ in got) and a.from_replicas + b.from_replicas == 1
+    assert a.objects is not None and a.objects.keys("compiled/") == ["compiled/k.json"]  # the claim is gone
+
+    compiles.clear()  # the claimer's compile times out: it leaves no outcome, the other compiles itself
+    late = TimedOut("timed out", 10.0)
+    got = await asyncio.wait_for(asyncio.gather(a.once("t", compiler("a", late), 10.0),
+                                                b.once("t", compiler("b", late), 10.0)), 20)
+    assert len(compiles) == 2 and [cached for _, cached in got] == [False, False]
+
+    compiles.clear()  # a claim left by a replica that died an hour ago
+    a.objects.put_new("compiled/s.claim", json.dumps({"replica": "dead:1", "since": time.time() - 3600,
+                                                       "timeout_s": 10.0}).encode())
+    assert await asyncio.wait_for(b.once("s", compiler("b", OK, 0.0), 10.0), 20) == (OK, False)
+    assert compiles == ["b"]
 
 
 def _tar(*members: tuple[str, bytes, int, bytes]) -> str:

@@ -29,6 +29,8 @@ import httpx
 import pytest
 from svc_testkit import ServerProc, event, send, start_server
 
+from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, store_factory
+
 LANG_HOME = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
 TEMPLATES = Path(__file__).resolve().parents[2] / "snapshots" / "templates"
 BUILT = ("python3", "cpp", "java", "nodejs", "go")
@@ -279,6 +281,23 @@ async def test_same_program_compiles_once_and_concurrent_cases_share_the_compile
     assert len(cached) >= 3  # kept in the store the replicas share
 
 
+async def test_cases_waiting_for_a_compile_that_timed_out_get_its_timeout_without_compiling_again(
+        http: httpx.AsyncClient, srv: ServerProc) -> None:
+    """verl's pattern on an overloaded machine: four cases of one program, whose one compile runs out of its
+    2 s (a constexpr loop of 4e10 steps: g++ needs minutes). The three that waited for it answer its timeout (cached:
+    not compiled again); they used to compile one each, multiplying the load that made it time out."""
+    slow = ("constexpr long f(){long s=0; for(long i=0;i<200000;i++) for(long j=0;j<200000;j++) s+=(i^j)%7;"
+            " return s;}\n"
+            f"static_assert(f() > 0);\nint main(){{}}\n// {uuid.uuid4()}\n")
+    rs = await asyncio.gather(*(run_code(http, srv, code=slow, language="cpp", compile_timeout=2, stdin=str(i))
+                                for i in range(4)))
+    assert [(r["status"], r["compile_result"]["status"], r["run_result"]) for r in rs] == [
+        ("Failed", "TimeLimitExceeded", None)] * 4
+    assert sorted(bool(r["compile_result"].get("cached")) for r in rs) == [False, True, True, True]
+    r = await run_code(http, srv, code=slow, language="cpp", compile_timeout=2)  # not kept: compiled again
+    assert (r["compile_result"]["status"], r["compile_result"].get("cached")) == ("TimeLimitExceeded", None)
+
+
 async def test_runs_are_steps_of_the_experiment_and_lives_are_billed(http: httpx.AsyncClient, srv: ServerProc) -> None:
     from rollbox.functions.analysis.trajectories import steps, usage
 
@@ -327,7 +346,7 @@ async def test_the_run_event_takes_a_language_and_shares_the_compile_cache(http:
                          ({"language": "cobol", "code": "x"}, "unknown language 'cobol'"),
                          ({"language": "cpp", "command": "ls"}, "'code' is the program's source"),
                          ({"language": "cpp", "code": "x", "snapshot": "python"}, "give 'language' or 'snapshot'"),
-                         ({"command": "ls", "compile_timeout_s": 3}, "compile_timeout_s and cases are for a run with")):
+                         ({"command": "ls", "compile_timeout_s": 3}, "compile_timeout_s is for a run with 'language'")):
         r = await send(http, srv.url, event(run, data))
         assert r.status == 400 and needle in r.data["message"], r.data
 
@@ -353,6 +372,30 @@ async def test_a_batch_of_cases_compiles_once_and_keeps_each_cases_files_apart(h
     assert [c["exit_code"] for c in r.data["cases"]] == [0, 3, 0] and r.data["exit_code"] == 3  # the first failed
     r = await send(http, srv.url, event(run, {"language": "python", "code": "x", "cases": [{}], "stdin": "1"}))
     assert r.status == 400 and "each case has its stdin" in r.data["message"]
+
+
+async def test_cases_without_a_language_run_the_runs_code_or_command_once_per_case(http: httpx.AsyncClient,
+                                                                                   srv: ServerProc) -> None:
+    """A trainer's Python solution with its cases and no `language`: `code` means what it means in any `run`
+    (Python, in the snapshot's warm interpreter; the built-in `python` snapshot by default: nothing to
+    build), run once per case; a `command` likewise. It used to be refused ("cases are for a run with
+    'language'")."""
+    run = "dev.rollbox.sandbox.run"
+    code = ("import os, sys\nif os.path.exists('seen'): print('seen'); sys.exit(0)\nopen('seen', 'w').close()\n"
+            "a, b = map(int, sys.stdin.read().split()); print(a + b, os.environ.get('TAG', ''), sys.version_info[0])")
+    cases = [{"stdin": "1 2", "expected_stdout": "3 x 3"}, {"stdin": "20 22", "expected_stdout": "42 x 3\n"},
+             {"stdin": "1 1", "expected_stdout": "3 x 3"}]
+    r = await send(http, srv.url, event(run, {"code": code, "cases": cases, "env": {"TAG": "x"}, "timeout_s": 20}))
+    assert r.status == 200, r.data
+    assert [(c["stdout"], c["passed"]) for c in r.data["cases"]] == [("3 x 3\n", True), ("42 x 3\n", True),
+                                                                      ("2 x 3\n", False)]
+    assert r.data["compile"] is None and r.data["stdout"] == "2 x 3\n"  # no case failed: the last one's
+    r = await send(http, srv.url, event(run, {"command": "read a b; echo $((a * b)); test $a -lt 9", "timeout_s": 20,
+                                              "cases": [{"stdin": "6 7", "expected_stdout": "42"}, {"stdin": "9 9"}]}))
+    assert r.status == 200 and [(c["stdout"], c["exit_code"]) for c in r.data["cases"]] == [("42\n", 0), ("81\n", 1)]
+    assert r.data["cases"][0]["passed"] is True and r.data["exit_code"] == 1  # the first failed case's
+    r = await send(http, srv.url, event(run, {"code": "print(1)", "cases": [{"stdin": "1"}], "snapshot": "nowhere"}))
+    assert r.status == 404 and "nowhere" in r.data["message"], r.data
 
 
 HELLO: dict[str, str] = {
@@ -496,6 +539,51 @@ async def test_a_missing_language_snapshot_is_built_on_first_use_once_with_its_s
         assert srv.stop() == 0, srv.log_path.read_text()[-4000:]
 
 
+async def test_a_language_built_by_one_replica_is_pushed_to_s3_and_another_replica_runs_it_without_building(
+        lang_store: Path, tmp_path: Path, seaweed: SeaweedS3) -> None:
+    """Replica A: ``rollbox languages build bash --store s3://...`` on a home whose layers and Debian build
+    records are the language test store's (bash's Debian layer is reused; the manifest, name and push run
+    here). Replica B: ``rollbox serve`` on an empty home with that store: GET /languages says bash is ready
+    in the store, and the first /run_code runs it from the pulled snapshot; B builds nothing (its home has
+    no Debian records: a build would run mmdebstrap for minutes)."""
+    import subprocess
+
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    aws = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": seaweed.endpoint}
+    store = f"s3://{seaweed.new_bucket()}/p"
+    a = tmp_path / "a"
+    a.mkdir()
+    for sub in ("layers", "layers-meta", "debian"):
+        (a / sub).symlink_to(lang_store / sub)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "ROLLBOX_"))}
+    done = subprocess.run([sys.executable, "-m", "rollbox.functions.cli", "languages", "build", "bash", "--home", str(a),
+                           "--store", store, "--json"], env={**env, **aws, "ROLLBOX_DEBIAN_MAX_AGE_DAYS": "3650"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (built,) = json.loads(done.stdout.strip().splitlines()[-1])
+    s3 = store_factory(seaweed)(store)
+    assert s3.names()["bash"] == built["snapshot_id"] and S3Objects(s3).keys("language-builds/") == []
+    srv = start_server(tmp_path / "log", "--home", str(tmp_path / "b"), "--store", store, "--prewarm", "",
+                       "--durability", "off", "--record", "off", env=aws)
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
+            langs = {r["language"]: r for r in (await http.get(srv.url + "languages")).json()}
+            assert (langs["bash"]["state"], langs["bash"]["where"]) == ("ready", "store"), langs["bash"]
+            assert langs["bash"]["snapshot_id"] == built["snapshot_id"] and langs["lua"]["state"] == "missing"
+            body = {"code": "read a b; echo $((a + b))", "language": "bash", "stdin": "40 2", "run_timeout": 30}
+            r = await http.post(srv.url + "run_code", json=body)
+            assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "42\n", r.text
+            langs = {r["language"]: r for r in (await http.get(srv.url + "languages")).json()}
+            assert (langs["bash"]["state"], langs["bash"]["where"]) == ("ready", "here")  # pulled
+        msgs = [str(r.get("msg", "")) for r in srv.log_records()]
+        assert not any(m.startswith(("building bash", "built bash")) for m in msgs), msgs
+        assert not (tmp_path / "b" / "builds" / "bash.json").exists()
+    finally:
+        assert srv.stop() == 0, srv.log_path.read_text()[-4000:]
+
+
 async def test_the_python_client_runs_a_language_with_cases(srv: ServerProc) -> None:
     from rollbox.functions.client import Client
 
@@ -504,6 +592,10 @@ async def test_the_python_client_runs_a_language_with_cases(srv: ServerProc) -> 
                                cases=[{"stdin": "1 2", "expected_stdout": "3"}, {"stdin": "2 2", "expected_stdout": "5"}])
     assert res.compile is not None and res.compile.exit_code == 0
     assert res.cases is not None and [c.passed for c in res.cases] == [True, False]
+    async with Client(srv.url) as client:  # no language: the code is Python, run per case (it used to run once)
+        res = await client.run("print(sum(map(int, input().split())))", timeout_s=20,
+                               cases=[{"stdin": "1 2", "expected_stdout": "3"}, {"stdin": "2 2", "expected_stdout": "5"}])
+    assert res.cases is not None and [c.passed for c in res.cases] == [True, False] and res.compile is None
 
 
 # ----------------------------------------------------------------------- verl's own client, unchanged

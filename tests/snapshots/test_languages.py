@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rollbox.runtime.errors import InvalidRequest
@@ -287,3 +288,77 @@ def test_the_languages_command_builds_what_the_home_lacks_and_lists_it_ready(
     assert main(["languages", "list", "--home", str(tmp_path), "--json"]) == 0
     rows = {r["language"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["bash"]["state"] == "ready" and rows["lua"]["state"] == "missing"
+
+
+# ----------------------------------------------------------------------- built once for every replica (S3)
+
+
+def _shared_builds(home: Path, url: str, make_s3: Any, templates: Path) -> Any:
+    from rollbox.snapshots.language_builds import LanguageBuilds
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    remote = make_s3(url)
+    return LanguageBuilds(LocalStore(home), templates, remote=remote, claims=S3Objects(remote))
+
+
+def test_replicas_sharing_s3_build_a_language_once_wait_for_a_claimed_build_and_take_over_a_dead_one(
+        tmp_path: Path, s3_url: str, make_s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas (LanguageBuilds on two homes) share a SeaweedFS bucket. ``bash``'s template here is a
+    host-based one (seconds to build, no root), so the sharing is what is tested: the first replica builds
+    and pushes it, the second uses it from the store; a build claimed by a third replica is waited for
+    (then used, or its failure reported), and a claim whose builder stopped beating is taken over."""
+    import json
+    import threading
+    import time
+
+    from rollbox.snapshots import language_builds
+    from rollbox.snapshots.store import copy_snapshot
+
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "bash.yaml").write_text("name: bash\nwarm: {imports: [json]}\n")
+    a = _shared_builds(tmp_path / "a", s3_url, make_s3, templates)
+    b = _shared_builds(tmp_path / "b", s3_url, make_s3, templates)
+    assert {p.language: p.state for p in b.statuses()}["bash"] == "missing"
+    built = a.build("bash")
+    assert a.started == 1 and a.remote.names()["bash"] == built.id  # pushed: layers, manifest, name
+    assert a.claims.keys("language-builds/") == []  # the claim and its beat are gone
+    (bash,) = [p for p in b.statuses() if p.language == "bash"]
+    assert (bash.state, bash.snapshot_id, bash.where) == ("ready", built.id, "store")
+    assert b.build("bash").id == built.id and b.started == 0  # the second replica builds nothing
+
+    # a build claimed by another replica: waited for, then its snapshot used
+    url2 = s3_url.replace("/snapshots", "/other")
+    c = _shared_builds(tmp_path / "c", url2, make_s3, templates)
+    claims = c.claims
+    claims.put_new("language-builds/bash.claim", json.dumps({"replica": "elsewhere:7", "since": time.time()}).encode())
+    claims.put_new("language-builds/bash.beat", json.dumps({"step": 1, "steps": 2, "doing": "base: mmdebstrap",
+                                                            "beat": time.time()}).encode())
+    (bash,) = [p for p in c.statuses() if p.language == "bash"]
+    assert bash.describe() == "building bash on replica elsewhere:7, step 1/2: base: mmdebstrap"
+    monkeypatch.setattr(language_builds, "POLL_S", 0.1)
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(c.build("bash")))
+    waiter.start()
+    time.sleep(1.0)
+    assert waiter.is_alive() and c.status("bash").describe().startswith("building bash on replica elsewhere:7")
+    copy_snapshot(LocalStore(tmp_path / "a"), c.remote, "bash")  # the other replica's build lands
+    claims.delete(["language-builds/bash.claim", "language-builds/bash.beat"])
+    waiter.join(30)
+    assert got and got[0].id == built.id and c.started == 0
+
+    # a claimed build that failed: the waiters get its failure, nobody builds it again for a while
+    url3 = s3_url.replace("/snapshots", "/third")
+    d = _shared_builds(tmp_path / "d", url3, make_s3, templates)
+    d.claims.put_new("language-builds/bash.failed", json.dumps({"replica": "elsewhere:7", "since": time.time(),
+                                                                "error": "no network"}).encode())
+    with pytest.raises(language_builds.SnapshotNotFound, match="building bash on replica elsewhere:7 failed: no network"):
+        d.build("bash")
+    assert d.started == 0
+    # a claim whose builder stopped beating (killed): taken over, built here, pushed
+    d.claims.delete(["language-builds/bash.failed"])
+    old = time.time() - 3600
+    d.claims.put_new("language-builds/bash.claim", json.dumps({"replica": "dead:1", "since": old}).encode())
+    d.claims.put_new("language-builds/bash.beat", json.dumps({"beat": old}).encode())
+    assert d.build("bash").id == built.id and d.started == 1  # (reproducible: the same snapshot)
+    assert d.remote.names()["bash"] == built.id and d.claims.keys("language-builds/") == []
