@@ -7,8 +7,9 @@ The store is kept across runs in ROLLBOX_TEST_ROOTLESS_LANGUAGES_HOME (default
 /var/tmp/rollbox-test-languages-rootless, owned by that user), as the root language tests keep
 theirs: the shared Debian base (the bash snapshot) is built on a machine's first run (~30-100 s
 here, depending on the load) and reused later; lua's own layer (lua5.4 over the base: mmdebstrap,
-the diff, the packing, all in the namespace) is built again on every run (~15-25 s). A C++ compile
-runs too when that store holds the cpp snapshot (`rollbox languages build cpp` as that user, with
+the diff, the packing, all in the namespace) is built again on every run (~15-25 s). A layer with a
+whiteout, built the same way, runs in the user's sandboxes and, copied as a pull would, in root's.
+A C++ compile runs too when that store holds the cpp snapshot (`rollbox languages build cpp` as that user, with
 ROLLBOX_HOME set to it, puts it there: ~60 s more, once).
 """
 
@@ -19,13 +20,16 @@ import json
 import os
 import pwd
 import shutil
+import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from rollbox.snapshots.store_local import LocalStore
 from svc_testkit import ServerProc, start_server
 
 from tests.runtime.test_rootless import LOCK, REPO, _ensure_user, _reachable
@@ -145,3 +149,53 @@ def test_cpp_compiles_and_runs_rootless_when_the_store_holds_it(rootless_server:
                                             "compile_timeout": 120, "run_timeout": 30})
     assert reply["status"] == "Success", reply
     assert reply["compile_result"]["return_code"] == 0 and reply["run_result"]["stdout"] == "42\n", reply  # type: ignore[index]
+
+
+WHITEOUT_TEMPLATE = """name: whiteout-test
+base:
+  debian:
+    over: {templates}/debian.yaml
+    packages: []
+    run: ["rm /etc/debian_version", "echo changed > /etc/issue"]
+"""
+CHECK = "test ! -e /etc/debian_version && cat /etc/issue"
+
+
+def test_a_layer_built_rootless_with_a_whiteout_serves_rootless_and_root_sandboxes(rootless_server: ServerProc,
+                                                                                   tmp_path: Path) -> None:
+    """A layer over the base that removes a file holds a whiteout (char 0/0, made in the build's
+    namespace); the user's sandboxes stack it rootless (userxattr), and root's, given the same layer
+    from the user's store as a push and pull would copy it (its canonical tar), stack it as root.
+    The layer is built on a machine's first run (~20 s) and kept in the store (lua's layer is the one
+    built on every run)."""
+    user = pwd.getpwnam("rollbox-rootless")
+    spec = HOME / "whiteout-test.yaml"
+    spec.write_text(WHITEOUT_TEMPLATE.format(templates=REPO / "snapshots" / "templates"))
+    os.chown(spec, user.pw_uid, user.pw_gid)
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "HOME": user.pw_dir, "LANG": "C.UTF-8",
+           "ROLLBOX_HOME": str(HOME), "ROLLBOX_DEBIAN_MAX_AGE_DAYS": "3650"}
+    cli = [sys.executable, "-m", "rollbox.functions.cli"]
+    as_user = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
+    built = subprocess.run([*cli, "snapshot", "build", str(spec)], env=env, capture_output=True, text=True,
+                           timeout=600, **as_user)  # type: ignore[call-overload]
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    sid = (HOME / "names" / "whiteout-test").read_text().strip()
+    manifest = LocalStore(HOME).get_manifest(sid)
+    top = manifest.layers[-1].id
+    with tarfile.open(HOME / "blobs" / f"{top}.tar") as tar:
+        wh = tar.getmember("etc/debian_version")
+    assert wh.ischr() and (wh.devmajor, wh.devminor) == (0, 0)
+
+    ran = subprocess.run([*cli, "run", "--snapshot", "whiteout-test", "--command", CHECK], env=env,
+                         capture_output=True, text=True, timeout=120, **as_user)  # type: ignore[call-overload]
+    assert (ran.returncode, ran.stdout) == (0, "changed\n"), ran.stderr[-2000:]
+
+    root_store = LocalStore(tmp_path / "root-home")  # as root: owners applied, trusted.* xattrs
+    for ref in manifest.layers:
+        root_store.put_layer(ref.id, str(HOME / "blobs" / f"{ref.id}.tar"))
+    root_store.set_name("whiteout-test", root_store.put_manifest(manifest))
+    assert root_store.layer_path(manifest.layers[0].id).joinpath("etc", "shadow").stat().st_gid == 42  # shadow
+    ran = subprocess.run([*cli, "run", "--home", str(tmp_path / "root-home"), "--snapshot", "whiteout-test",
+                          "--command", CHECK], env={**env, "HOME": "/root", "ROLLBOX_HOME": str(tmp_path / "root-home")},
+                         capture_output=True, text=True, timeout=120)
+    assert (ran.returncode, ran.stdout) == (0, "changed\n"), ran.stderr[-2000:]
