@@ -91,10 +91,14 @@ def _subordinate_uids(path: str = "/etc/subuid") -> str:
             granted += int(parts[2])
     caps = ("each sandbox's own namespace caps its share of the caller's budgets (--rootless-budget-share)")
     if granted:
-        return (f"subordinate uids: {path} grants {granted}; not used: the kernel charges every nested "
+        return (f"subordinate uids: {path} grants {granted}; used to build language snapshots (Debian's packages, "
+                "in a user namespace that maps them), not by sandboxes: the kernel charges every nested "
                 "namespace's counts to the caller too, and files would need idmapped layers, which a rootless "
                 f"namespace may not mount; instead {caps}")
-    return f"subordinate uids: none granted in {path}; every sandbox runs as uid {uid}, and {caps}"
+    who = next(iter(sorted(names - {str(uid)})), str(uid))
+    return (f"subordinate uids: none granted in {path}, so language snapshots cannot be built as this user (as root: "
+            f"usermod --add-subuids 100000-165535 --add-subgids 100000-165535 {who}); every sandbox runs as uid "
+            f"{uid}, and {caps}")
 
 
 async def diagnose() -> tuple[bool, list[str]]:

@@ -126,7 +126,8 @@ def add_parser(subparsers: Any) -> None:
 
     langs = subparsers.add_parser("languages", help="the language snapshots: their state; building them ahead of use",
                                   description="The language snapshots /run_code and the run event's language run in "
-                                  "(snapshots/templates/<language>.yaml, built from Debian's packages, as root): "
+                                  "(snapshots/templates/<language>.yaml, built from Debian's packages: as root, or as "
+                                  "a user with subordinate ids in a user namespace): "
                                   "`list` shows each one's state in the local store; `build` builds those missing, "
                                   "with each build's steps (a server building one on first use is waited for, "
                                   "not repeated). With --store (the store the servers share), both also look "

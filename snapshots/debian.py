@@ -7,7 +7,8 @@ shared by every template on it: the same layer id) and over it a layer holding o
 this template's packages changed (an overlay diff: new and changed files, a whiteout for each file
 removed). Each toolchain is built from Debian's archive, never from what the host has installed.
 
-    root    mmdebstrap --mode=root (the build runs as root; without root it says so and stops)
+    root    mmdebstrap --mode=root, as root or, for any other user, as root of a user namespace holding
+            its subordinate ids (snapshots/userns.py; the layer is the same: each file keeps its owner)
     mirror  deb.debian.org: SUITE, SUITE-updates and SUITE-security, component main
     pycs    Debian's timestamp pycs made unchecked-hash (a layer keeps no mtimes)
     slim    no man pages, docs (copyright files kept), locales or info; no apt lists or caches,
@@ -37,11 +38,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rollbox.runtime.errors import InvalidRequest, StoreError
 from rollbox.runtime.isolation import libc
 from rollbox.runtime.isolation.users import SANDBOX_GID, SANDBOX_UID
-from rollbox.snapshots.layers import remove_tree
+from rollbox.snapshots import userns
+from rollbox.snapshots.layers import pack_to_file, remove_tree
 from rollbox.snapshots.manifest import LayerRef
 from rollbox.snapshots.store_local import LocalStore
 
@@ -134,17 +137,14 @@ def mirrors(suite: str) -> list[str]:
 
 
 def check_can_build() -> str:
-    """The mmdebstrap binary, or InvalidRequest saying why a Debian root cannot be built here."""
+    """The mmdebstrap binary, or InvalidRequest saying why a Debian root cannot be built here: as root,
+    mmdebstrap; as another user also what a user namespace with its subordinate ids needs (userns.check)."""
     tool = shutil.which("mmdebstrap") or ("/usr/bin/mmdebstrap" if os.path.exists("/usr/bin/mmdebstrap") else None)
     if tool is None:
         raise InvalidRequest("base.debian: building a root filesystem from Debian's packages needs mmdebstrap "
-                             "(a Debian package: `apt-get install mmdebstrap`; scripts/bootstrap installs it as "
-                             "root)")
+                             "(a Debian package: as root, `apt-get install mmdebstrap`; scripts/bootstrap names it)")
     if os.geteuid() != 0:
-        raise InvalidRequest(
-            "base.debian: Debian roots are built as root (mmdebstrap --mode=root: the layers keep the packages' "
-            "owners and removals become overlay whiteouts, which only root can make); run `rollbox snapshot "
-            "build` as root, or `rollbox snapshot pull` the language snapshots a root build pushed to a store")
+        userns.check()
     return tool
 
 
@@ -166,35 +166,19 @@ def build_layer(store: LocalStore, recipe: Recipe, *, step: Step, label: str,
     tool = check_can_build()
     started = time.monotonic()
     work = Path(store.tmp_dir())
-    mounted: Path | None = None
     try:
-        root = work / "root"
-        below: Path | None = None
-        if len(recipe.below) == 1:
-            below = store.layer_path(recipe.below[0])
-        elif recipe.below:  # the layers below, stacked as the sandbox will see them
-            below = mounted = work / "below"
-            below.mkdir()
-            lower = ":".join(str(store.layer_path(x)) for x in reversed(recipe.below))
-            libc.mount("overlay", str(below), "overlay", libc.MS_RDONLY, f"lowerdir={lower}")
-        _mmdebstrap(tool, recipe, root, below, step=step, label=label)
-        _tidy(root)
-        versions = _versions(root)
-        missing = [p for p in recipe.packages if p.split("=")[0].split(":")[0] not in versions]
-        if missing:
-            raise StoreError(f"{label}: packages asked for but not installed: {', '.join(missing)}")
-        if below is None:
-            src = root
-        else:
-            step(f"{label}: diffing against layer {recipe.below[-1][:12]}")
-            src = work / "diff"
-            diff_trees(str(below), str(root), str(src))
-        step(f"{label}: packing the layer")
-        ref = store.add_layer_dir(src, owner=None)
+        job = {"op": "build", "tool": tool, "work": str(work), "label": label, "host_root": os.geteuid() == 0,
+               "below": [str(store.layer_path(x)) for x in recipe.below],
+               "recipe": {"suite": recipe.suite, "packages": list(recipe.packages), "run": list(recipe.run),
+                          "below": list(recipe.below)}}
+        # rootless: the same build, as root of a user namespace holding the caller's subordinate ids
+        done = run_build_job(job, step) if os.geteuid() == 0 else userns.run(job, step)
+        versions = done["versions"]
+        step(f"{label}: storing the layer")
+        store.put_layer(done["id"], str(work / "layer.tar"))
+        ref = LayerRef(id=done["id"], size_bytes=done["size_bytes"])
     finally:
-        if mounted is not None:
-            libc.umount2(str(mounted), libc.MNT_DETACH)
-        remove_tree(work)
+        _remove_work(work)
     seconds = time.monotonic() - started
     record.parent.mkdir(parents=True, exist_ok=True)
     tmp = record.with_suffix(f".{os.getpid()}.tmp")
@@ -205,6 +189,58 @@ def build_layer(store: LocalStore, recipe: Recipe, *, step: Step, label: str,
     os.replace(tmp, record)
     step(f"{label}: layer {ref.id[:12]} ({ref.size_bytes / 1e6:.0f} MB) in {seconds:.0f} s")
     return Built(ref, versions, seconds=seconds)
+
+
+def run_build_job(job: dict[str, Any], step: Step) -> dict[str, Any]:
+    """Build a recipe's root under ``job["work"]`` and pack its layer (the root, or its diff against the
+    layers below) into ``work/layer.tar``; returns the tar's id and size and the root's package
+    versions. Runs as root: the host's, or (rootless) that of the user namespace ``userns.run`` makes."""
+    r = job["recipe"]
+    recipe = Recipe(r["suite"], tuple(r["packages"]), tuple(r["run"]), tuple(r["below"]))
+    work, label, lowers = Path(job["work"]), job["label"], list(job["below"])
+    mounted: Path | None = None
+    root, diff = work / "root", work / "diff"
+    try:
+        below: Path | None = None
+        if len(lowers) == 1:
+            below = Path(lowers[0])
+        elif lowers:  # the layers below, stacked as the sandbox will see them
+            below = mounted = work / "below"
+            below.mkdir()
+            # a rootless store marks opaque directories with user.overlay.opaque, which userxattr reads
+            opts = f"lowerdir={':'.join(reversed(lowers))}" + ("" if job.get("host_root", True) else ",userxattr")
+            libc.mount("overlay", str(below), "overlay", libc.MS_RDONLY, opts)
+        _mmdebstrap(job["tool"], recipe, root, below, step=step, label=label)
+        _tidy(root)
+        versions = _versions(root)
+        missing = [p for p in recipe.packages if p.split("=")[0].split(":")[0] not in versions]
+        if missing:
+            raise StoreError(f"{label}: packages asked for but not installed: {', '.join(missing)}")
+        if below is None:
+            src = root
+        else:
+            step(f"{label}: diffing against layer {recipe.below[-1][:12]}")
+            diff_trees(str(below), str(root), str(diff))
+            src = diff
+        step(f"{label}: packing the layer")
+        packed = pack_to_file(src, work / "layer.tar", owner=None)
+    finally:
+        if mounted is not None:
+            libc.umount2(str(mounted), libc.MNT_DETACH)
+        for tree in (root, diff, work / "below"):
+            remove_tree(tree)
+    return {"id": packed.id, "size_bytes": packed.size_bytes, "versions": versions}
+
+
+def _remove_work(work: Path) -> None:
+    """Remove a build's directory; rootless, what a killed build left there (files of subordinate owners)
+    is removed inside a user namespace that maps them."""
+    try:
+        remove_tree(work)
+    except PermissionError:
+        if os.geteuid() == 0:
+            raise
+        userns.remove(str(work))
 
 
 def _record_path(store: LocalStore, recipe: Recipe) -> Path:

@@ -179,7 +179,7 @@ def missing_snapshot(name: str) -> str:
     """What to say when a language's snapshot is not in the store: the template that builds it."""
     row = language(name)
     return (f"language {name!r} runs in the snapshot {row.snapshot!r}, which is not built: "
-            f"rollbox snapshot build snapshots/templates/{row.template} (as root; Debian's packages)")
+            f"rollbox snapshot build snapshots/templates/{row.template} (from Debian's packages)")
 
 
 def php_with_tag(code: str) -> str:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollbox.runtime.errors import IntegrityError, SnapshotNotFound, StoreError
+from rollbox.runtime.errors import IntegrityError, RollboxError, SnapshotNotFound, StoreError
 from rollbox.runtime.runtime import default_home
 from rollbox.snapshots.layers import check_layer_id, default_opaque_xattr, pack_to_file, remove_tree, unpack
 from rollbox.snapshots.manifest import LayerRef, Manifest, check_name, check_snapshot_id
@@ -70,7 +70,15 @@ class LocalStore:
         for entry in (self.root / "tmp").iterdir():
             pid = entry.name.split(".", 1)[0]
             if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-                remove_tree(entry)
+                try:
+                    remove_tree(entry)
+                except PermissionError:  # rootless: a Debian build killed half way left files of its
+                    if os.geteuid() == 0:  # subordinate owners, removable in its namespace only
+                        raise
+                    from rollbox.snapshots import userns
+
+                    with contextlib.suppress(RollboxError):
+                        userns.remove(str(entry))
 
     def tmp_dir(self) -> str:
         return tempfile.mkdtemp(prefix=f"{os.getpid()}.", dir=self.root / "tmp")

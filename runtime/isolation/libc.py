@@ -9,7 +9,18 @@ import ctypes
 import ctypes.util
 import os
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+def _load_libc() -> ctypes.CDLL:
+    """glibc by its soname first: find_library("c") runs ldconfig with /dev/null as its stdin, and
+    failing that gcc with a temporary file, and a rootless zygote's read-only view has neither /dev/null
+    nor a writable /tmp (a snapshot with gcc in it, cpp's, failed to start there)."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+_libc = _load_libc()
 
 # namespaces (linux/sched.h)
 CLONE_NEWNS = 0x00020000

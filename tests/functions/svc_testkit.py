@@ -58,13 +58,16 @@ class ServerProc:
         return self.proc.returncode
 
 
-def start_server(log_dir: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 90.0) -> ServerProc:
+def start_server(log_dir: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 90.0,
+                 **popen: Any) -> ServerProc:
+    """``popen``: more Popen arguments (``user=``, ``group=``: a server run as another user)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"serve-{uuid.uuid4().hex[:8]}.log"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOX_") and k not in ("PORT", "HOST")}
     full_env.update(env or {})
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*SERVE, "--port", "0", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen([*SERVE, "--port", "0", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                **popen)
     srv = ServerProc(proc, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

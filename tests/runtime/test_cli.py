@@ -119,7 +119,9 @@ def test_doctor_counts_the_subordinate_uids_granted_by_name_or_uid(tmp_path: Pat
     name = pwd.getpwuid(uid).pw_name
     f = tmp_path / "subuid"
     f.write_text(f"someone:100000:65536\n{name}:165536:65536\n{uid}:231072:1000\nnot a range\n")
-    assert _subordinate_uids(str(f)).startswith(f"subordinate uids: {f} grants 66536; not used: the kernel")
+    assert _subordinate_uids(str(f)).startswith(f"subordinate uids: {f} grants 66536; used to build language snapshots")
     f.write_text("someone:100000:65536\n")
-    assert _subordinate_uids(str(f)).startswith(f"subordinate uids: none granted in {f}; every sandbox runs as uid")
+    assert _subordinate_uids(str(f)).startswith(f"subordinate uids: none granted in {f}, so language snapshots cannot "
+                                                f"be built as this user (as root: usermod --add-subuids 100000-165535 "
+                                                f"--add-subgids 100000-165535 {name}); every sandbox runs as uid")
     assert "none granted" in _subordinate_uids(str(tmp_path / "absent"))

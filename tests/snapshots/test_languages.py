@@ -20,7 +20,7 @@ from rollbox.runtime.errors import InvalidRequest
 from rollbox.runtime.isolation import libc
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.spec import ExecRequest, Limits
-from rollbox.snapshots import languages
+from rollbox.snapshots import languages, userns
 from rollbox.snapshots.build import build
 from rollbox.snapshots.debian import diff_trees
 from rollbox.snapshots.resolver import StoreResolver
@@ -68,7 +68,7 @@ def test_plans_follow_sandboxfusion_naming_rules() -> None:
     assert p.artifacts == ("main",)
     assert "babel.config.js" in languages.plan("jest", "test('x', () => {})").files
     assert languages.missing_snapshot("cpp").endswith("rollbox snapshot build snapshots/templates/cpp.yaml "
-                                                      "(as root; Debian's packages)")
+                                                      "(from Debian's packages)")
 
 
 def test_debian_templates_are_checked_before_anything_is_built(tmp_path: Path,
@@ -82,11 +82,36 @@ def test_debian_templates_are_checked_before_anything_is_built(tmp_path: Path,
     tpl, where = load_template(loop)
     with pytest.raises(InvalidRequest, match=r"base\.debian\.over: loop\.yaml leads back to itself"):
         build(tpl, where, LocalStore(tmp_path / "store"))
+    # not root, and no subordinate ids to build with: said before anything is downloaded, with the fix
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(userns, "SUBUID", str(tmp_path / "subuid"))
+    (tmp_path / "subuid").write_text("someone-else:100000:65536\n")
     lua, lua_dir = load_template(TEMPLATES / "lua.yaml")
     monkeypatch.setenv("ROLLBOX_DEBIAN_MAX_AGE_DAYS", "0")  # no build record may serve it
-    with pytest.raises(InvalidRequest, match=r"Debian roots are built as root .*run `rollbox snapshot build` as root"):
+    if userns._which("newuidmap") is None:
+        with pytest.raises(InvalidRequest, match=r"newuidmap and newgidmap \(Debian package uidmap\).*apt-get install uidmap"):
+            build(lua, lua_dir, LocalStore(tmp_path / "store"))
+        return
+    with pytest.raises(InvalidRequest, match=rf"needs a range of 65536 subordinate ids .*{tmp_path}/subuid .*grants it none.*"
+                                             r"usermod --add-subuids 100000-165535 --add-subgids 100000-165535"):
         build(lua, lua_dir, LocalStore(tmp_path / "store"))
+    assert not list((tmp_path / "store" / "tmp").iterdir())
+
+
+def test_a_rootless_build_maps_the_callers_first_large_enough_subordinate_range(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    if userns._which("newuidmap") is None or userns._which("newgidmap") is None:
+        pytest.skip("newuidmap/newgidmap are not installed (Debian package uidmap)")
+    import pwd
+
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    (tmp_path / "subuid").write_text(f"other:200000:65536\n{me}:300000:1000\n{me}:400000:65536\n")
+    (tmp_path / "subgid").write_text(f"{os.geteuid()}:500000:70000\n")
+    monkeypatch.setattr(userns, "SUBUID", str(tmp_path / "subuid"))
+    monkeypatch.setattr(userns, "SUBGID", str(tmp_path / "subgid"))
+    maps = userns.check()
+    assert maps.uid_args() == ["0", str(os.geteuid()), "1", "1", "400000", "65535"]
+    assert maps.gid_args() == ["0", str(os.getegid()), "1", "1", "500000", "65535"]
 
 
 @as_root
