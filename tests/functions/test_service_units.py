@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -227,3 +229,22 @@ def test_a_resumed_step_passes_through_when_its_pause_outlasts_a_live_copy(tmp_p
     assert not d.passes(paused(3)) and d.passes(paused(31))
     d.hibernate_after_s = 0  # never idle-hibernated, no pressure: every resumed sandbox stays live
     assert not d.passes(paused(3600))
+
+
+def test_a_started_server_freezes_what_its_start_made_and_collects_young_objects_less_often() -> None:
+    """``_settle_gc`` (run by ``rollbox serve`` once listening): the start's objects leave the collector's
+    view and young collections run every ``GC_THRESHOLD0`` allocations, while cycles are still collected.
+    In a child process: it changes the interpreter's collector for good."""
+    code = (
+        "import gc\n"
+        "from rollbox.functions.service import server\n"
+        "assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] == 700\n"
+        "server._settle_gc()\n"
+        "assert gc.get_freeze_count() > 10000, gc.get_freeze_count()\n"
+        "assert gc.get_threshold()[0] == server.GC_THRESHOLD0\n"
+        "class C: pass\n"
+        "a = C(); a.me = a; del a\n"
+        "assert gc.collect() > 0\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
