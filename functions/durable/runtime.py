@@ -301,16 +301,17 @@ class DurableRuntime:
         finds that another replica had moved on, nothing of it is kept and it runs again, once, on the
         newest (only for a step whose running leaves nothing outside its sandbox: an exec)."""
         async with self.residency.holding(sandbox_id):
-            trust = may_trust and room == 0 and self.store.trusts_seen()
+            rerun = may_trust and room == 0  # a commit that finds it ran behind may run it again
+            trust = rerun and self.store.trusts_seen()
             try:
-                return await self._step(sandbox_id, action, model, may_pass, room, event, trust)
+                return await self._step(sandbox_id, action, model, may_pass, room, event, trust, rerun)
             except _RanBehind:  # (or lost a race): nothing of it was kept; again on the newest, read
                 self.store.note_behind(True)
             return await self._step(sandbox_id, action, model, may_pass, room, event, False)
 
     async def _step(self, sandbox_id: str, action: Callable[[Live], Awaitable[M]], model: type[M],
-                    may_pass: bool, room: int, ev: EventRef | None, trust: bool) -> M:
-        live, replay = await self._prepare(sandbox_id, ev, model, may_pass, trust)
+                    may_pass: bool, room: int, ev: EventRef | None, trust: bool, ahead: bool = False) -> M:
+        live, replay = await self._prepare(sandbox_id, ev, model, may_pass, trust, ahead)
         if replay is not None:
             return replay
         assert live is not None
@@ -338,9 +339,9 @@ class DurableRuntime:
             raise
         finally:
             self._adopted.pop(sandbox_id, None)
-        if live.trusted:
+        if live.trusted and not live.unconfirmed:  # (an unconfirmed head was counted as found behind)
             self.store.note_behind(False)
-            live.trusted = False
+        live.trusted = live.unconfirmed = False
         live.resume_ms = None
         if passing:
             self.residency.drop(sandbox_id, "hibernated")
@@ -363,13 +364,22 @@ class DurableRuntime:
             await self._prepare(sandbox_id, None, BaseModel)
 
     async def _prepare(self, sandbox_id: str, ev: EventRef | None, model: type[M],
-                       may_pass: bool = False, trust: bool = False) -> tuple[Live | None, M | None]:
+                       may_pass: bool = False, trust: bool = False,
+                       ahead: bool = False) -> tuple[Live | None, M | None]:
         """(the live copy to run a step on, None), or (None, the recorded reply of ``ev``). ``trust``:
-        on what this replica saw last of the sandbox, unread (``step``)."""
+        on what this replica saw last of the sandbox, unread (``step``). ``ahead``: on the first
+        generation found after it, unconfirmed (``StateStore.newest``; ``step`` runs it again if its
+        commit finds another came first)."""
         live = await self._fresh_live(sandbox_id, trust)
         seen = self.store.seen.get(sandbox_id) if trust and live is None else None
-        head = live.record if live is not None else seen or await self.store.head(sandbox_id)
-        trusted = trust and (live is not None or seen is not None)
+        confirmed = True
+        if live is not None:
+            head = live.record
+        elif seen is not None:
+            head = seen
+        else:
+            head, confirmed = await self.store.newest(sandbox_id, confirm=not ahead)
+        trusted = (trust and (live is not None or seen is not None)) or not confirmed
         if trusted and head.state != "destroyed" and head.expired(time.time()) is not None:
             return await self._prepare(sandbox_id, ev, model, may_pass)  # an expiry is decided on the newest, read
         if ev is not None and (replay := await self._replayed(head, ev, model)) is not None:
@@ -390,6 +400,7 @@ class DurableRuntime:
         elif may_pass:  # its live copy lasted until this step
             self.residency.note_passing(False)
         live.trusted = trusted
+        live.unconfirmed = not confirmed
         return live, None
 
     # ----------------------------------------------------------------------------- internals

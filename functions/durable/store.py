@@ -175,9 +175,27 @@ class StateStore:
         the 4096 most recent, its generation for many more), reading forward costs a GET per
         generation and one that finds nothing; else the sandbox's records are listed and the newest
         read."""
+        return (await self.newest(sandbox_id, confirm=True))[0]
+
+    async def newest(self, sandbox_id: str, *, confirm: bool) -> tuple[SandboxRecord, bool]:
+        """``head``, and whether the record is known to be the newest. Without ``confirm``, the first
+        generation found after the one seen here is taken unconfirmed: the GET that would find nothing
+        after it is not sent (behind a round-robin load balancer, a step finds the one its sandbox's
+        previous step committed on another replica: one GET, not two or three); a step that runs on it
+        learns from its create-only commit whether another came first (``DurableRuntime.step``)."""
         head: SandboxRecord | None = self.seen.get(sandbox_id)
         if head is None and (due := self.due.get(sandbox_id)) is not None:
+            if not confirm:  # the one after the generation seen here last, first
+                newer = await self.read(sandbox_id, due[0] + 1)
+                if newer is not None:
+                    self.note_behind(True)
+                    self.remember(newer)
+                    return newer, False
             head = await self.read(sandbox_id, due[0])  # the generation seen here last
+            if head is not None and not confirm:  # and none after it, just read
+                self.note_behind(False)
+                self.remember(head)
+                return head, True
         if head is None:
             keys = await self.io(self.objects.keys, f"sandboxes/{sandbox_id}/")
             gens = sorted(g for k in keys if (g := generation_of(k)) is not None)
@@ -189,13 +207,17 @@ class StateStore:
             # the listing said it is the newest, as a read of the next one would: a commit since is caught
             # by the step's create-only write, as one after such a read is
             self.remember(head)
-            return head
+            return head, True
         seen_generation = head.generation
+        confirmed = True
         while (newer := await self.read(sandbox_id, head.generation + 1)) is not None:
             head = newer  # committed elsewhere since
+            if not confirm:
+                confirmed = False
+                break
         self.note_behind(head.generation > seen_generation)
         self.remember(head)
-        return head
+        return head, confirmed
 
     def remember(self, record: SandboxRecord) -> None:
         """Keep the newest record seen of a sandbox (bounded): its next resume here skips the listing."""

@@ -589,3 +589,37 @@ async def test_a_replica_whose_sandboxes_stay_put_commits_with_the_put_alone_and
     assert (r.status, r.data["stdout"]) == (200, lines), r.data
     assert {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)} == \
         {"GetObject": 1, "PutObject": 1}
+
+
+async def test_behind_a_round_robin_balancer_a_step_reads_one_generation_and_runs_again_if_two_were_committed(
+        s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    """Steps alternating between two replicas (round robin, no affinity), each finding its sandbox
+    hibernated: a step reads the generation the other replica committed and takes it as the newest
+    without the GET that would find nothing after it: one GET and the commit's PUT. When two were
+    committed elsewhere meanwhile, that PUT's 412 says so: nothing of the run is kept, it runs again
+    on the newest (every earlier step's line there, its own once)."""
+    args = ("--record", "off", "--sweep-interval-s", "3600", "--hibernate-after-s", "0.05")
+    a, b = s3_replicas.start(*args), s3_replicas.start(*args)
+    sid = await create(http, a)
+    lines = ""
+
+    async def on(srv: ServerProc, name: str) -> dict[str, int]:
+        nonlocal lines
+        await asyncio.sleep(0.3)  # past --hibernate-after-s: the step resumes from the store
+        before = await store_requests(http, srv)
+        r = await step(http, srv, sid, code=APPEND.format(name))
+        lines += f"{name}\n"
+        assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, lines, True), r.data
+        after = await store_requests(http, srv)
+        return {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
+
+    await on(a, "a0")
+    await on(b, "b0")  # b never saw it: lists its records
+    for i in range(1, 4):
+        assert await on(a, f"a{i}") == {"GetObject": 1, "PutObject": 1}
+        assert await on(b, f"b{i}") == {"GetObject": 1, "PutObject": 1}
+    await on(a, "a4")
+    await on(a, "a5")  # a twice: b's newest seen is now two generations back
+    # read b3's successor a4 (not the newest), ran, the commit's 412; then a5, none after it, ran again
+    assert await on(b, "b4") == {"GetObject": 4, "PutObject": 2}
+    assert await on(a, "a6") == {"GetObject": 1, "PutObject": 1}
