@@ -298,6 +298,9 @@ async def test_a_bug_escaping_the_handler_is_an_internal_error_event(tmp_path: P
             assert r.headers["ce-type"] == ERROR and r.json()["code"] == "internal", (r.headers, r.text)
             assert "secret" not in r.text
             assert (await http.get(url + "healthz")).json() == {"status": "ok"}
+            # a reply with no body (its head is held for the body: HeadHeld sends it at the turn's end)
+            head = await http.head(url + "healthz")
+            assert (head.status_code, head.content, head.headers["content-length"]) == (200, b"", "15"), head
 
 
 @pytest.fixture(scope="module")

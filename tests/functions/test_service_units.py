@@ -248,3 +248,55 @@ def test_a_started_server_freezes_what_its_start_made_and_collects_young_objects
         "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+async def test_a_replys_head_and_body_go_out_as_one_write() -> None:
+    """``HeadHeld`` (the transport uvicorn's cycle writes a reply through): the head is held for the
+    body and both are sent as one write; a head with no body after it goes out at the end of the event
+    loop's turn, or before a close; later writes pass straight through. The transport under it records
+    what it is given: what reaches a socket is the real server's, tested through HTTP elsewhere."""
+    from rollbox.functions.service.http_protocol import HeadHeld
+
+    class Recording:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+        def get_extra_info(self, name: str) -> str:
+            return f"extra {name}"
+
+    loop = asyncio.get_running_loop()
+    t = Recording()
+    held = HeadHeld(t, loop)  # type: ignore[arg-type]
+    held.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    held.write(b"body")
+    held.write(b"more")
+    assert t.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody", b"more"]
+    await asyncio.sleep(0)
+    assert t.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody", b"more"]  # nothing held was sent twice
+    assert held.get_extra_info("peername") == "extra peername"
+
+    t = Recording()
+    held = HeadHeld(t, loop)  # type: ignore[arg-type]
+    held.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+    assert t.writes == []
+    await asyncio.sleep(0)
+    assert t.writes == [b"HTTP/1.1 204 No Content\r\n\r\n"]
+
+    t = Recording()
+    held = HeadHeld(t, loop)  # type: ignore[arg-type]
+    held.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n")
+    held.close()
+    assert (t.writes, t.closed) == ([b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n"], True)
+    await asyncio.sleep(0)
+    assert len(t.writes) == 1
+
