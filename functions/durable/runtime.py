@@ -195,27 +195,57 @@ class DurableRuntime:
                                may_trust=True)
 
     async def destroy(self, sandbox_id: str, *, event: EventRef | None = None) -> Usage:
-        ev = event
+        """Commit the sandbox's tombstone as an exec commits a step: on what this replica saw last of it,
+        unread, while its steps keep finding it there (``StateStore.trusts_seen``), else on the first
+        newer generation read (``StateStore.newest``); a commit that finds it ran behind (412) does it
+        again on the newest, read. Repeating a destroy returns the same usage."""
         async with self.residency.holding(sandbox_id):
-            live = await self._fresh_live(sandbox_id)
-            head = live.record if live is not None else await self.store.head(sandbox_id)
-            if ev is not None and (replay := await self._replayed(head, ev, Usage)) is not None:
-                return replay
-            if head.state == "destroyed":  # repeating a destroy returns the same record
-                self._note_replay()
-                usage = recorded(Usage, head)
-                if ev is not None:  # noted as any event is: sent again anywhere (other content: a 409), the same
-                    await self.generations.commit(Live(record=head), usage, ev, scan=False, state="destroyed",
-                                       reason=head.reason, journal=False)
-                return usage
-            if live is not None:
-                local = await self.rt.destroy(sandbox_id, reason="destroyed")
-                self.generations.account(live, local.cpu_s, local.peak_memory_bytes)
-            usage = self.generations.usage(head if live is None else live.record, "destroyed")
-            tomb = live or Live(record=head)
-            self.live.pop(sandbox_id, None)
-            await self.generations.commit(tomb, usage, ev, scan=False, state="destroyed", reason="destroyed")
+            try:
+                return await self._destroy(sandbox_id, event, self.store.trusts_seen(), ahead=True)
+            except _RanBehind:
+                self.store.note_behind(True)
+            return await self._destroy(sandbox_id, event, False)
+
+    async def _destroy(self, sandbox_id: str, ev: EventRef | None, trust: bool, ahead: bool = False) -> Usage:
+        live = await self._fresh_live(sandbox_id, trust)
+        seen = self.store.seen.get(sandbox_id) if trust and live is None else None
+        confirmed = True
+        if live is not None:
+            head = live.record
+        elif seen is not None:
+            head = seen
+        else:
+            head, confirmed = await self.store.newest(sandbox_id, confirm=not ahead)
+        trusted = (trust and (live is not None or seen is not None)) or not confirmed
+        try:
+            usage = await self._tombstone(sandbox_id, ev, live, head)
+        except SandboxBusy as exc:  # another replica committed that generation first: nothing was kept
+            if trusted:
+                raise _RanBehind("ran behind the newest generation", sandbox_id=sandbox_id) from exc
+            raise
+        if trusted and confirmed:
+            self.store.note_behind(False)
+        return usage
+
+    async def _tombstone(self, sandbox_id: str, ev: EventRef | None, live: Live | None,
+                         head: SandboxRecord) -> Usage:
+        if ev is not None and (replay := await self._replayed(head, ev, Usage)) is not None:
+            return replay
+        if head.state == "destroyed":  # repeating a destroy returns the same record
+            self._note_replay()
+            usage = recorded(Usage, head)
+            if ev is not None:  # noted as any event is: sent again anywhere (other content: a 409), the same
+                await self.generations.commit(Live(record=head), usage, ev, scan=False, state="destroyed",
+                                   reason=head.reason, journal=False)
             return usage
+        if live is not None:
+            local = await self.rt.destroy(sandbox_id, reason="destroyed")
+            self.generations.account(live, local.cpu_s, local.peak_memory_bytes)
+        usage = self.generations.usage(head if live is None else live.record, "destroyed")
+        tomb = live or Live(record=head)
+        self.live.pop(sandbox_id, None)
+        await self.generations.commit(tomb, usage, ev, scan=False, state="destroyed", reason="destroyed")
+        return usage
 
     async def _made(self, sid: str, ev: EventRef) -> SandboxInfo | None:
         """The sandbox a create event made before, as it replied then (None if it made none)."""

@@ -623,3 +623,30 @@ async def test_behind_a_round_robin_balancer_a_step_reads_one_generation_and_run
     # read b3's successor a4 (not the newest), ran, the commit's 412; then a5, none after it, ran again
     assert await on(b, "b4") == {"GetObject": 4, "PutObject": 2}
     assert await on(a, "a6") == {"GetObject": 1, "PutObject": 1}
+
+
+async def test_a_destroy_on_what_was_seen_is_the_put_alone_and_runs_again_when_behind(
+        s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    """A destroy commits its tombstone as an exec commits a step: where the replica's steps keep finding
+    their sandboxes where they left them, on what it saw last, unread: the PUT alone. When another
+    replica had moved the sandbox on, that PUT's 412 says so and the destroy runs again on the newest:
+    its usage counts the other replica's step, and the sandbox is gone everywhere."""
+    quiet = ("--record", "off", "--sweep-interval-s", "3600")
+    a, b = s3_replicas.start(*quiet), s3_replicas.start(*quiet)
+    sid = await create(http, a)
+    for i in range(9):  # each reads the next generation first and finds none: a's estimate falls
+        assert (await step(http, a, sid, code=f"print({i})")).status == 200
+    moved = await create(http, a)
+    before = await store_requests(http, a)
+    r = await send(http, a.url, event(DESTROY, {"sandbox_id": sid}))
+    after = await store_requests(http, a)
+    assert r.status == 200 and r.data["execs"] == 9, r.data
+    assert {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)} == {"PutObject": 1}
+    assert (await step(http, b, moved, code="print('on b')")).status == 200  # behind a's back
+    r = await send(http, a.url, event(DESTROY, {"sandbox_id": moved}))
+    assert r.status == 200 and r.data["execs"] == 1, r.data
+    for srv in (a, b):
+        r = await step(http, srv, moved, code="print(1)")
+        assert (r.status, r.data["code"]) == (410, "sandbox_gone"), r.data
+        r = await step(http, srv, sid, code="print(1)")
+        assert (r.status, r.data["code"]) == (410, "sandbox_gone"), r.data
