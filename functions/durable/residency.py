@@ -57,6 +57,7 @@ class Live:
     resume_ms: float | None = None  # set by a resume, reported by the step that caused it
     passing: bool = False  # resumed for one exec that runs as its init: it hibernates when the step ends
     trusted: bool = False  # this step runs on what was seen here last, unread (``StateStore.trusts_seen``)
+    unconfirmed: bool = False  # ... or on a generation not known to be the newest (``StateStore.newest``)
 
 
 class Residency:

@@ -195,27 +195,57 @@ class DurableRuntime:
                                may_trust=True)
 
     async def destroy(self, sandbox_id: str, *, event: EventRef | None = None) -> Usage:
-        ev = event
+        """Commit the sandbox's tombstone as an exec commits a step: on what this replica saw last of it,
+        unread, while its steps keep finding it there (``StateStore.trusts_seen``), else on the first
+        newer generation read (``StateStore.newest``); a commit that finds it ran behind (412) does it
+        again on the newest, read. Repeating a destroy returns the same usage."""
         async with self.residency.holding(sandbox_id):
-            live = await self._fresh_live(sandbox_id)
-            head = live.record if live is not None else await self.store.head(sandbox_id)
-            if ev is not None and (replay := await self._replayed(head, ev, Usage)) is not None:
-                return replay
-            if head.state == "destroyed":  # repeating a destroy returns the same record
-                self._note_replay()
-                usage = recorded(Usage, head)
-                if ev is not None:  # noted as any event is: sent again anywhere (other content: a 409), the same
-                    await self.generations.commit(Live(record=head), usage, ev, scan=False, state="destroyed",
-                                       reason=head.reason, journal=False)
-                return usage
-            if live is not None:
-                local = await self.rt.destroy(sandbox_id, reason="destroyed")
-                self.generations.account(live, local.cpu_s, local.peak_memory_bytes)
-            usage = self.generations.usage(head if live is None else live.record, "destroyed")
-            tomb = live or Live(record=head)
-            self.live.pop(sandbox_id, None)
-            await self.generations.commit(tomb, usage, ev, scan=False, state="destroyed", reason="destroyed")
+            try:
+                return await self._destroy(sandbox_id, event, self.store.trusts_seen(), ahead=True)
+            except _RanBehind:
+                self.store.note_behind(True)
+            return await self._destroy(sandbox_id, event, False)
+
+    async def _destroy(self, sandbox_id: str, ev: EventRef | None, trust: bool, ahead: bool = False) -> Usage:
+        live = await self._fresh_live(sandbox_id, trust)
+        seen = self.store.seen.get(sandbox_id) if trust and live is None else None
+        confirmed = True
+        if live is not None:
+            head = live.record
+        elif seen is not None:
+            head = seen
+        else:
+            head, confirmed = await self.store.newest(sandbox_id, confirm=not ahead)
+        trusted = (trust and (live is not None or seen is not None)) or not confirmed
+        try:
+            usage = await self._tombstone(sandbox_id, ev, live, head)
+        except SandboxBusy as exc:  # another replica committed that generation first: nothing was kept
+            if trusted:
+                raise _RanBehind("ran behind the newest generation", sandbox_id=sandbox_id) from exc
+            raise
+        if trusted and confirmed:
+            self.store.note_behind(False)
+        return usage
+
+    async def _tombstone(self, sandbox_id: str, ev: EventRef | None, live: Live | None,
+                         head: SandboxRecord) -> Usage:
+        if ev is not None and (replay := await self._replayed(head, ev, Usage)) is not None:
+            return replay
+        if head.state == "destroyed":  # repeating a destroy returns the same record
+            self._note_replay()
+            usage = recorded(Usage, head)
+            if ev is not None:  # noted as any event is: sent again anywhere (other content: a 409), the same
+                await self.generations.commit(Live(record=head), usage, ev, scan=False, state="destroyed",
+                                   reason=head.reason, journal=False)
             return usage
+        if live is not None:
+            local = await self.rt.destroy(sandbox_id, reason="destroyed")
+            self.generations.account(live, local.cpu_s, local.peak_memory_bytes)
+        usage = self.generations.usage(head if live is None else live.record, "destroyed")
+        tomb = live or Live(record=head)
+        self.live.pop(sandbox_id, None)
+        await self.generations.commit(tomb, usage, ev, scan=False, state="destroyed", reason="destroyed")
+        return usage
 
     async def _made(self, sid: str, ev: EventRef) -> SandboxInfo | None:
         """The sandbox a create event made before, as it replied then (None if it made none)."""
@@ -301,16 +331,17 @@ class DurableRuntime:
         finds that another replica had moved on, nothing of it is kept and it runs again, once, on the
         newest (only for a step whose running leaves nothing outside its sandbox: an exec)."""
         async with self.residency.holding(sandbox_id):
-            trust = may_trust and room == 0 and self.store.trusts_seen()
+            rerun = may_trust and room == 0  # a commit that finds it ran behind may run it again
+            trust = rerun and self.store.trusts_seen()
             try:
-                return await self._step(sandbox_id, action, model, may_pass, room, event, trust)
+                return await self._step(sandbox_id, action, model, may_pass, room, event, trust, rerun)
             except _RanBehind:  # (or lost a race): nothing of it was kept; again on the newest, read
                 self.store.note_behind(True)
             return await self._step(sandbox_id, action, model, may_pass, room, event, False)
 
     async def _step(self, sandbox_id: str, action: Callable[[Live], Awaitable[M]], model: type[M],
-                    may_pass: bool, room: int, ev: EventRef | None, trust: bool) -> M:
-        live, replay = await self._prepare(sandbox_id, ev, model, may_pass, trust)
+                    may_pass: bool, room: int, ev: EventRef | None, trust: bool, ahead: bool = False) -> M:
+        live, replay = await self._prepare(sandbox_id, ev, model, may_pass, trust, ahead)
         if replay is not None:
             return replay
         assert live is not None
@@ -338,9 +369,9 @@ class DurableRuntime:
             raise
         finally:
             self._adopted.pop(sandbox_id, None)
-        if live.trusted:
+        if live.trusted and not live.unconfirmed:  # (an unconfirmed head was counted as found behind)
             self.store.note_behind(False)
-            live.trusted = False
+        live.trusted = live.unconfirmed = False
         live.resume_ms = None
         if passing:
             self.residency.drop(sandbox_id, "hibernated")
@@ -363,13 +394,22 @@ class DurableRuntime:
             await self._prepare(sandbox_id, None, BaseModel)
 
     async def _prepare(self, sandbox_id: str, ev: EventRef | None, model: type[M],
-                       may_pass: bool = False, trust: bool = False) -> tuple[Live | None, M | None]:
+                       may_pass: bool = False, trust: bool = False,
+                       ahead: bool = False) -> tuple[Live | None, M | None]:
         """(the live copy to run a step on, None), or (None, the recorded reply of ``ev``). ``trust``:
-        on what this replica saw last of the sandbox, unread (``step``)."""
+        on what this replica saw last of the sandbox, unread (``step``). ``ahead``: on the first
+        generation found after it, unconfirmed (``StateStore.newest``; ``step`` runs it again if its
+        commit finds another came first)."""
         live = await self._fresh_live(sandbox_id, trust)
         seen = self.store.seen.get(sandbox_id) if trust and live is None else None
-        head = live.record if live is not None else seen or await self.store.head(sandbox_id)
-        trusted = trust and (live is not None or seen is not None)
+        confirmed = True
+        if live is not None:
+            head = live.record
+        elif seen is not None:
+            head = seen
+        else:
+            head, confirmed = await self.store.newest(sandbox_id, confirm=not ahead)
+        trusted = (trust and (live is not None or seen is not None)) or not confirmed
         if trusted and head.state != "destroyed" and head.expired(time.time()) is not None:
             return await self._prepare(sandbox_id, ev, model, may_pass)  # an expiry is decided on the newest, read
         if ev is not None and (replay := await self._replayed(head, ev, model)) is not None:
@@ -390,6 +430,7 @@ class DurableRuntime:
         elif may_pass:  # its live copy lasted until this step
             self.residency.note_passing(False)
         live.trusted = trusted
+        live.unconfirmed = not confirmed
         return live, None
 
     # ----------------------------------------------------------------------------- internals

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -43,6 +43,7 @@ _DOING = {"get": "reading a sandbox's state", "get_blob": "reading a sandbox's f
           "put_blob": "writing a sandbox's files", "put_new": "committing a sandbox's step",
           "keys": "listing sandbox state", "delete": "deleting sandbox state"}
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 AIO_COMMITS = 32  # local commits syncing at once (the AIO context has room for 64 syncs in flight)
 SEEN_RECORDS = 4096  # newest records kept (their sandboxes' next resume here skips the listing)
 # an exec trusts what this replica saw last of its sandbox (no read of the next generation first) while
@@ -98,6 +99,9 @@ class StateStore:
         self._aio: AsyncFsync | None = None  # the local store's commits sync through it (put_record)
         # each commit has one sync in flight at a time; the AIO context holds MAX_EVENTS: the rest wait here
         self._aio_slots = asyncio.Semaphore(AIO_COMMITS)
+        # S3 through obstore: records are read and committed on the event loop, awaited (no thread)
+        # (S3Objects.awaitable; asked by name: importing store_s3 here would load boto3 for a local store)
+        self._awaitable: Any = objects if getattr(objects, "awaitable", False) is True else None
 
     def start(self) -> None:
         if self.local:
@@ -134,8 +138,20 @@ class StateStore:
         cost the loop more than the read (measured); S3's off the loop, with a deadline."""
         if self.local:
             return self.get(sandbox_id, generation)
+        if self._awaitable is not None:  # S3 through obstore: awaited on the loop, no thread (put_record)
+            key = record_key(sandbox_id, generation)
+            data = await self._within(self._awaitable.get_async(key), _DOING["get"])
+            return None if data is None else SandboxRecord.from_bytes(data, key)
         result: SandboxRecord | None = await self.io(self.get, sandbox_id, generation)
         return result
+
+    async def _within(self, call: Awaitable[T], doing: str) -> T:
+        """``call`` with the store's deadline, as ``io`` gives a call in a thread (``StoreDeadline``)."""
+        try:
+            async with asyncio.timeout(self.calls.deadline_s):
+                return await call
+        except TimeoutError:
+            raise StoreDeadline(f"the store did not answer within {self.calls.deadline_s:g} s while {doing}") from None
 
     def get(self, sandbox_id: str, generation: int) -> SandboxRecord | None:
         key = record_key(sandbox_id, generation)
@@ -159,9 +175,27 @@ class StateStore:
         the 4096 most recent, its generation for many more), reading forward costs a GET per
         generation and one that finds nothing; else the sandbox's records are listed and the newest
         read."""
+        return (await self.newest(sandbox_id, confirm=True))[0]
+
+    async def newest(self, sandbox_id: str, *, confirm: bool) -> tuple[SandboxRecord, bool]:
+        """``head``, and whether the record is known to be the newest. Without ``confirm``, the first
+        generation found after the one seen here is taken unconfirmed: the GET that would find nothing
+        after it is not sent (behind a round-robin load balancer, a step finds the one its sandbox's
+        previous step committed on another replica: one GET, not two or three); a step that runs on it
+        learns from its create-only commit whether another came first (``DurableRuntime.step``)."""
         head: SandboxRecord | None = self.seen.get(sandbox_id)
         if head is None and (due := self.due.get(sandbox_id)) is not None:
+            if not confirm:  # the one after the generation seen here last, first
+                newer = await self.read(sandbox_id, due[0] + 1)
+                if newer is not None:
+                    self.note_behind(True)
+                    self.remember(newer)
+                    return newer, False
             head = await self.read(sandbox_id, due[0])  # the generation seen here last
+            if head is not None and not confirm:  # and none after it, just read
+                self.note_behind(False)
+                self.remember(head)
+                return head, True
         if head is None:
             keys = await self.io(self.objects.keys, f"sandboxes/{sandbox_id}/")
             gens = sorted(g for k in keys if (g := generation_of(k)) is not None)
@@ -173,13 +207,17 @@ class StateStore:
             # the listing said it is the newest, as a read of the next one would: a commit since is caught
             # by the step's create-only write, as one after such a read is
             self.remember(head)
-            return head
+            return head, True
         seen_generation = head.generation
+        confirmed = True
         while (newer := await self.read(sandbox_id, head.generation + 1)) is not None:
             head = newer  # committed elsewhere since
+            if not confirm:
+                confirmed = False
+                break
         self.note_behind(head.generation > seen_generation)
         self.remember(head)
-        return head
+        return head, confirmed
 
     def remember(self, record: SandboxRecord) -> None:
         """Keep the newest record seen of a sandbox (bounded): its next resume here skips the listing."""
@@ -205,6 +243,8 @@ class StateStore:
         hand-offs) than the writes. Elsewhere (S3, or no AIO) a store call off the loop. Both with the
         store's deadline (``StoreDeadline``: a write past it may still land)."""
         if self._aio is None:
+            if self._awaitable is not None:
+                return await self._within(self._awaitable.put_new_async(key, data), _DOING["put_new"])
             ok: bool = await self.io(self.objects.put_new, key, data)
             return ok
         assert isinstance(self.objects, LocalObjects)

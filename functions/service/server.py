@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import importlib
 import math
 import os
@@ -571,6 +572,7 @@ async def _serve(cfg: ServeConfig, replica: _Replica, sock: socket.socket, stop:
         if serving.done():
             serving.result()
             return 1
+        _settle_gc()
         service.ready = True
         lifecycle.info("listening", extra={"fields": {
             "host": cfg.host, "port": sock.getsockname()[1], "pid": os.getpid(), "isolation": _isolation(replica.rt),
@@ -639,6 +641,20 @@ async def _watch_store(store: S3Store, service: Service, every_s: float = 5.0) -
             (lifecycle.info if ok else lifecycle.warning)(
                 "store reachable again" if ok else f"store unusable: {why}", extra={"fields": {"store": store.url}})
         service.store_ok = ok
+
+
+GC_THRESHOLD0 = 20_000  # container allocations (net) between young collections; CPython's default is 700
+
+
+def _settle_gc() -> None:
+    """Started: what the start made (the modules, the service, pydantic's and boto's tables: ~100k
+    objects) lives as long as the process, so it leaves the collector's view (``gc.freeze``) and no
+    full collection walks it again; and young collections run every ``GC_THRESHOLD0`` allocations, not
+    700: a request's own objects are mostly gone by then. Both cut the collector's share of the event
+    loop's CPU per request (~5 % of it, measured with perf); cycles are still collected."""
+    gc.freeze()
+    _, t1, t2 = gc.get_threshold()
+    gc.set_threshold(GC_THRESHOLD0, t1, t2)
 
 
 def _isolation(rt: Any) -> dict[str, str] | None:

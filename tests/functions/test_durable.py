@@ -589,3 +589,64 @@ async def test_a_replica_whose_sandboxes_stay_put_commits_with_the_put_alone_and
     assert (r.status, r.data["stdout"]) == (200, lines), r.data
     assert {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)} == \
         {"GetObject": 1, "PutObject": 1}
+
+
+async def test_behind_a_round_robin_balancer_a_step_reads_one_generation_and_runs_again_if_two_were_committed(
+        s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    """Steps alternating between two replicas (round robin, no affinity), each finding its sandbox
+    hibernated: a step reads the generation the other replica committed and takes it as the newest
+    without the GET that would find nothing after it: one GET and the commit's PUT. When two were
+    committed elsewhere meanwhile, that PUT's 412 says so: nothing of the run is kept, it runs again
+    on the newest (every earlier step's line there, its own once)."""
+    args = ("--record", "off", "--sweep-interval-s", "3600", "--hibernate-after-s", "0.05")
+    a, b = s3_replicas.start(*args), s3_replicas.start(*args)
+    sid = await create(http, a)
+    lines = ""
+
+    async def on(srv: ServerProc, name: str) -> dict[str, int]:
+        nonlocal lines
+        await asyncio.sleep(0.3)  # past --hibernate-after-s: the step resumes from the store
+        before = await store_requests(http, srv)
+        r = await step(http, srv, sid, code=APPEND.format(name))
+        lines += f"{name}\n"
+        assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, lines, True), r.data
+        after = await store_requests(http, srv)
+        return {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
+
+    await on(a, "a0")
+    await on(b, "b0")  # b never saw it: lists its records
+    for i in range(1, 4):
+        assert await on(a, f"a{i}") == {"GetObject": 1, "PutObject": 1}
+        assert await on(b, f"b{i}") == {"GetObject": 1, "PutObject": 1}
+    await on(a, "a4")
+    await on(a, "a5")  # a twice: b's newest seen is now two generations back
+    # read b3's successor a4 (not the newest), ran, the commit's 412; then a5, none after it, ran again
+    assert await on(b, "b4") == {"GetObject": 4, "PutObject": 2}
+    assert await on(a, "a6") == {"GetObject": 1, "PutObject": 1}
+
+
+async def test_a_destroy_on_what_was_seen_is_the_put_alone_and_runs_again_when_behind(
+        s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    """A destroy commits its tombstone as an exec commits a step: where the replica's steps keep finding
+    their sandboxes where they left them, on what it saw last, unread: the PUT alone. When another
+    replica had moved the sandbox on, that PUT's 412 says so and the destroy runs again on the newest:
+    its usage counts the other replica's step, and the sandbox is gone everywhere."""
+    quiet = ("--record", "off", "--sweep-interval-s", "3600")
+    a, b = s3_replicas.start(*quiet), s3_replicas.start(*quiet)
+    sid = await create(http, a)
+    for i in range(9):  # each reads the next generation first and finds none: a's estimate falls
+        assert (await step(http, a, sid, code=f"print({i})")).status == 200
+    moved = await create(http, a)
+    before = await store_requests(http, a)
+    r = await send(http, a.url, event(DESTROY, {"sandbox_id": sid}))
+    after = await store_requests(http, a)
+    assert r.status == 200 and r.data["execs"] == 9, r.data
+    assert {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)} == {"PutObject": 1}
+    assert (await step(http, b, moved, code="print('on b')")).status == 200  # behind a's back
+    r = await send(http, a.url, event(DESTROY, {"sandbox_id": moved}))
+    assert r.status == 200 and r.data["execs"] == 1, r.data
+    for srv in (a, b):
+        r = await step(http, srv, moved, code="print(1)")
+        assert (r.status, r.data["code"]) == (410, "sandbox_gone"), r.data
+        r = await step(http, srv, sid, code="print(1)")
+        assert (r.status, r.data["code"]) == (410, "sandbox_gone"), r.data

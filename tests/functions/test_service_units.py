@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
+import sys
 import time
+from typing import Any
 
 import pytest
 from rollbox.functions.contract import schemas
@@ -227,3 +230,139 @@ def test_a_resumed_step_passes_through_when_its_pause_outlasts_a_live_copy(tmp_p
     assert not d.passes(paused(3)) and d.passes(paused(31))
     d.hibernate_after_s = 0  # never idle-hibernated, no pressure: every resumed sandbox stays live
     assert not d.passes(paused(3600))
+
+
+def test_a_started_server_freezes_what_its_start_made_and_collects_young_objects_less_often() -> None:
+    """``_settle_gc`` (run by ``rollbox serve`` once listening): the start's objects leave the collector's
+    view and young collections run every ``GC_THRESHOLD0`` allocations, while cycles are still collected.
+    In a child process: it changes the interpreter's collector for good."""
+    code = (
+        "import gc\n"
+        "from rollbox.functions.service import server\n"
+        "assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] == 700\n"
+        "server._settle_gc()\n"
+        "assert gc.get_freeze_count() > 10000, gc.get_freeze_count()\n"
+        "assert gc.get_threshold()[0] == server.GC_THRESHOLD0\n"
+        "class C: pass\n"
+        "a = C(); a.me = a; del a\n"
+        "assert gc.collect() > 0\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+async def test_a_replys_head_and_body_go_out_as_one_write() -> None:
+    """``HeadHeld`` (the transport uvicorn's cycle writes a reply through): the head is held for the
+    body and both are sent as one write; a head with no body after it goes out at the end of the event
+    loop's turn, or before a close; later writes pass straight through. The transport under it records
+    what it is given: what reaches a socket is the real server's, tested through HTTP elsewhere."""
+    from rollbox.functions.service.http_protocol import HeadHeld
+
+    class Recording:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+        def get_extra_info(self, name: str) -> str:
+            return f"extra {name}"
+
+    loop = asyncio.get_running_loop()
+    t = Recording()
+    held = HeadHeld(t, loop)  # type: ignore[arg-type]
+    held.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    held.write(b"body")
+    held.write(b"more")
+    assert t.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody", b"more"]
+    await asyncio.sleep(0)
+    assert t.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody", b"more"]  # nothing held was sent twice
+    assert held.get_extra_info("peername") == "extra peername"
+
+    t = Recording()
+    held = HeadHeld(t, loop)  # type: ignore[arg-type]
+    held.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+    assert t.writes == []
+    await asyncio.sleep(0)
+    assert t.writes == [b"HTTP/1.1 204 No Content\r\n\r\n"]
+
+    t = Recording()
+    held = HeadHeld(t, loop)  # type: ignore[arg-type]
+    held.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n")
+    held.close()
+    assert (t.writes, t.closed) == ([b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n"], True)
+    await asyncio.sleep(0)
+    assert len(t.writes) == 1
+
+
+def test_binary_events_are_read_and_written_as_the_cloudevents_sdk_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode`` reads a binary-mode request without the SDK's ``from_http`` and ``encode`` writes a
+    reply without its ``to_binary``: for every request of the bad-input corpus (each as the HTTP parser
+    gives it) the event or the refusal is the one the SDK's path gives, and a reply's headers and body
+    are the SDK's, byte for byte."""
+    import httptools
+    from bad_input.cases import CORPUS
+    from cloudevents.conversion import to_binary
+    from cloudevents.http import CloudEvent
+    from rollbox.functions.contract import events
+    from rollbox.functions.contract.models import ErrorCode, ErrorData
+    from starlette.datastructures import Headers
+
+    class Parsed:
+        def __init__(self) -> None:
+            self.raw: list[tuple[bytes, bytes]] = []
+            self.body = b""
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.raw.append((name.lower(), value))
+
+        def on_body(self, body: bytes) -> None:
+            self.body += body
+
+    def outcome(headers: Headers, body: bytes, raw: list[tuple[bytes, bytes]]) -> Any:
+        try:
+            ev = events.decode(headers, body, raw)
+        except events.ReplyError as err:
+            return err.code, err.message
+        attrs = dict(ev.get_attributes())
+        if "ce-time" not in headers:
+            attrs.pop("time")  # made at decoding
+        return attrs, ev.data
+
+    sdk = events._binary_event
+    compared = 0
+    for case in CORPUS:
+        p = Parsed()
+        try:
+            httptools.HttpRequestParser(p).feed_data(case.request)
+        except httptools.HttpParserError:
+            continue
+        headers = Headers(raw=p.raw)
+        if events.content_mode(headers) is not events.Mode.BINARY:
+            continue
+        fast = outcome(headers, p.body, p.raw)
+        monkeypatch.setattr(events, "_binary_event", lambda h, b: None)
+        assert outcome(headers, p.body, p.raw) == fast, case.name
+        monkeypatch.setattr(events, "_binary_event", sdk)
+        compared += 1
+    assert compared > 200, compared
+
+    def sdk_binary(ev: CloudEvent) -> tuple[dict[str, str], bytes]:
+        headers, body = to_binary(ev)
+        return dict(headers), body
+
+    replies = [events.reply_event("dev.rollbox.sandbox.result", {"stdout": "é☃\n\\\"x", "n": 1.5, "ok": True,
+                                                                 "none": None, "nested": {"a": [1, {"b": []}]}}, "sb-1"),
+               events.reply_event("dev.rollbox.sandbox.destroyed", {}, None),
+               events.error_event(events.ReplyError(ErrorCode.INVALID_DATA, "bad", details={"errors": [1]}))]
+    carried = CloudEvent({**replies[0].get_attributes(), "partitionkey": "p-1", "correlationid": "c"}, replies[0].data)
+    for ev in (*replies, carried):
+        assert events.encode(ev, events.Mode.BINARY) == sdk_binary(ev)
+    assert ErrorData.model_validate_json(events.encode(replies[2], events.Mode.BINARY)[1]).code == "invalid_data"

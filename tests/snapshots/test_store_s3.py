@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -200,6 +202,59 @@ def test_durable_state_reads_and_create_only_writes_go_through_obstore(s3_url: s
                              secret_access_key="b", max_attempts=1))
     with pytest.raises(StoreUnavailable, match=r"unreachable or failing while reading"):
         gone.get(key)
+
+
+async def test_durable_state_reads_and_commits_are_awaited_without_a_thread(s3_url: str, make_s3: S3Factory,
+                                                                          seaweed: SeaweedS3) -> None:
+    """The awaited forms of the hot calls (obstore's async API, on the event loop) answer as the
+    threaded ones do, errors included; ``StateStore`` commits and reads a record on S3 with them, its
+    store threads never started, and still gives a hung store's call its deadline (``StoreDeadline``)."""
+    from rollbox.functions.durable.store import StateStore
+    from rollbox.snapshots.calls import StoreDeadline
+    from rollbox.snapshots.state import record_key
+
+    s3 = make_s3(s3_url)
+    objects = S3Objects(s3)
+    assert objects.awaitable
+    key = "sandboxes/sb-a/000000000000.json"
+    assert await objects.get_async(key) is None
+    assert await objects.put_new_async(key, b"first") is True
+    assert await objects.put_new_async(key, b"second") is False
+    assert await objects.put_new_async(key, b"first") is True
+    assert await objects.get_async(key) == b"first" == objects.get(key)
+    assert s3.requests_sent() == {"GetObject": 5, "PutObject": 3}
+    wrong = S3Objects(S3Store(s3_url, endpoint_url=seaweed.endpoint, access_key_id="nobody",
+                              secret_access_key="wrong", max_attempts=1))
+    with pytest.raises(StoreError, match=r"refused access.*check the credentials"):
+        await wrong.put_new_async("sandboxes/sb-b/000000000000.json", b"x")
+    (port,) = free_ports(1)
+    gone = S3Objects(S3Store(s3_url, endpoint_url=f"http://127.0.0.1:{port}", access_key_id="a",
+                             secret_access_key="b", max_attempts=1))
+    with pytest.raises(StoreUnavailable, match=r"unreachable or failing while reading"):
+        await gone.get_async(key)
+
+    store = StateStore(objects)
+    record = b'{"not": "checked by the write"}'
+    assert await store.put_record(record_key("sb-c", 0), record) is True
+    assert await store.put_record(record_key("sb-c", 0), b"other") is False
+    assert await store.read("sb-d", 0) is None
+    assert store.calls._pool._threads == set()  # no call went through a store thread
+    # a store that takes connections and never answers: the call ends at the store's deadline
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    try:
+        hung = StateStore(S3Objects(S3Store(s3_url, endpoint_url=f"http://127.0.0.1:{listener.getsockname()[1]}",
+                                            access_key_id="a", secret_access_key="b", max_attempts=1)))
+        hung.calls.deadline_s = 0.5
+        t0 = time.monotonic()
+        with pytest.raises(StoreDeadline, match=r"within 0.5 s while committing"):
+            await hung.put_record(record_key("sb-e", 0), record)
+        with pytest.raises(StoreDeadline, match=r"within 0.5 s while reading"):
+            await hung.read("sb-e", 0)
+        assert time.monotonic() - t0 < 5
+    finally:
+        listener.close()
 
 
 def test_durable_state_calls_use_the_endpoint_botocore_found_in_the_environment(
