@@ -1,10 +1,8 @@
 """CloudEvents over HTTP for the service: pure conversions between HTTP messages and events.
 
-Events are the cloudevents SDK's ``CloudEvent``; the SDK parses and renders them, but for the hot
-path: a binary-mode request is read, and a reply written, here as the SDK does it (compared with the
-SDK on the bad-input corpus by a test), without the SDK's legacy event objects. This module also
-decides the content mode, turns the SDK's (and JSON's) exceptions into ``ReplyError`` with a status
-and a message that says what to fix, and builds reply and error events.
+The cloudevents SDK does the parsing and rendering; this module only decides the content mode,
+turns the SDK's (and JSON's) exceptions into ``ReplyError`` with a status and a message that says
+what to fix, and builds reply and error events.
 """
 
 from __future__ import annotations
@@ -298,10 +296,8 @@ def decode(headers: Mapping[str, str], body: bytes, raw_headers: Iterable[tuple[
         err = _structured_problem(body)
         if err is not None:
             raise err
-    event = _binary_event(headers, body) if mode is Mode.BINARY else None
     try:
-        if event is None:
-            event = from_http(dict(headers), body, data_unmarshaller=unmarshal)
+        event = from_http(dict(headers), body, data_unmarshaller=unmarshal)
     except ce_exceptions.DataUnmarshallerError as exc:
         problem = _json_problem(failed[0]) if failed else _clip(str(exc))
         raise ReplyError(ErrorCode.INVALID_EVENT, f"data is not valid JSON: {problem}") from None
@@ -321,29 +317,6 @@ def decode(headers: Mapping[str, str], body: bytes, raw_headers: Iterable[tuple[
             f"unsupported datacontenttype {dct!r}: event data must be {JSON!r}",
         )
     return event
-
-
-def _binary_event(headers: Mapping[str, str], body: bytes) -> CloudEvent | None:
-    """A binary-mode request (checked by ``decode`` up to its data) as the event the SDK's ``from_http``
-    makes of it: the ``ce-*`` headers its attributes, ``content-type`` its datacontenttype, the body its
-    data (JSON; None if empty). None where a header's name is not a plain attribute name: the SDK's
-    own parsing then, and its answer. The SDK's legacy event object cost ~0.05-0.1 ms of the event loop
-    per request; the two are compared on the bad-input corpus (tests/functions/test_service_units.py)."""
-    attrs: dict[str, str] = {}
-    for key, value in headers.items():
-        key = key.lower()
-        if key.startswith("ce-"):
-            name = key[3:]
-            if name in ("data", "extensions") or not _ATTR_NAME.fullmatch(name):
-                return None
-            attrs[name] = value
-        elif key == "content-type":
-            attrs["datacontenttype"] = value
-    try:
-        data = _strict_json(body)
-    except (RecursionError, ValueError) as exc:
-        raise ReplyError(ErrorCode.INVALID_EVENT, f"data is not valid JSON: {_json_problem(exc)}") from None
-    return CloudEvent(attrs, data)
 
 
 def reply_event(event_type: str, data: BaseModel | Mapping[str, Any], subject: str | None) -> CloudEvent:
@@ -368,23 +341,7 @@ def error_event(err: ReplyError) -> CloudEvent:
 
 
 def encode(event: CloudEvent, mode: Mode) -> tuple[dict[str, str], bytes]:
-    """Render ``event`` as HTTP headers and body in ``mode``. Binary mode for an event whose attributes
-    are all text and whose data is JSON (every reply) is rendered here as the SDK renders it (its
-    headers and its ``json.dumps`` body, byte for byte: tests/functions/test_service_units.py), without
-    the SDK's legacy event object, which cost ~0.1 ms of the event loop per reply."""
-    if mode is Mode.BINARY:
-        attrs = event.get_attributes()
-        data = event.get_data()
-        media = attrs.get("datacontenttype")
-        if isinstance(media, str) and media and data is not None and all(isinstance(v, str) for v in attrs.values()):
-            try:
-                body = json.dumps(data).encode()
-            except (TypeError, ValueError):
-                pass  # the SDK's own rendering (and its error)
-            else:
-                headers = {"content-type": media}
-                headers.update(("ce-" + k, v) for k, v in attrs.items() if k != "datacontenttype")
-                return headers, body
+    """Render ``event`` as HTTP headers and body in ``mode``."""
     if mode is Mode.STRUCTURED:
         headers, body = to_structured(event)
     else:

@@ -7,7 +7,6 @@ import asyncio
 import subprocess
 import sys
 import time
-from typing import Any
 
 import pytest
 from rollbox.functions.contract import schemas
@@ -301,68 +300,3 @@ async def test_a_replys_head_and_body_go_out_as_one_write() -> None:
     await asyncio.sleep(0)
     assert len(t.writes) == 1
 
-
-def test_binary_events_are_read_and_written_as_the_cloudevents_sdk_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``decode`` reads a binary-mode request without the SDK's ``from_http`` and ``encode`` writes a
-    reply without its ``to_binary``: for every request of the bad-input corpus (each as the HTTP parser
-    gives it) the event or the refusal is the one the SDK's path gives, and a reply's headers and body
-    are the SDK's, byte for byte."""
-    import httptools
-    from bad_input.cases import CORPUS
-    from cloudevents.conversion import to_binary
-    from cloudevents.http import CloudEvent
-    from rollbox.functions.contract import events
-    from rollbox.functions.contract.models import ErrorCode, ErrorData
-    from starlette.datastructures import Headers
-
-    class Parsed:
-        def __init__(self) -> None:
-            self.raw: list[tuple[bytes, bytes]] = []
-            self.body = b""
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self.raw.append((name.lower(), value))
-
-        def on_body(self, body: bytes) -> None:
-            self.body += body
-
-    def outcome(headers: Headers, body: bytes, raw: list[tuple[bytes, bytes]]) -> Any:
-        try:
-            ev = events.decode(headers, body, raw)
-        except events.ReplyError as err:
-            return err.code, err.message
-        attrs = dict(ev.get_attributes())
-        if "ce-time" not in headers:
-            attrs.pop("time")  # made at decoding
-        return attrs, ev.data
-
-    sdk = events._binary_event
-    compared = 0
-    for case in CORPUS:
-        p = Parsed()
-        try:
-            httptools.HttpRequestParser(p).feed_data(case.request)
-        except httptools.HttpParserError:
-            continue
-        headers = Headers(raw=p.raw)
-        if events.content_mode(headers) is not events.Mode.BINARY:
-            continue
-        fast = outcome(headers, p.body, p.raw)
-        monkeypatch.setattr(events, "_binary_event", lambda h, b: None)
-        assert outcome(headers, p.body, p.raw) == fast, case.name
-        monkeypatch.setattr(events, "_binary_event", sdk)
-        compared += 1
-    assert compared > 200, compared
-
-    def sdk_binary(ev: CloudEvent) -> tuple[dict[str, str], bytes]:
-        headers, body = to_binary(ev)
-        return dict(headers), body
-
-    replies = [events.reply_event("dev.rollbox.sandbox.result", {"stdout": "é☃\n\\\"x", "n": 1.5, "ok": True,
-                                                                 "none": None, "nested": {"a": [1, {"b": []}]}}, "sb-1"),
-               events.reply_event("dev.rollbox.sandbox.destroyed", {}, None),
-               events.error_event(events.ReplyError(ErrorCode.INVALID_DATA, "bad", details={"errors": [1]}))]
-    carried = CloudEvent({**replies[0].get_attributes(), "partitionkey": "p-1", "correlationid": "c"}, replies[0].data)
-    for ev in (*replies, carried):
-        assert events.encode(ev, events.Mode.BINARY) == sdk_binary(ev)
-    assert ErrorData.model_validate_json(events.encode(replies[2], events.Mode.BINARY)[1]).code == "invalid_data"
