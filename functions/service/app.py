@@ -1,8 +1,7 @@
 """The CloudEvent service: one HTTP function that turns request events into reply events.
 
-A functions-framework function (its ASGI flavour, HTTP signature: its ``cloud_event`` signature
-drops return values, and a reply must travel in the response); ``rollbox serve`` calls it straight
-from uvicorn, without the framework's middleware (``Service.asgi_app``). Per request:
+Served by functions-framework (its ASGI flavour, HTTP signature: its ``cloud_event`` signature
+drops return values, and a reply must travel in the response). Per request:
 
     read body (capped, 408 if it stops arriving) -> decode the CloudEvent -> route by type
     -> validate data -> idempotency (source, id) -> disk room to record it (else 507) -> admission
@@ -24,7 +23,7 @@ import re
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +55,6 @@ from rollbox.runtime.pool import Pool
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
 
 __all__ = ["ERROR_TABLE", "Service", "ServiceConfig", "handle"]
 
@@ -240,31 +238,12 @@ class Service:
 
     # -- the ASGI app ------------------------------------------------------------------------------
 
-    def asgi_app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-        """The ASGI app: every HTTP request straight to ``handle`` (one ``Request``, one ``Response``);
-        anything else (lifespan, websockets) to functions-framework's app around ``handle``.
-        functions-framework's Starlette stack (its execution-id and exception middleware, Starlette's
-        error and exception middleware, the router) gave the same replies for ~0.2 ms of the event
-        loop's CPU per request, a twentieth of a durable step's: ``handle`` answers every path and
-        method itself, and what escapes it is answered here as an ``internal`` error event."""
-        framework: Starlette = functions_framework.aio.create_asgi_app_from_module(  # type: ignore[no-untyped-call]
+    def asgi_app(self) -> Starlette:
+        """functions-framework's ASGI app around ``handle``, bound to this service."""
+        app: Starlette = functions_framework.aio.create_asgi_app_from_module(  # type: ignore[no-untyped-call]
             "handle", __file__, "http", sys.modules[__name__], None
         )
-        framework.state.rollbox_service = self
-
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http":
-                await framework(scope, receive, send)
-                return
-            request = Request(scope, receive, send)
-            try:
-                response = await self.handle(request)
-            except Exception:  # a bug: still an error event, not a dropped connection or a text page
-                logger.exception("request handling failed",
-                                 extra={"fields": {"path": scope.get("path"), "method": scope.get("method")}})
-                response = self._respond(request, _error(_internal()), {})
-            await response(scope, receive, send)
-
+        app.state.rollbox_service = self
         return app
 
     async def handle(self, request: Request) -> Response:
