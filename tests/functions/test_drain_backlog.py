@@ -65,7 +65,10 @@ async def test_sigterm_hands_back_waiting_steps_at_once_and_their_retries_apply_
             ids = {sid: uuid.uuid4().hex for sid in queued}
             waiting = [asyncio.create_task(_timed(_step(http, a, sid, "echo once >> log.txt; wc -l < log.txt",
                                                         ids[sid]))) for sid in queued]
-            await _until(http, a, "waiting", WAITING)
+            # SandboxFusion's /run_code waits in the same queue, and is handed back in its own shape
+            fusion = asyncio.create_task(_timed(http.post(a.url + "run_code", json={"code": "print(1)",
+                                                                                      "language": "python"})))
+            await _until(http, a, "waiting", WAITING + 1)
             t0 = time.monotonic()
             os.kill(a.pid, signal.SIGTERM)
             handed_back = await asyncio.gather(*waiting)
@@ -73,11 +76,14 @@ async def test_sigterm_hands_back_waiting_steps_at_once_and_their_retries_apply_
                 assert (r.status, r.type, r.data["code"]) == (503, ERROR, "shutting_down"), r.data
                 assert int(r.headers["retry-after"]) >= 1 and "had not started" in r.data["message"]
                 assert at - t0 < SLOW_S / 2, at - t0
+            at, rc = await fusion
+            assert rc.status_code == 503 and "had not started" in rc.json()["detail"], rc.text
+            assert int(rc.headers["retry-after"]) >= 1 and at - t0 < SLOW_S / 2
             for _at, r in await asyncio.gather(*running):  # the running ones finished, acknowledged
                 assert (r.status, r.data["stdout"]) == (200, "slow\n"), r.data
             await asyncio.to_thread(a.proc.wait, GRACE_S)
             assert a.proc.returncode == 0 and time.monotonic() - t0 < GRACE_S / 2
-            assert any(rec.get("msg") == "draining" and rec.get("handed_back") == WAITING for rec in a.log_records())
+            assert any(rec.get("msg") == "draining" and rec.get("handed_back") == WAITING + 1 for rec in a.log_records())
 
             b = start_server(tmp_path / "b", "--home", str(tmp_path / "home-b"), env=env)  # an empty cache
             for sid in slow:  # what A acknowledged is in S3
