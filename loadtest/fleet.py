@@ -45,7 +45,8 @@ straight to the replica as the sweep does: one replica always ready, no containe
 drops), beside what was measured: steps/s and step p99, their relative errors, and a verdict (every
 one within --tolerance, 25 %). `--check-run DIR` measures first, on one replica of this box, in one
 sweep: the curve's points and the two check points between them (the curve is made of the others, so
-the check is not the curve read back); ~7 minutes, `--quick` ~1 minute (plumbing, not a verdict):
+the check is not the curve read back); ~6 minutes on a quiet box, `--quick` ~1 minute (plumbing, not
+a verdict):
 
     .venv/bin/python loadtest/fleet.py --check-run /tmp/check       # then the verdict
     .venv/bin/python loadtest/fleet.py --check-against /tmp/check/check.csv --capacity /tmp/check/curve.csv
@@ -193,16 +194,28 @@ class Capacity:
             rows = durable if steps == "durable" else [r for r in rows if r not in durable]
         if not rows:
             raise ValueError(f"{path}: no sweep point of {steps} steps with steps_per_s > 0")
-        rows.sort(key=lambda r: float(r["steps_per_s"]))
-        # a curve, not a cloud: keep the points whose steps/s grow (a saturated replica may serve a
-        # bit less at a higher offered load; its latency there belongs to the top of the curve)
+        rows.sort(key=lambda r: (float(r.get("offered_steps_per_s") or r["steps_per_s"]), float(r["steps_per_s"])))
+        # a curve, not a cloud, in order of offered load: keep the points whose steps/s grow. A point that
+        # served no more than a lighter load is past the knee (a saturated replica may serve a bit less
+        # at a higher offered load): its latency belongs to the top of the curve, as a wall just above
+        # the fastest rate, not to that lighter point's own rate (which would raise the curve below the
+        # knee: --check-against found it)
         rate, p50, p99 = [], [], []
+        wall = False
         for r in rows:
             x = float(r["steps_per_s"])
             a, b = float(r["step_p50_ms"]) / 1000, float(r["step_p99_ms"]) / 1000
             if rate and x <= rate[-1] + 1e-9:
+                if not wall:
+                    rate.append(rate[-1] * 1.001)
+                    p50.append(p50[-1])
+                    p99.append(p99[-1])
+                    wall = True
                 p50[-1], p99[-1] = max(p50[-1], a), max(p99[-1], b)
                 continue
+            if wall and x <= rate[-1] + 1e-9:
+                continue
+            wall = False
             rate.append(x)
             p50.append(max(a, p50[-1] if p50 else 0.0))
             p99.append(max(b, p99[-1] if p99 else 0.0))
@@ -572,8 +585,9 @@ def simulate(burst: Burst, kpa: Kpa, cap: Capacity, prices: Prices | None = None
     return tr
 
 
-CHECK_POINTS = ((300, 20.0), (1200, 20.0))  # the loads checked (open episodes, think s): below and past the knee
-CURVE_POINTS = ((100, 20.0), (200, 20.0), (400, 20.0), (800, 20.0), (1600, 20.0))
+# the loads checked (open episodes, think s), inside the curve's range: 15 and 30 steps/s offered
+CHECK_POINTS = ((300, 20.0), (600, 20.0))
+CURVE_POINTS = ((200, 20.0), (400, 20.0), (800, 20.0))  # (a point far past the knee took minutes to open)
 QUICK_CHECK = ((10, 4.0), (40, 4.0))  # --quick: plumbing in ~1 minute, not a verdict
 QUICK_CURVE = ((4, 4.0), (20, 4.0), (60, 4.0))
 
@@ -756,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead of a burst: the model's prediction for each load of this sweep CSV (one replica) "
                          "beside what was measured, with the relative errors and a verdict (exit 1 if outside)")
     ap.add_argument("--check-run", type=Path, default=None, metavar="DIR",
-                    help="measure first (one replica on this box, ~7 min; as root): the curve's points and two check "
+                    help="measure first (one replica on this box, ~6 min; as root): the curve's points and two check "
                          "loads in one sweep, into DIR/curve.csv and DIR/check.csv; then the check")
     ap.add_argument("--quick", action="store_true", help="with --check-run: short points (~1 min), no verdict to keep")
     ap.add_argument("--tolerance", type=float, default=0.25, help="the check's relative error allowed")

@@ -101,3 +101,16 @@ def test_check_run_quick_measures_a_curve_and_two_loads_and_prints_the_verdict(t
     assert all(float(m) > 0 and float(pred) > 0 for _, _, m, pred, _, _ in rows), rows
     verdict = re.search(r"^verdict: (within|NOT within) 25% at every load", p.stdout, re.M)
     assert verdict and (verdict.group(1) == "within") == (p.returncode == 0), p.stdout
+
+
+def test_a_point_past_the_knee_that_served_less_is_a_wall_at_the_top_not_a_rise_below_it(tmp_path: Path) -> None:
+    """As a sweep on a busy box measured it: 800 x 20 s served less than 400 x 20 s, queued 18 s."""
+    cap = fm.Capacity.from_csv(sweep_csv(tmp_path / "c.csv", [
+        {"open_episodes": 200, "think_s": 20.0, "steps_per_s": 10.0, "step_p50_ms": 19, "step_p99_ms": 90},
+        {"open_episodes": 400, "think_s": 20.0, "steps_per_s": 19.8, "step_p50_ms": 155, "step_p99_ms": 1060},
+        {"open_episodes": 800, "think_s": 20.0, "steps_per_s": 18.9, "step_p50_ms": 18480, "step_p99_ms": 89811},
+    ]))
+    assert cap.saturated and cap.max_rate == pytest.approx(19.8, rel=0.01)
+    p50, p99 = cap.latency(15.0)  # between the two served points: their latencies, not the queue's
+    assert p50 < 0.1 and 0.5 < p99 < 0.6, (p50, p99)
+    assert cap.latency(cap.max_rate) == (18.48, 89.811)  # the saturated point's, at the top
