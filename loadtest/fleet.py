@@ -23,7 +23,7 @@ Serving: requests wait in one FIFO (the activator's buffer when no replica is re
 queue-proxies' otherwise); each second the ready replicas take up to replicas x the replica's
 capacity (its measured saturation steps/s, lowered so that steps/s x p50 stays within
 containerConcurrency); a request's latency is its wait plus the curve's p50 (98 % of them) or p99
-(2 %) at the replicas' load that second. A request that waited timeoutSeconds is dropped (Knative
+(2 %) at the replicas' load averaged over ~10 s (as the curve's points were measured). A request that waited timeoutSeconds is dropped (Knative
 answers 504; its user thinks and goes on).
 
 Knative (knative/base/service.yaml is parsed: target, target-utilization-percentage, window,
@@ -45,8 +45,8 @@ straight to the replica as the sweep does: one replica always ready, no containe
 drops), beside what was measured: steps/s and step p99, their relative errors, and a verdict (every
 one within --tolerance, 25 %). `--check-run DIR` measures first, on one replica of this box, in one
 sweep: the curve's points and the two check points between them (the curve is made of the others, so
-the check is not the curve read back); ~6 minutes on a quiet box, `--quick` ~1 minute (plumbing, not
-a verdict):
+the check is not the curve read back); ~6 minutes on a quiet box (estimated; 10 min 20 s on this one
+while other jobs loaded it), `--quick` ~1 minute (plumbing, not a verdict):
 
     .venv/bin/python loadtest/fleet.py --check-run /tmp/check       # then the verdict
     .venv/bin/python loadtest/fleet.py --check-against /tmp/check/check.csv --capacity /tmp/check/curve.csv
