@@ -8,8 +8,10 @@ HAProxy, Locust's master and workers),
 summed over the requests Locust sent (retries included) while the fleet was up; step p50/p99; the
 peak memory (PSS) of each component; open episodes; and for the wave: how long the replicas took to
 start and be routed, the time from their start to the first reply (an exec of an episode opened
-before, resumed from S3), and the step p99 of the wave (Locust's 10 s windows; the worst one in the
-wave's first --wave-s seconds).
+before, resumed from S3), and the wave's steps as Locust's users saw them (each worker logs every step:
+when it was first sent and its round trip, retries included): step p50/p99 of the steps sent from the
+replicas' start until --wave-s later, and apart those sent while the fleet was down or draining (their
+retries waited through the outage).
 
     .venv/bin/python loadtest/bench_capacity.py --users 6000 --spawn-rate 30 --think-min-s 120 \\
         --think-max-s 240 --wave-at-s 330 --run-s 450        # ~8 min; as root
@@ -166,6 +168,34 @@ def requests_at(prefix: Path, t: float) -> int:
     return int(rows[-1]["Total Request Count"]) if rows else 0
 
 
+def step_log(prefix: Path) -> list[tuple[float, float, int]]:
+    """Every exec step the Locust workers logged (--step-log): (Unix time first sent, ms, final status)."""
+    out = []
+    for path in prefix.parent.glob(f"{prefix.name}_steps.csv.*"):
+        for line in path.read_text().splitlines():
+            try:
+                at, ms, status = line.split(",")
+                out.append((float(at), float(ms), int(status)))
+            except ValueError:
+                continue  # a line cut short by a worker's exit
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least ``q`` % of ``values`` at or below it."""
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))]
+
+
+def window(steps: list[tuple[float, float, int]], t0: float, t1: float) -> str:
+    """Steps first sent in [t0, t1): how many, how many answered 200, their round trips' p50/p99."""
+    ms = [m for at, m, _ in steps if t0 <= at < t1]
+    ok = sum(1 for at, _, st in steps if t0 <= at < t1 and st == 200)
+    if not ms:
+        return "no steps"
+    return f"{len(ms)} steps ({ok} 200), p50 {percentile(ms, 50):.0f} ms, p99 {percentile(ms, 99):.0f} ms"
+
+
 def main() -> int:
     if "--sweep" in sys.argv[1:]:
         import capacity_sweep
@@ -203,7 +233,8 @@ def main() -> int:
                    "--host", fleet.url.rstrip("/"), "--think-min-s", str(args.think_min_s),
                    "--think-max-s", str(args.think_max_s), "--steps", str(args.steps),
                    "--connections", str(args.connections), "--retry-attempts", "100", "--retry-budget-s", "300",
-                   "--csv", str(prefix), "--csv-full-history", "--summary-json", f"{prefix}.json"]
+                   "--csv", str(prefix), "--csv-full-history", "--summary-json", f"{prefix}.json",
+                   "--step-log", f"{prefix}_steps.csv"]
             log = open(f"{prefix}.out", "wb")  # noqa: SIM115 - handed to the child
             t_start = time.time()
             locust = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**clean, "ROLLBOX_LOCUST_SHAPE": "none"})
@@ -227,27 +258,13 @@ def main() -> int:
                 wave["drain_s"] = time.time() - t_down
                 wave["exit_codes"] = codes
                 time.sleep(args.down_s)
-                t_up = time.time()
-                first: list[float] = []
 
-                def first_reply() -> None:
-                    with httpx.Client(timeout=30) as h:
-                        while not first and time.time() - t_up < 120:
-                            try:
-                                r = send(h, fleet.url, "exec", {"sandbox_id": probe_sid, "code": "print(1)"})
-                                if r.status_code == 200:
-                                    first.append(time.time() - t_up)
-                                    return
-                            except httpx.HTTPError:
-                                pass
-                            time.sleep(0.02)
+                def exec_probe(h: httpx.Client) -> httpx.Response:
+                    return send(h, fleet.url, "exec", {"sandbox_id": probe_sid, "code": "print(1)"})
 
-                prober = threading.Thread(target=first_reply)
-                prober.start()
-                wave["routed_s"] = fleet.scale_up()
-                prober.join()
-                wave["first_reply_s"] = first[0] if first else None
-                wave["t_up"] = t_up
+                restart = fleet.restart_probed(exec_probe)
+                wave.update(routed_s=restart.routed_s, first_reply_s=restart.first_reply_s, t_up=restart.t_up,
+                            t_down=t_down)
             locust.wait()
             if not args.wave_at_s:
                 cpu1, busy1, t1 = comps.cpu(), machine_busy_s(), time.time()
@@ -279,12 +296,16 @@ def main() -> int:
     print("peak memory (PSS): " + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in sampler.peaks.items())
           + f"; Locust's processes (RSS, summed) {summary['locust_rss_peak_bytes'] / MIB:.0f} MiB")
     if wave:
-        rows = [r for r in history(prefix, "exec") if wave["t_up"] <= int(r["Timestamp"]) <= wave["t_up"] + args.wave_s]
-        p99s = [int(r["99%"]) for r in rows if r["99%"] not in ("", "N/A") and int(r["99%"]) > 0]
+        steps, t_up = step_log(prefix), wave["t_up"]
+        ends = t_start + args.run_s
+        cut = f" (Locust stopped {t_up + args.wave_s - ends:.0f} s before its end)" if ends < t_up + args.wave_s else ""
+        first = f"{wave['first_reply_s']:.2f} s" if wave["first_reply_s"] is not None else "none"
         print(f"wave: drained in {wave['drain_s']:.1f} s (exit codes {wave['exit_codes']}), down {args.down_s:g} s; "
-              f"started and routed in {wave['routed_s']:.2f} s; first reply {wave['first_reply_s']} s after the "
-              f"start; step p99 (worst 10 s window in the first {args.wave_s:g} s) "
-              f"{max(p99s) if p99s else 'n/a'} ms")
+              f"started and routed in {wave['routed_s']:.2f} s; first reply {first} after the start")
+        print(f"  steps sent in the wave (the {args.wave_s:g} s from the start){cut}: "
+              f"{window(steps, t_up, t_up + args.wave_s)}")
+        print(f"  steps sent while the fleet drained or was down (retried through it): "
+              f"{window(steps, wave['t_down'], t_up)}")
     print(f"(machine shared with other work; files in {base})")
     return 0
 

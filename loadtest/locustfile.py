@@ -133,6 +133,9 @@ def _flags(parser: Any) -> None:
          "connections per host shared by all users of a worker process (a trainer's pool); 0: one pool per user")
     flag("--summary-json", "ROLLBOX_LOCUST_SUMMARY_JSON", str, "", "also write the summary as JSON to this file")
     flag("--experiment", "ROLLBOX_LOCUST_EXPERIMENT", str, "locust", "the experiment label of every episode")
+    flag("--step-log", "ROLLBOX_LOCUST_STEP_LOG", str, "",
+         "each worker process appends a line per exec step to FILE.<pid>: the Unix time it was first sent, its "
+         "round trip in ms (retries included) and its final HTTP status (0: none), for windows of the run")
     flag("--burst-users", "ROLLBOX_LOCUST_USERS", int, 50, "users in each burst of the burst shape")
     flag("--stage-s", "ROLLBOX_LOCUST_STAGE_S", float, 30.0, "seconds per stage of the burst shape")
 
@@ -154,6 +157,7 @@ class Settings:
     server_pids: tuple[int, ...]
     experiment: str = "locust"
     connections: int = 64
+    step_log: str = ""
 
     @classmethod
     def of(cls, o: Any) -> Settings:
@@ -176,7 +180,7 @@ class Settings:
             raise ValueError("; ".join(problems))
         return cls(o.think_min_s, o.think_max_s, o.steps, o.episodes, hosts, o.retry_attempts, o.retry_budget_s,
                    o.retry_after_max_s, o.max_fail_ratio, o.max_p99_ms, tuple(int(p) for p in pids), o.experiment,
-                   o.connections)
+                   o.connections, o.step_log)
 
 
 @dataclass
@@ -219,6 +223,16 @@ class Tally:
 
 
 TALLY = Tally()
+STEP_LOG: list[Any] = []  # this process's --step-log file, once opened
+
+
+def _log_step(path: str, sent_at: float, ms: float, status: int) -> None:
+    """One exec step's line in this process's own file (line-buffered: a worker may end by os._exit)."""
+    if not STEP_LOG:
+        STEP_LOG.append(open(f"{path}.{os.getpid()}", "a", buffering=1))  # noqa: SIM115 - the process's life
+    STEP_LOG[0].write(f"{sent_at:.3f},{ms:.1f},{status}\n")
+
+
 WORKER_TALLIES: dict[str, dict[str, Any]] = {}  # on the master: each worker's latest report
 OPEN_SERIES: list[tuple[float, int]] = []  # on the master (or alone): (seconds since start, open episodes)
 
@@ -411,7 +425,10 @@ class EpisodeUser(FastHttpUser):
         for step in range(1, self.cfg.steps + 1):
             gevent.sleep(self.think_s())  # the model writes its next action
             action = Action.next(step, episode, trajectory)
+            sent_at, t0 = time.time(), time.monotonic()
             out = self.send("exec", {"sandbox_id": sid, **action.data}, "result", action.check)
+            if self.cfg.step_log:
+                _log_step(self.cfg.step_log, sent_at, (time.monotonic() - t0) * 1000, out.status)
             replied += out.status == 200
             unanswered += out.status == 0
             if out.status == 410:  # sandbox_gone / sandbox_died: destroyed or expired, nothing to destroy

@@ -1,17 +1,22 @@
 """Admission control: refuse work early (429 + Retry-After) instead of queueing without bound.
 
-Two caps: requests admitted and not yet answered (queued in the runtime or running), and live
+Three caps: requests admitted and not yet answered (``max_queued``: waiting their turn or running),
+requests running at once (``max_running``: the others wait in a FIFO queue, not started), and live
 sandboxes. Creates and runs still in flight count as live until they return, so the cap holds
-under a burst of concurrent creates. Draining (SIGTERM) refuses everything new. A full disk (the
-spool's, or the local store's) refuses work too: ``InsufficientStorage`` (507 + Retry-After).
+under a burst of concurrent creates. Draining (SIGTERM) refuses everything new, and hands every
+request still waiting its turn back at once (503 + Retry-After: it was never started, so its retry
+on another replica, or here after a restart, applies it once); only the running ones are waited for.
+A full disk (the spool's, or the local store's) refuses work too: ``InsufficientStorage`` (507 +
+Retry-After).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from rollbox.functions.durable.capacity import DEFAULT_MAX_LIVE, LiveCap
@@ -26,6 +31,7 @@ class ServiceConfig:
 
     max_live: int = DEFAULT_MAX_LIVE  # the replica's LiveCap, which the durable layer asks too
     max_queued: int = 1024
+    max_running: int = 64  # the rest of max_queued waits its turn, not started (handed back on drain)
     max_body_bytes: int = 8 * MiB
     idempotency_entries: int = 100_000
     idempotency_ttl_s: float = 600.0
@@ -79,22 +85,37 @@ class Admission:
     """``running()``: the sandboxes that count against ``cap`` (those running a step or being made;
     the durable layer hibernates idle ones to make room)."""
 
-    def __init__(self, *, cap: LiveCap, max_queued: int, retry_after_s: float, running: Callable[[], int]):
+    def __init__(self, *, cap: LiveCap, max_queued: int, retry_after_s: float, running: Callable[[], int],
+                 max_running: int | None = None):
+        """``max_running``: requests started at once (default ``max_queued``: every admitted one)."""
         if max_queued < 1:
             raise ValueError("max_queued must be >= 1")
+        if max_running is not None and max_running < 1:
+            raise ValueError("max_running must be >= 1")
         self.cap = cap
         self.max_queued = max_queued
+        self.max_running = max_running or max_queued
         self.retry_after_s = retry_after_s
         self._running = running
-        self.inflight = 0
+        self.inflight = 0  # admitted, not answered: started (``started``) or waiting their turn
+        self.started = 0
         self.creating = 0
         self.draining = False
+        self.handed_back = 0  # waiting requests refused by the drain
+        self._turns: deque[tuple[asyncio.Future[None], bool]] = deque()  # (woken when started, ends a sandbox)
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @contextmanager
-    def admit(self, *, creates_sandbox: bool, ends_sandbox: bool = False) -> Iterator[None]:
-        """``ends_sandbox`` (destroy) is admitted while draining: it frees what draining waits for."""
+    @property
+    def waiting(self) -> int:
+        """Admitted requests waiting their turn (not started)."""
+        return sum(1 for fut, _ in self._turns if not fut.done())
+
+    @asynccontextmanager
+    async def admit(self, *, creates_sandbox: bool, ends_sandbox: bool = False) -> AsyncIterator[None]:
+        """Enter once the request may start: at once under ``max_running``, else after those ahead of
+        it. ``ends_sandbox`` (destroy) is admitted while draining: it frees what draining waits for.
+        Raises ``Rejected`` (the drain) while it waits: it was not started."""
         self.check_draining(ends_sandbox=ends_sandbox)
         if self.inflight >= self.max_queued:
             raise Rejected(
@@ -112,12 +133,42 @@ class Admission:
         self.creating += creates_sandbox
         self._idle.clear()
         try:
-            yield
+            await self._turn(ends_sandbox)
+            try:
+                yield
+            finally:
+                self._done()
         finally:
             self.inflight -= 1
             self.creating -= creates_sandbox
             if self.inflight == 0:
                 self._idle.set()
+
+    async def _turn(self, ends_sandbox: bool) -> None:
+        if self.started < self.max_running and not self._turns:
+            self.started += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (fut, ends_sandbox)
+        self._turns.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:  # its turn came as it was cancelled
+                self._done()
+            raise
+        finally:
+            if entry in self._turns:
+                self._turns.remove(entry)
+
+    def _done(self) -> None:
+        """A started request ended: the next one waiting starts."""
+        self.started -= 1
+        while self._turns and self.started < self.max_running:
+            fut, _ = self._turns.popleft()
+            if not fut.done():
+                self.started += 1
+                fut.set_result(None)
 
     def check_draining(self, *, ends_sandbox: bool) -> None:
         """While draining, refuse all but what ends a sandbox (it frees what draining waits for). The
@@ -126,8 +177,23 @@ class Admission:
         if self.draining and not ends_sandbox:
             raise Rejected("draining", "draining; only destroy events are still accepted", self.retry_after_s)
 
-    def start_draining(self) -> None:
+    def start_draining(self) -> int:
+        """Refuse new work, and hand back at once every request still waiting its turn (but destroys):
+        each gets ``Rejected("draining")``, nothing of it ran. Returns how many were handed back."""
         self.draining = True
+        kept: deque[tuple[asyncio.Future[None], bool]] = deque()
+        n = 0
+        for fut, ends_sandbox in self._turns:
+            if ends_sandbox or fut.done():
+                kept.append((fut, ends_sandbox))
+                continue
+            fut.set_exception(Rejected(
+                "draining", "draining; this request had not started (nothing of it was applied): retry it",
+                self.retry_after_s))
+            n += 1
+        self._turns = kept
+        self.handed_back += n
+        return n
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing admitted is in flight; False if ``timeout_s`` passed first."""

@@ -212,6 +212,7 @@ class Service:
         self.admission = Admission(
             cap=cap or LiveCap(cfg.max_live),
             max_queued=cfg.max_queued,
+            max_running=cfg.max_running,
             retry_after_s=cfg.retry_after_s,
             running=runtime.running_count,
         )
@@ -219,6 +220,7 @@ class Service:
             live_count=runtime.live_count,
             pool_sizes=runtime.pool_sizes,
             inflight=lambda: self.admission.inflight,
+            waiting=lambda: self.admission.waiting,
             pools=pools,
             cleanup_failures=cleanup_failures,
             registry=registry,
@@ -257,7 +259,8 @@ class Service:
                 status = "ready" if ok else ("draining" if self.admission.draining else
                                              "starting" if not self.ready else
                                              "store unavailable" if not self.store_ok else "disk full")
-                body = {"status": status, "inflight": self.admission.inflight, "store_ok": self.store_ok,
+                body = {"status": status, "inflight": self.admission.inflight,
+                        "waiting": self.admission.waiting, "store_ok": self.store_ok,
                         "disk_ok": full is None}
                 return JSONResponse(body, status_code=200 if ok else 503)
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -460,8 +463,8 @@ class Service:
     async def _call(self, route: Route, data: BaseModel, fields: dict[str, Any], event: EventRef) -> _Reply:
         task = asyncio.current_task()
         try:
-            with self.admission.admit(creates_sandbox=route.creates_sandbox,
-                                      ends_sandbox=route.spec.request_type == SANDBOX_DESTROY):
+            async with self.admission.admit(creates_sandbox=route.creates_sandbox,
+                                            ends_sandbox=route.spec.request_type == SANDBOX_DESTROY):
                 if task is not None:
                     self._working.add(task)
                 try:

@@ -76,6 +76,7 @@ class Metrics:
         pool_sizes: Callable[[], dict[str, int]],
         inflight: Callable[[], int],
         pools: Callable[[], Iterable[Pool]] | None = None,
+        waiting: Callable[[], int] | None = None,
         cleanup_failures: Callable[[], Mapping[str, int]] | None = None,
         registry: CollectorRegistry | None = None,
     ):
@@ -116,6 +117,10 @@ class Metrics:
         live.set_function(lambda: float(live_count()))
         inf = Gauge("rollbox_inflight_requests", "Requests admitted and not yet answered", registry=r)
         inf.set_function(lambda: float(inflight()))
+        if waiting is not None:
+            wait = Gauge("rollbox_waiting_requests", "Requests admitted and waiting their turn (--max-running), "
+                         "not started", registry=r)
+            wait.set_function(lambda: float(waiting()))
         r.register(_PoolCollector(pool_sizes))
         if pools is not None:
             r.register(_PoolFailuresCollector(pools))

@@ -130,7 +130,7 @@ async def _answer(service: Service, request: Request) -> tuple[int, Response]:
     recorded: tuple[int, Any] | None = None  # the trajectory row: its status and payload
     try:
         try:
-            with service.admission.admit(creates_sandbox=True, ends_sandbox=False):
+            async with service.admission.admit(creates_sandbox=True, ends_sandbox=False):
                 result = await runner.run(program)
         except Rejected as rej:
             service.metrics.rejects.labels(rej.reason).inc()

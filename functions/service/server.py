@@ -1,7 +1,8 @@
 """``rollbox serve``: the CloudEvent service on one box, embedded runtime included.
 
 Every flag has an environment variable (``--port`` / ``PORT``, as Knative sets it), cast strictly.
-SIGTERM (or SIGINT): readiness fails and new events get 503 at once, in-flight events finish within
+SIGTERM (or SIGINT): readiness fails and new events get 503 at once, so do the admitted ones still
+waiting their turn (``--max-running``: not started, nothing applied), the running ones finish within
 the grace period, the listener closes, the runtime destroys what is left, exit status 0.
 """
 
@@ -100,6 +101,9 @@ OPTIONS: tuple[Option, ...] = (
         _D.max_queued,
         "cap on requests admitted and not yet answered; more get 429",
     ),
+    Option("max_running", "--max-running", "ROLLBOX_MAX_RUNNING", integer(1), _D.max_running,
+           "cap on admitted requests running at once; the others wait their turn in order (not started: on "
+           "SIGTERM they get 503 with Retry-After at once, to be retried elsewhere)"),
     Option(
         "max_body_bytes",
         "--max-body-bytes",
@@ -592,8 +596,9 @@ async def _serve(cfg: ServeConfig, replica: _Replica, sock: socket.socket, stop:
 
 async def _drain(cfg: ServeConfig, replica: _Replica) -> None:
     service = replica.service
-    service.admission.start_draining()
-    lifecycle.info("draining", extra={"fields": {"inflight": service.admission.inflight, "grace_s": cfg.grace_s}})
+    handed_back = service.admission.start_draining()  # the waiting ones: 503 + Retry-After, now
+    lifecycle.info("draining", extra={"fields": {"running": service.admission.started, "handed_back": handed_back,
+                                                 "grace_s": cfg.grace_s}})
     if not await service.admission.wait_idle(cfg.grace_s):
         lifecycle.warning("grace period over; cancelling in-flight events",
                           extra={"fields": {"inflight": service.admission.inflight}})

@@ -31,6 +31,9 @@ def test_bench_capacity_short_run_with_a_wave(tmp_path: Path) -> None:
     assert m and int(m.group(1)) == 0, p.stdout  # the wave's 503s were retried, none given up
     wave = re.search(r"wave: drained in [\d.]+ s \(exit codes \[0, 0\]\).*first reply ([\d.]+) s after", p.stdout)
     assert wave and float(wave.group(1)) < 30, p.stdout
+    # Locust's own window of the wave: the steps its users sent from the replicas' start on
+    window = re.search(r"steps sent in the wave .*: (\d+) steps \((\d+) 200\), p50 (\d+) ms, p99 (\d+) ms", p.stdout)
+    assert window and int(window.group(1)) > 0 and int(window.group(4)) >= int(window.group(3)) > 0, p.stdout
     assert re.search(r"peak memory \(PSS\): replicas \d+ MiB, seaweedfs \d+ MiB, haproxy \d+ MiB", p.stdout)
 
 
