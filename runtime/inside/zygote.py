@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from typing import Any
 
 from rollbox.runtime.inside import agent, probe, proto
@@ -48,7 +49,7 @@ def contain(cfg: ZygoteConfig, bpf: libc.SeccompProgram, req: dict[str, Any], cg
 
 
 def _sandbox_main(cfg: ZygoteConfig, bpf: libc.SeccompProgram, req: dict[str, Any], sock: socket.socket,
-                  cgroup_fds: list[int]) -> None:
+                  cgroup_fds: list[int], bare: bool) -> None:
     try:
         upper_fd = contain(cfg, bpf, req, cgroup_fds)
     except BaseException as exc:
@@ -63,7 +64,7 @@ def _sandbox_main(cfg: ZygoteConfig, bpf: libc.SeccompProgram, req: dict[str, An
         except Exception as exc:
             facts = {"errors": {"probe": f"{type(exc).__name__}: {exc}"}}
     try:
-        agent.serve(sock, upper_fd, cfg.env, facts)
+        agent.serve(sock, upper_fd, cfg.env, facts, bare=bare)
     finally:
         os._exit(71)
 
@@ -218,7 +219,11 @@ def _spawn(ctl: socket.socket, cfg: ZygoteConfig, bpf: libc.SeccompProgram, pidn
                 lowers = idmapped[msg["idmap"]] = mounts.idmapped_lowers(fds[1])
             keep = msg["idmapped"] = list(lowers)
         libc.unshare(libc.CLONE_NEWPID)
-        pid = os.fork()
+        # Without Python's fork handling (libc.fork_bare) while no other Python thread runs here: the
+        # sandbox init runs this runtime's code only, and forks its workers with os.fork (every
+        # at-fork hook runs there); it runs that handling itself before it becomes a one-shot program.
+        bare = threading.active_count() == 1
+        pid = libc.fork_bare() if bare else os.fork()
     except OSError as exc:
         for fd in fds:
             os.close(fd)
@@ -232,7 +237,7 @@ def _spawn(ctl: socket.socket, cfg: ZygoteConfig, bpf: libc.SeccompProgram, pidn
             os.closerange(low, fd)
             low = fd + 1
         os.closerange(low, 1 << 16)
-        _sandbox_main(cfg, bpf, msg, socket.socket(fileno=fds[0]), fds[1:])
+        _sandbox_main(cfg, bpf, msg, socket.socket(fileno=fds[0]), fds[1:], bare)
     libc.setns(pidns, libc.CLONE_NEWPID)
     for fd in fds:
         os.close(fd)
