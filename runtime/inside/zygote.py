@@ -30,10 +30,16 @@ def contain(cfg: ZygoteConfig, bpf: libc.SeccompProgram, req: dict[str, Any], cg
     supervisor as an isolation error naming the syscall). ``req``: its SPAWN. Returns the upper-layer fd."""
     libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
     userns_fd = cgroup_fds.pop(0) if req.get("userns") else -1
+    netns_fd = cgroup_fds.pop(0) if req.get("netns") else -1
     for fd in cgroup_fds:  # into its cgroup first: everything after is counted and limited
         os.write(fd, b"0")
         os.close(fd)
-    libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS | libc.CLONE_NEWNET)
+    if netns_fd >= 0:  # an empty one made (or left empty by its last sandbox) on the host: joined
+        libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS)
+        libc.setns(netns_fd, libc.CLONE_NEWNET)
+        os.close(netns_fd)
+    else:
+        libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS | libc.CLONE_NEWNET)
     upper_fd = mounts.build_sandbox_root(
         req["layers"], cfg.host_binds, cfg.host_masks, req["disk_bytes"], cfg.rootless, req.get("idmapped"),
     )
