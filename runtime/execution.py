@@ -74,6 +74,8 @@ class Sandbox:
     release_fd: Callable[[int], None] | None = None
     user_slot: Slot | None = None  # its user namespace (owned by a host uid of its own), if any
     nproc_first: bool = False  # RLIMIT_NPROC is its pids limit (runtime.rlimit_params): pids.peak tells a hit
+    netns_fd: int = -1  # its network namespace, when it joined one made on the host (runtime/netns.py)
+    release_netns: Callable[[int, bool], None] | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -391,6 +393,12 @@ class Sandbox:
             else:
                 os.close(self.mntns_fd)
             self.mntns_fd = -1
+        if self.netns_fd >= 0:  # reused only once its init has exited: nothing of it is left there
+            if self.release_netns is not None:
+                self.release_netns(self.netns_fd, self.exited.is_set())
+            else:
+                os.close(self.netns_fd)
+            self.netns_fd = -1
         wall = time.monotonic() - self.created_at
         self.usage = Usage(
             sandbox_id=self.id,

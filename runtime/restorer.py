@@ -32,6 +32,7 @@ from rollbox.runtime.inside.proto import Op
 from rollbox.runtime.isolation import rlimits
 from rollbox.runtime.isolation.cgroup_pool import CgroupPool
 from rollbox.runtime.isolation.cgroups import Group
+from rollbox.runtime.netns import NetNamespaces
 from rollbox.runtime.restore import WarmSource, Zygote
 from rollbox.runtime.snapshot import SnapshotView
 from rollbox.runtime.spec import Limits
@@ -85,6 +86,7 @@ class _Origin:
     group: Group | None
     slot: slots.Slot | None
     nproc_first: bool
+    netns: int | None = None  # an fd of the network namespace it joins (runtime/netns.py), if one was free
 
 
 class Restorer:
@@ -103,6 +105,7 @@ class Restorer:
         self.zygotes: dict[Any, WarmSource] = {}
         self.zygote_locks: dict[Any, asyncio.Lock] = {}
         self.user_slots: slots.UserSlots | None = None  # as root: a user namespace per sandbox
+        self.netns: NetNamespaces | None = None  # as root: network namespaces made ahead and reused
         self.seccomp_bpf = b""
         self.user_budgets: dict[str, int] = {}
         # What the first sandbox of each warm source read back from its own /proc after containment
@@ -110,10 +113,13 @@ class Restorer:
         self.probed: weakref.WeakKeyDictionary[WarmSource, dict[str, Any]] = weakref.WeakKeyDictionary()
         self._unmounter: concurrent.futures.ThreadPoolExecutor | None = None  # see _close_later
 
-    def start(self, seccomp_bpf: bytes, user_budgets: dict[str, int], user_slots: slots.UserSlots | None) -> None:
+    def start(self, seccomp_bpf: bytes, user_budgets: dict[str, int], user_slots: slots.UserSlots | None,
+              netns: NetNamespaces | None = None) -> None:
         """Sandboxes get this seccomp filter and these per-user budgets (rootless), and each a user
-        namespace of its own from ``user_slots`` (prepared in the background, beside the first zygotes)."""
+        namespace of its own from ``user_slots`` (prepared in the background, beside the first zygotes)
+        and a network namespace from ``netns`` while it has one free (else they make their own)."""
         self.seccomp_bpf, self.user_budgets, self.user_slots = seccomp_bpf, user_budgets, user_slots
+        self.netns = netns
         if user_slots is not None:
             self._background(self._prepare_slots(user_slots))
 
@@ -130,6 +136,15 @@ class Restorer:
     def close_slots(self) -> None:
         if self.user_slots is not None:
             self.user_slots.close()
+        if self.netns is not None:
+            self.netns.close()
+
+    def release_netns(self, fd: int, gone: bool) -> None:
+        """A sandbox's network namespace is free again (``gone``: its init has exited), or closed."""
+        if self.netns is not None:
+            self.netns.release(fd, gone)
+        else:
+            os.close(fd)
 
     async def _prepare_slots(self, user_slots: slots.UserSlots) -> None:
         try:
@@ -194,11 +209,14 @@ class Restorer:
             slot = await self._slot()
             nproc_first = slot is not None and group is not None and group.pids_peak() >= 0
             params.update(cast(proto.SpawnParams, rlimit_params(limits, group is not None, nproc_first)))
+            net = self.netns.acquire() if self.netns is not None else None
             try:
-                return await self._contain(view, limits, _Origin(z, sid, group, slot, nproc_first), params)
+                return await self._contain(view, limits, _Origin(z, sid, group, slot, nproc_first, net), params)
             except BaseException:
                 if slot is not None:  # a child of a failed spawn may still be on its way: not reused
                     self.release_slot(slot, False)
+                if net is not None:  # (nor is its network namespace)
+                    self.release_netns(net, False)
                 raise
 
     async def _slot(self) -> slots.Slot | None:
@@ -219,6 +237,9 @@ class Restorer:
         z, group, slot = origin.source, origin.group, origin.slot
         try:
             fds = group.procs_fds() if group else []
+            if origin.netns is not None:  # the zygote takes it after the user namespace's
+                params = {**params, "netns": True}
+                fds = [origin.netns, *fds]
             if slot is not None:  # the zygote takes it as the first fd after the socket
                 params = {**params, "userns": True, "idmap": slot.uid if slot.shifted else 0}
                 fds = [slot.fd, *fds]
@@ -281,7 +302,8 @@ class Restorer:
                      upper_fd=fds[0] if fds else -1, source=source, source_pid=zpid, ended=source.exit_report(zpid),
                      release_slot=self.release_slot, cg_base=cg_base, cgroups=self.cgroups,
                      mntns_fd=_hold_mount_ns(pid, pidfd), release_fd=self._close_later, user_slot=origin.slot,
-                     nproc_first=origin.nproc_first)
+                     nproc_first=origin.nproc_first, netns_fd=-1 if origin.netns is None else origin.netns,
+                     release_netns=self.release_netns)
         sb.watch()
         return sb
 

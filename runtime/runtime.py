@@ -37,6 +37,7 @@ from rollbox.runtime.inside.proto import Op
 from rollbox.runtime.isolation import cgroups, seccomp, users
 from rollbox.runtime.isolation.cgroup_pool import CgroupPool
 from rollbox.runtime.isolation.cgroups import Backend
+from rollbox.runtime.netns import NetNamespaces
 from rollbox.runtime.reaper import Reaper
 from rollbox.runtime.residency import Residency
 from rollbox.runtime.restorer import Restorer
@@ -193,7 +194,8 @@ class Runtime:
                 d.mkdir(parents=True, exist_ok=True)
             user_slots = slots.UserSlots(*uid_range, probe=[str(probe_dirs[0]), str(self.layer_root),
                                                             str(probe_dirs[1])])
-        self.restorer.start(self.seccomp_bpf, self.user_budgets, user_slots)
+        self.restorer.start(self.seccomp_bpf, self.user_budgets, user_slots,
+                            None if cfg.rootless or os.geteuid() != 0 else NetNamespaces())
         self.started = True
 
     async def close(self) -> None:

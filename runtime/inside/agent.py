@@ -320,9 +320,11 @@ def _spare_main(chan: socket.socket, env: dict[str, str]) -> None:
     _worker(msg, reader.take_fds(), env)
 
 
-def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[str, Any] | None = None) -> None:
+def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[str, Any] | None = None, *,
+          bare: bool = False) -> None:
     """The agent loop. Never returns: when the supervisor hangs up, the sandbox ends. ``probed``: what
-    containment put in force, read back (runtime/inside/probe.py), sent with READY when asked for."""
+    containment put in force, read back (runtime/inside/probe.py), sent with READY when asked for.
+    ``bare``: this process was forked without Python's fork handling (libc.fork_bare)."""
     devnull = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
@@ -333,7 +335,7 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
     ready = proto.ReadyMsg(op=Op.READY) if probed is None else proto.ReadyMsg(op=Op.READY, probe=probed)
     proto.send(sock, ready, [upper_fd])
     os.close(upper_fd)
-    Agent(sock, env).run(wake_r)
+    Agent(sock, env, bare).run(wake_r)
 
 
 class Agent:
@@ -341,9 +343,10 @@ class Agent:
     It holds the running step's worker, an idle spare worker forked ahead of a step, and the step's
     EXEC frame (what to read back when its worker ends)."""
 
-    def __init__(self, sock: socket.socket, env: dict[str, str]) -> None:
+    def __init__(self, sock: socket.socket, env: dict[str, str], bare: bool = False) -> None:
         self.sock = sock
         self.env = env
+        self.bare = bare  # forked without Python's fork handling: it runs that before any user code
         self.reader = proto.Reader()
         self.worker: int | None = None
         self.spare: tuple[int, socket.socket] | None = None
@@ -482,6 +485,10 @@ class Agent:
                 me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
                 cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
                 proto.send(self.sock, proto.StartedMsg(op=Op.STARTED, cpu_s=cpu))
+                if self.bare:  # as os.fork would have done (random reseeds): the user's code runs here
+                    from rollbox.runtime.isolation import libc
+
+                    libc.after_fork_child()
                 _worker(msg, fds, self.env)
             pid = 0
             if self.spare is not None:

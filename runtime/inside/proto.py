@@ -220,6 +220,7 @@ class SpawnParams(TypedDict, total=False):
     as_bytes: int
     nice: int
     userns: bool  # a user namespace is passed as the first fd after the socket
+    netns: bool  # a network namespace is passed next (runtime/netns.py): joined, not made
     idmap: int  # its owner uid when the layers are idmapped onto it (0: not)
     idmapped: list[int]  # (the zygote's own: the fds of the idmapped lowers)
 

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from typing import Any
 
 from rollbox.runtime.inside import agent, probe, proto
@@ -29,10 +30,16 @@ def contain(cfg: ZygoteConfig, bpf: libc.SeccompProgram, req: dict[str, Any], cg
     supervisor as an isolation error naming the syscall). ``req``: its SPAWN. Returns the upper-layer fd."""
     libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)
     userns_fd = cgroup_fds.pop(0) if req.get("userns") else -1
+    netns_fd = cgroup_fds.pop(0) if req.get("netns") else -1
     for fd in cgroup_fds:  # into its cgroup first: everything after is counted and limited
         os.write(fd, b"0")
         os.close(fd)
-    libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS | libc.CLONE_NEWNET)
+    if netns_fd >= 0:  # an empty one made (or left empty by its last sandbox) on the host: joined
+        libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS)
+        libc.setns(netns_fd, libc.CLONE_NEWNET)
+        os.close(netns_fd)
+    else:
+        libc.unshare(libc.CLONE_NEWNS | libc.CLONE_NEWIPC | libc.CLONE_NEWUTS | libc.CLONE_NEWNET)
     upper_fd = mounts.build_sandbox_root(
         req["layers"], cfg.host_binds, cfg.host_masks, req["disk_bytes"], cfg.rootless, req.get("idmapped"),
     )
@@ -48,7 +55,7 @@ def contain(cfg: ZygoteConfig, bpf: libc.SeccompProgram, req: dict[str, Any], cg
 
 
 def _sandbox_main(cfg: ZygoteConfig, bpf: libc.SeccompProgram, req: dict[str, Any], sock: socket.socket,
-                  cgroup_fds: list[int]) -> None:
+                  cgroup_fds: list[int], bare: bool) -> None:
     try:
         upper_fd = contain(cfg, bpf, req, cgroup_fds)
     except BaseException as exc:
@@ -63,7 +70,7 @@ def _sandbox_main(cfg: ZygoteConfig, bpf: libc.SeccompProgram, req: dict[str, An
         except Exception as exc:
             facts = {"errors": {"probe": f"{type(exc).__name__}: {exc}"}}
     try:
-        agent.serve(sock, upper_fd, cfg.env, facts)
+        agent.serve(sock, upper_fd, cfg.env, facts, bare=bare)
     finally:
         os._exit(71)
 
@@ -218,7 +225,11 @@ def _spawn(ctl: socket.socket, cfg: ZygoteConfig, bpf: libc.SeccompProgram, pidn
                 lowers = idmapped[msg["idmap"]] = mounts.idmapped_lowers(fds[1])
             keep = msg["idmapped"] = list(lowers)
         libc.unshare(libc.CLONE_NEWPID)
-        pid = os.fork()
+        # Without Python's fork handling (libc.fork_bare) while no other Python thread runs here: the
+        # sandbox init runs this runtime's code only, and forks its workers with os.fork (every
+        # at-fork hook runs there); it runs that handling itself before it becomes a one-shot program.
+        bare = threading.active_count() == 1
+        pid = libc.fork_bare() if bare else os.fork()
     except OSError as exc:
         for fd in fds:
             os.close(fd)
@@ -232,7 +243,7 @@ def _spawn(ctl: socket.socket, cfg: ZygoteConfig, bpf: libc.SeccompProgram, pidn
             os.closerange(low, fd)
             low = fd + 1
         os.closerange(low, 1 << 16)
-        _sandbox_main(cfg, bpf, msg, socket.socket(fileno=fds[0]), fds[1:])
+        _sandbox_main(cfg, bpf, msg, socket.socket(fileno=fds[0]), fds[1:], bare)
     libc.setns(pidns, libc.CLONE_NEWPID)
     for fd in fds:
         os.close(fd)
