@@ -293,7 +293,10 @@ class Runner:
         if done.timed_out or done.exit_code != 0:
             raise SandboxFault(f"preparing the cases failed (exit {done.exit_code}): {done.stderr[-500:]}",
                                sandbox_id=sandbox_id)
-        run = f"rm -rf {CASE} && cp -a {BASE} {CASE} && cd {CASE} && {_exec_form(plan.run)}"
+        # kill -1 first (a builtin: it needs no fork, which a fork bomb leaves none of): what an earlier case
+        # left running (a background process, a fork bomb) is gone before this one starts, so it neither
+        # sees nor is starved by it; from the sandbox's shell it spares only the agent (init)
+        run = f"kill -9 -1 2>/dev/null; rm -rf {CASE} && cp -a {BASE} {CASE} && cd {CASE} && {_exec_form(plan.run)}"
         out = []
         for stdin in p.cases or ():
             out.append(await self.rt.exec(sandbox_id, _exec(command=run, stdin=stdin, env=p.env,
