@@ -19,7 +19,9 @@ Across replicas sharing the store (S3), a compile is claimed there first: the re
 ``compiled/<key>.claim`` (a create-only put) compiles; another replica whose cases of that program
 arrive meanwhile polls for the outcome (``compiled/<key>.json``, every 50 ms growing to 0.5 s) instead
 of compiling it too, and compiles on its own only if the claim goes away without one (the compile timed
-out or failed) or is stale (older than its compile timeout + 30 s: its replica died).
+out or failed) or is stale: its replica beats (rewrites ``compiled/<key>.beat``) every CLAIM_BEAT_S while
+it holds it, so a claim with no beat for CLAIM_DEAD_S is a dead replica's (killed mid-compile: the
+others take over in seconds, not after its whole compile timeout + 30 s).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ __all__ = ["CompileCache", "Compiled", "TimedOut", "cache_key"]
 
 log = logging.getLogger("rollbox.compile_cache")
 KEY_PREFIX = "compiled/"
-CLAIM_GRACE_S = 30.0  # a claim older than its compile timeout and this: its replica died
+CLAIM_GRACE_S = 30.0  # a waiter waits for another replica's compile at most its compile timeout and this
+CLAIM_BEAT_S = 2.0  # how often a replica holding a compile claim says it is alive
+CLAIM_DEAD_S = 10.0  # a claim with no beat (nor creation) for this long: its replica died
 POLL_FIRST_S, POLL_MAX_S = 0.05, 0.5  # how often a replica looks for another's compile
 
 
@@ -180,6 +184,10 @@ class CompileCache:
                 self.hits += 1
                 return other, True
             claim = other
+        beat: tuple[asyncio.Event, asyncio.Task[None]] | None = None
+        if claim is not None:
+            stop = asyncio.Event()
+            beat = stop, asyncio.create_task(self._beat(claim, stop))
         self.misses += 1
         got: list[Compiled | TimedOut | None] = []
 
@@ -189,9 +197,12 @@ class CompileCache:
             got.append(value)
             if isinstance(value, Compiled):
                 await self.put(key, value)
+            if beat is not None:  # (its last write over before the claim goes: no beat outlives it)
+                beat[0].set()
+                await beat[1]
             if claim is not None and self.objects is not None:  # (after the put: a waiter sees the outcome first)
                 try:
-                    await asyncio.to_thread(self.objects.delete, [claim])
+                    await asyncio.to_thread(self.objects.delete, [claim, _beat_key(claim)])
                 except (RollboxError, OSError) as exc:
                     log.warning("compile cache: removing the claim %s failed: %s", claim, exc)
             if mine:
@@ -205,6 +216,24 @@ class CompileCache:
             if not got:
                 await done(None)
         return got[0], False
+
+    async def _beat(self, claim: str, stop: asyncio.Event) -> None:
+        """While this replica holds ``claim``: its beat rewritten every CLAIM_BEAT_S (a failed write is
+        retried at the next)."""
+        assert self.objects is not None
+        objects, key = self.objects, _beat_key(claim)
+        while True:
+            try:
+                await asyncio.wait_for(stop.wait(), CLAIM_BEAT_S)
+                return
+            except TimeoutError:
+                pass
+            body = json.dumps({"replica": self.replica, "beat": time.time()}).encode()
+            try:
+                await asyncio.to_thread(objects.delete, [key])
+                await asyncio.to_thread(objects.put_new, key, body)
+            except (RollboxError, OSError) as exc:
+                log.debug("compile cache: the beat of %s: %s", claim, exc)
 
     async def _claim_or_wait(self, key: str, timeout_s: float) -> Compiled | str | None:
         """Claim ``key``'s compile in the shared store (returns the claim's key: compile it here), or wait
@@ -232,9 +261,12 @@ class CompileCache:
                 if raw is None:
                     return None  # it went without an outcome (a timeout, a fault): compile here
                 other = json.loads(raw)
-                if time.time() - float(other["since"]) > float(other["timeout_s"]) + CLAIM_GRACE_S:
-                    log.warning("compile cache: the claim of %s by %s is stale: compiling here", key, other["replica"])
-                    await asyncio.to_thread(objects.delete, [claim])
+                beat_raw = await asyncio.to_thread(objects.get, _beat_key(claim))
+                last = max(float(other["since"]), float(json.loads(beat_raw)["beat"]) if beat_raw else 0.0)
+                if time.time() - last > CLAIM_DEAD_S:
+                    log.warning("compile cache: the claim of %s by %s has no beat for %.0f s: compiling here", key,
+                                other["replica"], time.time() - last)
+                    await asyncio.to_thread(objects.delete, [claim, _beat_key(claim)])
                     return None
                 if time.monotonic() - t0 > limit + CLAIM_GRACE_S:
                     return None
@@ -243,3 +275,7 @@ class CompileCache:
         except (RollboxError, OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("compile cache: claiming %s failed: %s", key, exc)
             return None
+
+
+def _beat_key(claim: str) -> str:
+    return claim.removesuffix(".claim") + ".beat"

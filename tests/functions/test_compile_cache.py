@@ -9,6 +9,7 @@ import io
 import tarfile
 from pathlib import Path
 
+import pytest
 from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, TimedOut, cache_key
 from rollbox.functions.handlers.run_code import _members
 from rollbox.snapshots.state import LocalObjects
@@ -175,3 +176,43 @@ def test_cached_artifacts_are_written_as_files_unless_they_are_not_plain_files()
     assert _members(_tar(("../main", b"x", 0o755, tarfile.REGTYPE))) is None
     assert _members(_tar(("/tmp/main", b"x", 0o755, tarfile.REGTYPE))) is None
     assert _members("not base64!") is None
+
+
+async def test_a_claim_whose_replica_was_killed_is_taken_over_in_seconds_while_a_live_ones_is_waited_for(
+        seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica killed (SIGKILL) while holding a compile claim leaves it in the store, fresh: the others
+    used to wait its compile timeout + 30 s (40 s by default) before compiling; its beat stopped with it,
+    so they take over after CLAIM_DEAD_S (shortened here). A replica alive and compiling for longer than
+    that beats meanwhile and is waited for (one compile)."""
+    import json
+    import time
+
+    from rollbox.functions.handlers import compile_cache
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    monkeypatch.setattr(compile_cache, "CLAIM_BEAT_S", 0.2, raising=False)  # (absent: no beat)
+    monkeypatch.setattr(compile_cache, "CLAIM_DEAD_S", 1.0, raising=False)
+    url = f"s3://{seaweed.new_bucket()}/p"
+    a, b = (CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(2))
+    compiles: list[str] = []
+
+    def compiler(name: str, took_s: float):  # type: ignore[no-untyped-def]
+        async def compile_(done):  # type: ignore[no-untyped-def]
+            compiles.append(name)
+            await asyncio.sleep(took_s)
+            await done(OK)
+        return compile_
+
+    assert a.objects is not None  # a claim made a moment ago by a replica killed right after
+    a.objects.put_new("compiled/d.claim", json.dumps({"replica": "killed:1", "since": time.time(),
+                                                       "timeout_s": 10.0}).encode())
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(b.once("d", compiler("b", 0.0), 10.0), 8) == (OK, False)
+    assert compiles == ["b"] and time.monotonic() - t0 < 8
+
+    compiles.clear()  # a live replica's compile that takes 2.5 s (> CLAIM_DEAD_S): waited for, not redone
+    first = asyncio.create_task(a.once("l", compiler("a", 2.5), 10.0))
+    await asyncio.sleep(0.3)
+    assert await asyncio.wait_for(b.once("l", compiler("b", 0.0), 10.0), 20) == (OK, True)
+    assert await first == (OK, False) and compiles == ["a"]
+    assert a.objects.keys("compiled/") == ["compiled/d.json", "compiled/l.json"]  # no claim, no beat left
