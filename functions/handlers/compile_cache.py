@@ -176,7 +176,12 @@ class CompileCache:
             self._inflight[key] = fut
         claim: str | None = None
         if mine and self.objects is not None:  # another replica's compile of it, or the claim to make it here
-            other = await self._claim_or_wait(key, timeout_s)
+            try:
+                other = await self._claim_or_wait(key, timeout_s)
+            except BaseException:  # cancelled (the server's grace period over): its waiters here are let go
+                self._inflight.pop(key, None)
+                fut.set_result(None)
+                raise
             if isinstance(other, Compiled):
                 self._inflight.pop(key, None)
                 fut.set_result(other)

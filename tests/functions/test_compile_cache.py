@@ -216,3 +216,28 @@ async def test_a_claim_whose_replica_was_killed_is_taken_over_in_seconds_while_a
     assert await asyncio.wait_for(b.once("l", compiler("b", 0.0), 10.0), 20) == (OK, True)
     assert await first == (OK, False) and compiles == ["a"]
     assert a.objects.keys("compiled/") == ["compiled/d.json", "compiled/l.json"]  # no claim, no beat left
+
+
+async def test_a_request_cancelled_while_waiting_for_another_replicas_compile_leaves_no_key_stuck(
+        tmp_path: Path) -> None:
+    """A request waiting for another replica's claimed compile is cancelled (the server's grace period
+    over): the key was left in flight for ever, so every later request for that program on this replica
+    waited on it; now they compile (the claim gone) and the cancelled one's local waiters go on."""
+    import json
+    import time
+
+    objects = LocalObjects(tmp_path / "store")
+    cache = CompileCache(objects)
+    objects.put_new("compiled/k.claim", json.dumps({"replica": "other:1", "since": time.time(),
+                                                    "timeout_s": 10.0}).encode())
+
+    async def compile_(done):  # type: ignore[no-untyped-def]
+        await done(OK)
+
+    waiting = asyncio.create_task(cache.once("k", compile_, 10.0))
+    local = asyncio.create_task(cache.once("k", compile_, 10.0))  # the same program's next case, here
+    await asyncio.sleep(0.3)
+    waiting.cancel()
+    objects.delete(["compiled/k.claim"])  # (the other replica's compile went without an outcome)
+    assert await asyncio.wait_for(local, 5) == (OK, False)
+    assert await asyncio.wait_for(cache.once("k", compile_, 10.0), 5) == (OK, True)
