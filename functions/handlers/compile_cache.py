@@ -258,6 +258,7 @@ class CompileCache:
                 await asyncio.to_thread(objects.delete, [claim])
                 return found
             t0, pause = time.monotonic(), POLL_FIRST_S
+            newest = 0.0  # the latest beat seen (a beat being rewritten is absent for a moment)
             while True:
                 raw = await asyncio.to_thread(objects.get, claim)  # (the claim first: its outcome is put before
                 found = await self.get(key)                       # it goes)
@@ -267,7 +268,8 @@ class CompileCache:
                     return None  # it went without an outcome (a timeout, a fault): compile here
                 other = json.loads(raw)
                 beat_raw = await asyncio.to_thread(objects.get, _beat_key(claim))
-                last = max(float(other["since"]), float(json.loads(beat_raw)["beat"]) if beat_raw else 0.0)
+                newest = max(newest, float(json.loads(beat_raw)["beat"]) if beat_raw else 0.0)
+                last = max(float(other["since"]), newest)
                 if time.time() - last > CLAIM_DEAD_S:
                     log.warning("compile cache: the claim of %s by %s has no beat for %.0f s: compiling here", key,
                                 other["replica"], time.time() - last)

@@ -241,3 +241,38 @@ async def test_a_request_cancelled_while_waiting_for_another_replicas_compile_le
     objects.delete(["compiled/k.claim"])  # (the other replica's compile went without an outcome)
     assert await asyncio.wait_for(local, 5) == (OK, False)
     assert await asyncio.wait_for(cache.once("k", compile_, 10.0), 5) == (OK, True)
+
+
+async def test_a_beat_absent_for_a_moment_while_rewritten_is_not_taken_for_a_dead_replica(
+        seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A beat is rewritten as delete + create: a waiter polling in between sees no beat. Its replica is
+    alive (the waiter saw its beat a moment before), so the waiter keeps waiting for its compile rather
+    than judging the claim by its creation alone (older than CLAIM_DEAD_S in a long compile) and
+    compiling too."""
+    import json
+    import time
+
+    from rollbox.functions.handlers import compile_cache
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    monkeypatch.setattr(compile_cache, "CLAIM_DEAD_S", 1.0)
+    url = f"s3://{seaweed.new_bucket()}/p"
+    a, b = (CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(2))
+    assert a.objects is not None
+    a.objects.put_new("compiled/k.claim", json.dumps({"replica": "a:1", "since": time.time() - 60,
+                                                       "timeout_s": 120.0}).encode())
+    a.objects.put_new("compiled/k.beat", json.dumps({"beat": time.time()}).encode())
+    compiles: list[str] = []
+
+    async def compile_(done):  # type: ignore[no-untyped-def]
+        compiles.append("b")
+        await done(OK)
+
+    waiting = asyncio.create_task(b.once("k", compile_, 120.0))
+    await asyncio.sleep(0.3)
+    a.objects.delete(["compiled/k.beat"])  # the rewrite's gap, held long enough for b to poll in it
+    await asyncio.sleep(0.6)
+    a.objects.put_new("compiled/k.beat", json.dumps({"beat": time.time()}).encode())
+    await a.put("k", OK)  # a's compile lands, its claim goes
+    a.objects.delete(["compiled/k.claim", "compiled/k.beat"])
+    assert await asyncio.wait_for(waiting, 10) == (OK, True) and compiles == []
