@@ -19,9 +19,9 @@ Across replicas sharing the store (S3), a compile is claimed there first: the re
 ``compiled/<key>.claim`` (a create-only put) compiles; another replica whose cases of that program
 arrive meanwhile polls for the outcome (``compiled/<key>.json``, every 50 ms growing to 0.5 s) instead
 of compiling it too, and compiles on its own only if the claim goes away without one (the compile timed
-out or failed) or is stale: its replica beats (rewrites ``compiled/<key>.beat``) every CLAIM_BEAT_S while
-it holds it, so a claim with no beat for CLAIM_DEAD_S is a dead replica's (killed mid-compile: the
-others take over in seconds, not after its whole compile timeout + 30 s).
+out or failed). Its replica beats (rewrites ``compiled/<key>.beat``) every CLAIM_BEAT_S while it holds
+it, so a claim with no beat for CLAIM_DEAD_S is a dead replica's (killed mid-compile): the others take
+over in seconds, not after its whole compile timeout + 30 s, by claiming it again (one of them compiles).
 """
 
 from __future__ import annotations
@@ -242,47 +242,59 @@ class CompileCache:
 
     async def _claim_or_wait(self, key: str, timeout_s: float) -> Compiled | str | None:
         """Claim ``key``'s compile in the shared store (returns the claim's key: compile it here), or wait
-        for the replica that claimed it: its outcome (a Compiled), or None when it left none (compile
-        here, unclaimed). A store that fails: None (the store is optional)."""
+        for the replica that claimed it: its outcome (a Compiled); when that replica died, claim it again
+        (one of the replicas waiting for it compiles, the others wait for that one). None: compile here,
+        unclaimed (the claim went without an outcome: a timeout or a fault; waited too long; a store
+        that fails: the store is optional)."""
         assert self.objects is not None
         objects = self.objects
         claim = KEY_PREFIX + key + ".claim"
         limit = min(timeout_s, 3600.0)
-        body = json.dumps({"replica": self.replica, "token": uuid.uuid4().hex, "since": time.time(),
-                           "timeout_s": limit}).encode()
+        t0 = time.monotonic()
         try:
-            if await asyncio.to_thread(objects.put_new, claim, body):
-                found = await self.get(key)  # (made and unclaimed since this replica last looked)
-                if found is None:
-                    return claim
-                await asyncio.to_thread(objects.delete, [claim])
-                return found
-            t0, pause = time.monotonic(), POLL_FIRST_S
-            newest = 0.0  # the latest beat seen (a beat being rewritten is absent for a moment)
             while True:
-                raw = await asyncio.to_thread(objects.get, claim)  # (the claim first: its outcome is put before
-                found = await self.get(key)                       # it goes)
-                if found is not None:
+                body = json.dumps({"replica": self.replica, "token": uuid.uuid4().hex, "since": time.time(),
+                                   "timeout_s": limit}).encode()
+                if await asyncio.to_thread(objects.put_new, claim, body):
+                    found = await self.get(key)  # (made and unclaimed since this replica last looked)
+                    if found is None:
+                        return claim
+                    await asyncio.to_thread(objects.delete, [claim])
                     return found
-                if raw is None:
-                    return None  # it went without an outcome (a timeout, a fault): compile here
-                other = json.loads(raw)
-                beat_raw = await asyncio.to_thread(objects.get, _beat_key(claim))
-                newest = max(newest, float(json.loads(beat_raw)["beat"]) if beat_raw else 0.0)
-                last = max(float(other["since"]), newest)
-                if time.time() - last > CLAIM_DEAD_S:
-                    log.warning("compile cache: the claim of %s by %s has no beat for %.0f s: compiling here", key,
-                                other["replica"], time.time() - last)
-                    await asyncio.to_thread(objects.delete, [claim, _beat_key(claim)])
-                    return None
-                if time.monotonic() - t0 > limit + CLAIM_GRACE_S:
-                    return None
-                await asyncio.sleep(pause)
-                pause = min(pause * 1.5, POLL_MAX_S)
+                outcome = await self._wait_for_claim(key, claim, t0, limit)
+                if outcome != "dead" or time.monotonic() - t0 > limit + CLAIM_GRACE_S:
+                    return outcome if isinstance(outcome, Compiled) else None
         except (RollboxError, OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("compile cache: claiming %s failed: %s", key, exc)
             return None
 
+    async def _wait_for_claim(self, key: str, claim: str, t0: float, limit: float) -> Compiled | str | None:
+        """Poll another replica's ``claim``: its outcome; "dead" once its replica stopped beating (the claim
+        removed then); None once the claim is gone without an outcome or this replica waited its
+        ``limit`` + grace."""
+        assert self.objects is not None
+        objects = self.objects
+        pause = POLL_FIRST_S
+        newest = 0.0  # the latest beat seen (a beat being rewritten is absent for a moment)
+        while True:
+            raw = await asyncio.to_thread(objects.get, claim)  # (the claim first: its outcome is put before
+            found = await self.get(key)                       # it goes)
+            if found is not None or raw is None:
+                return found  # (None: it went without an outcome, a timeout or a fault)
+            other = json.loads(raw)
+            beat_raw = await asyncio.to_thread(objects.get, _beat_key(claim))
+            newest = max(newest, float(json.loads(beat_raw)["beat"]) if beat_raw else 0.0)
+            last = max(float(other["since"]), newest)
+            if time.time() - last > CLAIM_DEAD_S:
+                log.warning("compile cache: the claim of %s by %s has no beat for %.0f s: claiming it here", key,
+                            other["replica"], time.time() - last)
+                if await asyncio.to_thread(objects.get, claim) == raw:  # (not a claim made since by another waiter)
+                    await asyncio.to_thread(objects.delete, [claim, _beat_key(claim)])
+                return "dead"
+            if time.monotonic() - t0 > limit + CLAIM_GRACE_S:
+                return None
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, POLL_MAX_S)
 
 def _beat_key(claim: str) -> str:
     return claim.removesuffix(".claim") + ".beat"

@@ -276,3 +276,33 @@ async def test_a_beat_absent_for_a_moment_while_rewritten_is_not_taken_for_a_dea
     await a.put("k", OK)  # a's compile lands, its claim goes
     a.objects.delete(["compiled/k.claim", "compiled/k.beat"])
     assert await asyncio.wait_for(waiting, 10) == (OK, True) and compiles == []
+
+
+async def test_replicas_waiting_for_a_dead_replicas_claim_compile_once_between_them(
+        seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three replicas wait for the compile a killed replica claimed: the one that finds it dead claims it
+    again and compiles, the others wait for that one (they each compiled, at once, unclaimed)."""
+    import json
+    import time
+
+    from rollbox.functions.handlers import compile_cache
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    monkeypatch.setattr(compile_cache, "CLAIM_DEAD_S", 1.0)
+    url = f"s3://{seaweed.new_bucket()}/p"
+    caches = [CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(3)]
+    assert caches[0].objects is not None
+    caches[0].objects.put_new("compiled/k.claim", json.dumps({"replica": "killed:1", "since": time.time(),
+                                                               "timeout_s": 10.0}).encode())
+    compiles: list[int] = []
+
+    def compiler(i: int):  # type: ignore[no-untyped-def]
+        async def compile_(done):  # type: ignore[no-untyped-def]
+            compiles.append(i)
+            await asyncio.sleep(0.5)
+            await done(OK)
+        return compile_
+
+    got = await asyncio.wait_for(asyncio.gather(*(c.once("k", compiler(i), 10.0) for i, c in enumerate(caches))), 20)
+    assert len(compiles) == 1 and sorted(cached for _, cached in got) == [False, True, True], (compiles, got)
+    assert caches[0].objects.keys("compiled/") == ["compiled/k.json"]
