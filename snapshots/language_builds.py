@@ -227,12 +227,17 @@ class LanguageBuilds:
                               doing=str(beat.get("doing", "")), since=float(claim.get("since", 0.0)),
                               replica=str(claim.get("replica", "")))
             return p, max(float(beat.get("beat", 0.0)), float(claim.get("since", 0.0)))
+        failed = self._failed_elsewhere(snapshot)
+        return (failed, failed.since or 0.0) if failed is not None else None
+
+    def _failed_elsewhere(self, snapshot: str) -> BuildProgress | None:
+        """The failure of ``snapshot``'s build recorded in the shared store, if younger than
+        ``retry_failed_after_s``; raises StoreError."""
         failed = self._get_json(f"{CLAIMS}/{snapshot}.failed")
-        if failed is not None and time.time() - float(failed.get("since", 0.0)) < self.retry_failed_after_s:
-            p = BuildProgress(str(failed.get("language", snapshot)), snapshot, "failed", error=str(failed.get("error")),
-                              since=float(failed.get("since", 0.0)), replica=str(failed.get("replica", "")))
-            return p, p.since or 0.0
-        return None
+        if failed is None or time.time() - float(failed.get("since", 0.0)) >= self.retry_failed_after_s:
+            return None
+        return BuildProgress(str(failed.get("language", snapshot)), snapshot, "failed", error=str(failed.get("error")),
+                             since=float(failed.get("since", 0.0)), replica=str(failed.get("replica", "")))
 
     def _get_json(self, key: str) -> dict[str, Any] | None:
         assert self.claims is not None
@@ -325,10 +330,15 @@ class LanguageBuilds:
                     raise SnapshotNotFound(other[0].describe(), snapshot_id=snapshot)
                 if other is None and self._put_json(claim, {"language": language, "snapshot": snapshot,
                                                             "replica": self.me, "since": time.time()}):
-                    found = self._in_store(snapshot)  # (built, pushed and unclaimed since the look above)
-                    if found is None:
+                    found = self._in_store(snapshot)  # (built, pushed and unclaimed since the look above,
+                    failed = None if found is not None else self._failed_elsewhere(snapshot)  # or failed)
+                    if found is None and failed is None:
                         return self._build_claimed(language, snapshot, template_file, on_progress)
                     self.claims.delete([claim])
+                    if failed is not None:
+                        (self.dir / f"{snapshot}.json").unlink(missing_ok=True)
+                        raise SnapshotNotFound(failed.describe(), snapshot_id=snapshot)
+                    assert found is not None
                     return found
             except StoreError as exc:
                 log.warning(f"the shared store {self.remote.url} cannot be used ({exc.message}): building "

@@ -19,7 +19,9 @@ Across replicas sharing the store (S3), a compile is claimed there first: the re
 ``compiled/<key>.claim`` (a create-only put) compiles; another replica whose cases of that program
 arrive meanwhile polls for the outcome (``compiled/<key>.json``, every 50 ms growing to 0.5 s) instead
 of compiling it too, and compiles on its own only if the claim goes away without one (the compile timed
-out or failed) or is stale (older than its compile timeout + 30 s: its replica died).
+out or failed). Its replica beats (rewrites ``compiled/<key>.beat``) every CLAIM_BEAT_S while it holds
+it, so a claim with no beat for CLAIM_DEAD_S is a dead replica's (killed mid-compile): the others take
+over in seconds, not after its whole compile timeout + 30 s, by claiming it again (one of them compiles).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ __all__ = ["CompileCache", "Compiled", "TimedOut", "cache_key"]
 
 log = logging.getLogger("rollbox.compile_cache")
 KEY_PREFIX = "compiled/"
-CLAIM_GRACE_S = 30.0  # a claim older than its compile timeout and this: its replica died
+CLAIM_GRACE_S = 30.0  # a waiter waits for another replica's compile at most its compile timeout and this
+CLAIM_BEAT_S = 2.0  # how often a replica holding a compile claim says it is alive
+CLAIM_DEAD_S = 10.0  # a claim with no beat (nor creation) for this long: its replica died
 POLL_FIRST_S, POLL_MAX_S = 0.05, 0.5  # how often a replica looks for another's compile
 
 
@@ -172,7 +176,12 @@ class CompileCache:
             self._inflight[key] = fut
         claim: str | None = None
         if mine and self.objects is not None:  # another replica's compile of it, or the claim to make it here
-            other = await self._claim_or_wait(key, timeout_s)
+            try:
+                other = await self._claim_or_wait(key, timeout_s)
+            except BaseException:  # cancelled (the server's grace period over): its waiters here are let go
+                self._inflight.pop(key, None)
+                fut.set_result(None)
+                raise
             if isinstance(other, Compiled):
                 self._inflight.pop(key, None)
                 fut.set_result(other)
@@ -180,6 +189,10 @@ class CompileCache:
                 self.hits += 1
                 return other, True
             claim = other
+        beat: tuple[asyncio.Event, asyncio.Task[None]] | None = None
+        if claim is not None:
+            stop = asyncio.Event()
+            beat = stop, asyncio.create_task(self._beat(claim, stop))
         self.misses += 1
         got: list[Compiled | TimedOut | None] = []
 
@@ -189,9 +202,12 @@ class CompileCache:
             got.append(value)
             if isinstance(value, Compiled):
                 await self.put(key, value)
+            if beat is not None:  # (its last write over before the claim goes: no beat outlives it)
+                beat[0].set()
+                await beat[1]
             if claim is not None and self.objects is not None:  # (after the put: a waiter sees the outcome first)
                 try:
-                    await asyncio.to_thread(self.objects.delete, [claim])
+                    await asyncio.to_thread(self.objects.delete, [claim, _beat_key(claim)])
                 except (RollboxError, OSError) as exc:
                     log.warning("compile cache: removing the claim %s failed: %s", claim, exc)
             if mine:
@@ -206,40 +222,79 @@ class CompileCache:
                 await done(None)
         return got[0], False
 
+    async def _beat(self, claim: str, stop: asyncio.Event) -> None:
+        """While this replica holds ``claim``: its beat rewritten every CLAIM_BEAT_S (a failed write is
+        retried at the next)."""
+        assert self.objects is not None
+        objects, key = self.objects, _beat_key(claim)
+        while True:
+            try:
+                await asyncio.wait_for(stop.wait(), CLAIM_BEAT_S)
+                return
+            except TimeoutError:
+                pass
+            body = json.dumps({"replica": self.replica, "beat": time.time()}).encode()
+            try:
+                await asyncio.to_thread(objects.delete, [key])
+                await asyncio.to_thread(objects.put_new, key, body)
+            except (RollboxError, OSError) as exc:
+                log.debug("compile cache: the beat of %s: %s", claim, exc)
+
     async def _claim_or_wait(self, key: str, timeout_s: float) -> Compiled | str | None:
         """Claim ``key``'s compile in the shared store (returns the claim's key: compile it here), or wait
-        for the replica that claimed it: its outcome (a Compiled), or None when it left none (compile
-        here, unclaimed). A store that fails: None (the store is optional)."""
+        for the replica that claimed it: its outcome (a Compiled); when that replica died, claim it again
+        (one of the replicas waiting for it compiles, the others wait for that one). None: compile here,
+        unclaimed (the claim went without an outcome: a timeout or a fault; waited too long; a store
+        that fails: the store is optional)."""
         assert self.objects is not None
         objects = self.objects
         claim = KEY_PREFIX + key + ".claim"
         limit = min(timeout_s, 3600.0)
-        body = json.dumps({"replica": self.replica, "token": uuid.uuid4().hex, "since": time.time(),
-                           "timeout_s": limit}).encode()
+        t0 = time.monotonic()
         try:
-            if await asyncio.to_thread(objects.put_new, claim, body):
-                found = await self.get(key)  # (made and unclaimed since this replica last looked)
-                if found is None:
-                    return claim
-                await asyncio.to_thread(objects.delete, [claim])
-                return found
-            t0, pause = time.monotonic(), POLL_FIRST_S
             while True:
-                raw = await asyncio.to_thread(objects.get, claim)  # (the claim first: its outcome is put before
-                found = await self.get(key)                       # it goes)
-                if found is not None:
-                    return found
-                if raw is None:
-                    return None  # it went without an outcome (a timeout, a fault): compile here
-                other = json.loads(raw)
-                if time.time() - float(other["since"]) > float(other["timeout_s"]) + CLAIM_GRACE_S:
-                    log.warning("compile cache: the claim of %s by %s is stale: compiling here", key, other["replica"])
+                body = json.dumps({"replica": self.replica, "token": uuid.uuid4().hex, "since": time.time(),
+                                   "timeout_s": limit}).encode()
+                if await asyncio.to_thread(objects.put_new, claim, body):
+                    found = await self.get(key)  # (made and unclaimed since this replica last looked)
+                    if found is None:
+                        return claim
                     await asyncio.to_thread(objects.delete, [claim])
-                    return None
-                if time.monotonic() - t0 > limit + CLAIM_GRACE_S:
-                    return None
-                await asyncio.sleep(pause)
-                pause = min(pause * 1.5, POLL_MAX_S)
+                    return found
+                outcome = await self._wait_for_claim(key, claim, t0, limit)
+                if outcome != "dead" or time.monotonic() - t0 > limit + CLAIM_GRACE_S:
+                    return outcome if isinstance(outcome, Compiled) else None
         except (RollboxError, OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("compile cache: claiming %s failed: %s", key, exc)
             return None
+
+    async def _wait_for_claim(self, key: str, claim: str, t0: float, limit: float) -> Compiled | str | None:
+        """Poll another replica's ``claim``: its outcome; "dead" once its replica stopped beating (the claim
+        removed then); None once the claim is gone without an outcome or this replica waited its
+        ``limit`` + grace."""
+        assert self.objects is not None
+        objects = self.objects
+        pause = POLL_FIRST_S
+        newest = 0.0  # the latest beat seen (a beat being rewritten is absent for a moment)
+        while True:
+            raw = await asyncio.to_thread(objects.get, claim)  # (the claim first: its outcome is put before
+            found = await self.get(key)                       # it goes)
+            if found is not None or raw is None:
+                return found  # (None: it went without an outcome, a timeout or a fault)
+            other = json.loads(raw)
+            beat_raw = await asyncio.to_thread(objects.get, _beat_key(claim))
+            newest = max(newest, float(json.loads(beat_raw)["beat"]) if beat_raw else 0.0)
+            last = max(float(other["since"]), newest)
+            if time.time() - last > CLAIM_DEAD_S:
+                log.warning("compile cache: the claim of %s by %s has no beat for %.0f s: claiming it here", key,
+                            other["replica"], time.time() - last)
+                if await asyncio.to_thread(objects.get, claim) == raw:  # (not a claim made since by another waiter)
+                    await asyncio.to_thread(objects.delete, [claim, _beat_key(claim)])
+                return "dead"
+            if time.monotonic() - t0 > limit + CLAIM_GRACE_S:
+                return None
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, POLL_MAX_S)
+
+def _beat_key(claim: str) -> str:
+    return claim.removesuffix(".claim") + ".beat"

@@ -55,6 +55,11 @@ STAGE = "/tmp/.rollbox-in"  # binary input files, base64, decoded by the first s
 FETCHED = "/tmp/.rollbox-out"
 BASE, CASE = "/tmp/.rollbox-base", "/tmp/.rollbox-case"  # a batch's prepared home, and its copy for one case
 BASE_COPY = f"rm -rf {BASE} && cp -a /home/sandbox {BASE}"
+# Before each case, what an earlier case left running (a background process, a fork bomb) is killed and
+# gone, so the case neither sees nor is starved by it: kill -1 from the case's shell spares only the agent
+# (init) and the shell; it succeeds while anything else is there (a zombie too, until the agent reaps it:
+# a fork bomb's thousands hold the pids the case's first fork needs). Builtins only: no fork needed.
+CLEAR = "n=0; while kill -9 -1 2>/dev/null && [ $n -lt 200000 ]; do n=$((n+1)); done;"
 MAX_TIMEOUT_S = 3600.0
 MAX_LIFETIME_S = 7 * 24 * 3600.0  # the runtime's largest lifetime_s (runtime/spec.py Limits)
 MIN_TIMEOUT_S = 0.001  # SandboxFusion takes 0 and negative timeouts (asyncio answers them as timed out at once)
@@ -293,7 +298,7 @@ class Runner:
         if done.timed_out or done.exit_code != 0:
             raise SandboxFault(f"preparing the cases failed (exit {done.exit_code}): {done.stderr[-500:]}",
                                sandbox_id=sandbox_id)
-        run = f"rm -rf {CASE} && cp -a {BASE} {CASE} && cd {CASE} && {_exec_form(plan.run)}"
+        run = f"{CLEAR} rm -rf {CASE} && cp -a {BASE} {CASE} && cd {CASE} && {_exec_form(plan.run)}"
         out = []
         for stdin in p.cases or ():
             out.append(await self.rt.exec(sandbox_id, _exec(command=run, stdin=stdin, env=p.env,

@@ -9,6 +9,7 @@ import io
 import tarfile
 from pathlib import Path
 
+import pytest
 from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, TimedOut, cache_key
 from rollbox.functions.handlers.run_code import _members
 from rollbox.snapshots.state import LocalObjects
@@ -175,3 +176,133 @@ def test_cached_artifacts_are_written_as_files_unless_they_are_not_plain_files()
     assert _members(_tar(("../main", b"x", 0o755, tarfile.REGTYPE))) is None
     assert _members(_tar(("/tmp/main", b"x", 0o755, tarfile.REGTYPE))) is None
     assert _members("not base64!") is None
+
+
+async def test_a_claim_whose_replica_was_killed_is_taken_over_in_seconds_while_a_live_ones_is_waited_for(
+        seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica killed (SIGKILL) while holding a compile claim leaves it in the store, fresh: the others
+    used to wait its compile timeout + 30 s (40 s by default) before compiling; its beat stopped with it,
+    so they take over after CLAIM_DEAD_S (shortened here). A replica alive and compiling for longer than
+    that beats meanwhile and is waited for (one compile)."""
+    import json
+    import time
+
+    from rollbox.functions.handlers import compile_cache
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    monkeypatch.setattr(compile_cache, "CLAIM_BEAT_S", 0.2, raising=False)  # (absent: no beat)
+    monkeypatch.setattr(compile_cache, "CLAIM_DEAD_S", 1.0, raising=False)
+    url = f"s3://{seaweed.new_bucket()}/p"
+    a, b = (CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(2))
+    compiles: list[str] = []
+
+    def compiler(name: str, took_s: float):  # type: ignore[no-untyped-def]
+        async def compile_(done):  # type: ignore[no-untyped-def]
+            compiles.append(name)
+            await asyncio.sleep(took_s)
+            await done(OK)
+        return compile_
+
+    assert a.objects is not None  # a claim made a moment ago by a replica killed right after
+    a.objects.put_new("compiled/d.claim", json.dumps({"replica": "killed:1", "since": time.time(),
+                                                       "timeout_s": 10.0}).encode())
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(b.once("d", compiler("b", 0.0), 10.0), 8) == (OK, False)
+    assert compiles == ["b"] and time.monotonic() - t0 < 8
+
+    compiles.clear()  # a live replica's compile that takes 2.5 s (> CLAIM_DEAD_S): waited for, not redone
+    first = asyncio.create_task(a.once("l", compiler("a", 2.5), 10.0))
+    await asyncio.sleep(0.3)
+    assert await asyncio.wait_for(b.once("l", compiler("b", 0.0), 10.0), 20) == (OK, True)
+    assert await first == (OK, False) and compiles == ["a"]
+    assert a.objects.keys("compiled/") == ["compiled/d.json", "compiled/l.json"]  # no claim, no beat left
+
+
+async def test_a_request_cancelled_while_waiting_for_another_replicas_compile_leaves_no_key_stuck(
+        tmp_path: Path) -> None:
+    """A request waiting for another replica's claimed compile is cancelled (the server's grace period
+    over): the key was left in flight for ever, so every later request for that program on this replica
+    waited on it; now they compile (the claim gone) and the cancelled one's local waiters go on."""
+    import json
+    import time
+
+    objects = LocalObjects(tmp_path / "store")
+    cache = CompileCache(objects)
+    objects.put_new("compiled/k.claim", json.dumps({"replica": "other:1", "since": time.time(),
+                                                    "timeout_s": 10.0}).encode())
+
+    async def compile_(done):  # type: ignore[no-untyped-def]
+        await done(OK)
+
+    waiting = asyncio.create_task(cache.once("k", compile_, 10.0))
+    local = asyncio.create_task(cache.once("k", compile_, 10.0))  # the same program's next case, here
+    await asyncio.sleep(0.3)
+    waiting.cancel()
+    objects.delete(["compiled/k.claim"])  # (the other replica's compile went without an outcome)
+    assert await asyncio.wait_for(local, 5) == (OK, False)
+    assert await asyncio.wait_for(cache.once("k", compile_, 10.0), 5) == (OK, True)
+
+
+async def test_a_beat_absent_for_a_moment_while_rewritten_is_not_taken_for_a_dead_replica(
+        seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A beat is rewritten as delete + create: a waiter polling in between sees no beat. Its replica is
+    alive (the waiter saw its beat a moment before), so the waiter keeps waiting for its compile rather
+    than judging the claim by its creation alone (older than CLAIM_DEAD_S in a long compile) and
+    compiling too."""
+    import json
+    import time
+
+    from rollbox.functions.handlers import compile_cache
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    monkeypatch.setattr(compile_cache, "CLAIM_DEAD_S", 1.0)
+    url = f"s3://{seaweed.new_bucket()}/p"
+    a, b = (CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(2))
+    assert a.objects is not None
+    a.objects.put_new("compiled/k.claim", json.dumps({"replica": "a:1", "since": time.time() - 60,
+                                                       "timeout_s": 120.0}).encode())
+    a.objects.put_new("compiled/k.beat", json.dumps({"beat": time.time()}).encode())
+    compiles: list[str] = []
+
+    async def compile_(done):  # type: ignore[no-untyped-def]
+        compiles.append("b")
+        await done(OK)
+
+    waiting = asyncio.create_task(b.once("k", compile_, 120.0))
+    await asyncio.sleep(0.3)
+    a.objects.delete(["compiled/k.beat"])  # the rewrite's gap, held long enough for b to poll in it
+    await asyncio.sleep(0.6)
+    a.objects.put_new("compiled/k.beat", json.dumps({"beat": time.time()}).encode())
+    await a.put("k", OK)  # a's compile lands, its claim goes
+    a.objects.delete(["compiled/k.claim", "compiled/k.beat"])
+    assert await asyncio.wait_for(waiting, 10) == (OK, True) and compiles == []
+
+
+async def test_replicas_waiting_for_a_dead_replicas_claim_compile_once_between_them(
+        seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three replicas wait for the compile a killed replica claimed: the one that finds it dead claims it
+    again and compiles, the others wait for that one (they each compiled, at once, unclaimed)."""
+    import json
+    import time
+
+    from rollbox.functions.handlers import compile_cache
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    monkeypatch.setattr(compile_cache, "CLAIM_DEAD_S", 1.0)
+    url = f"s3://{seaweed.new_bucket()}/p"
+    caches = [CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(3)]
+    assert caches[0].objects is not None
+    caches[0].objects.put_new("compiled/k.claim", json.dumps({"replica": "killed:1", "since": time.time(),
+                                                               "timeout_s": 10.0}).encode())
+    compiles: list[int] = []
+
+    def compiler(i: int):  # type: ignore[no-untyped-def]
+        async def compile_(done):  # type: ignore[no-untyped-def]
+            compiles.append(i)
+            await asyncio.sleep(0.5)
+            await done(OK)
+        return compile_
+
+    got = await asyncio.wait_for(asyncio.gather(*(c.once("k", compiler(i), 10.0) for i, c in enumerate(caches))), 20)
+    assert len(compiles) == 1 and sorted(cached for _, cached in got) == [False, True, True], (compiles, got)
+    assert caches[0].objects.keys("compiled/") == ["compiled/k.json"]

@@ -398,6 +398,24 @@ async def test_cases_without_a_language_run_the_runs_code_or_command_once_per_ca
     assert r.status == 404 and "nowhere" in r.data["message"], r.data
 
 
+
+async def test_what_a_case_leaves_running_is_gone_before_the_next_case(http: httpx.AsyncClient,
+                                                                       srv: ServerProc) -> None:
+    """A case that leaves a process behind (a background sleep; a fork bomb, whose leftovers made the next
+    cases fail with 'Cannot fork') does not reach the cases after it: each starts with only the sandbox's
+    agent running (the bomb's processes killed and reaped). The sleep is looked for in /proc (neither the
+    pattern nor the shell's command line matches it)."""
+    look = "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done | grep -c 'sleep 31[7]'"
+    cmd = (f"read m; case $m in bg) n=317; sleep $n >/dev/null 2>&1 </dev/null & echo bg;; look) {look};; "
+           "bomb) f() { f | f & }; f;; *) echo $m;; esac")
+    cases = [{"stdin": "bg"}, {"stdin": "look"}, {"stdin": "look"}, {"stdin": "bomb"}, {"stdin": "ok"},
+             {"stdin": "ok"}]
+    r = await send(http, srv.url, event("dev.rollbox.sandbox.run", {"command": cmd, "cases": cases, "timeout_s": 20}))
+    assert r.status == 200, r.data
+    got = [(c["stdout"], c["exit_code"]) for c in r.data["cases"]]
+    assert got[:3] + got[4:] == [("bg\n", 0), ("0\n", 1), ("0\n", 1), ("ok\n", 0), ("ok\n", 0)], r.data["cases"]
+
+
 HELLO: dict[str, str] = {
     "python": "print(123)",
     "pytest": "def test_sum():\n    assert 1 + 1 == 2\n",

@@ -387,3 +387,31 @@ def test_replicas_sharing_s3_build_a_language_once_wait_for_a_claimed_build_and_
     d.claims.put_new("language-builds/bash.beat", json.dumps({"beat": old}).encode())
     assert d.build("bash").id == built.id and d.started == 1  # (reproducible: the same snapshot)
     assert d.remote.names()["bash"] == built.id and d.claims.keys("language-builds/") == []
+
+
+def test_a_replica_that_claims_a_build_just_after_another_ones_failed_gets_that_failure(
+        tmp_path: Path, s3_url: str, make_s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replica B looks (nothing claimed, nothing failed), replica A claims the build, fails at once (a
+    template it cannot take; apt without a network fails in seconds too) and lets go of the claim, then
+    B's claim succeeds: B looks once more and answers A's failure instead of building (and failing) too."""
+    from rollbox.snapshots import language_builds
+
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "bash.yaml").write_text("name: bash\nno_such_field: 1\n")
+    a = _shared_builds(tmp_path / "a", s3_url, make_s3, templates)
+    b = _shared_builds(tmp_path / "b", s3_url, make_s3, templates)
+    looks: list[int] = []
+    real = b._elsewhere
+
+    def first_look_before_a_failed(snapshot: str) -> Any:
+        looks.append(1)
+        return None if len(looks) == 1 else real(snapshot)
+
+    monkeypatch.setattr(b, "_elsewhere", first_look_before_a_failed)
+    with pytest.raises(InvalidRequest, match="no_such_field"):
+        a.build("bash")
+    assert a.started == 1 and a.claims.keys("language-builds/") == ["language-builds/bash.failed"]
+    with pytest.raises(language_builds.SnapshotNotFound, match=f"building bash on replica {a.me} failed"):
+        b.build("bash")
+    assert b.started == 0 and b.claims.keys("language-builds/") == ["language-builds/bash.failed"]
