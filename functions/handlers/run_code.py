@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import io
 import re
@@ -53,13 +54,10 @@ MiB = 1 << 20
 ARTIFACTS = "/tmp/.rollbox-artifacts.b64"  # outside the home: the program does not see it in its directory
 STAGE = "/tmp/.rollbox-in"  # binary input files, base64, decoded by the first step
 FETCHED = "/tmp/.rollbox-out"
-BASE, CASE = "/tmp/.rollbox-base", "/tmp/.rollbox-case"  # a batch's prepared home, and its copy for one case
-BASE_COPY = f"rm -rf {BASE} && cp -a /home/sandbox {BASE}"
-# Before each case, what an earlier case left running (a background process, a fork bomb) is killed and
-# gone, so the case neither sees nor is starved by it: kill -1 from the case's shell spares only the agent
-# (init) and the shell; it succeeds while anything else is there (a zombie too, until the agent reaps it:
-# a fork bomb's thousands hold the pids the case's first fork needs). Builtins only: no fork needed.
-CLEAR = "n=0; while kill -9 -1 2>/dev/null && [ $n -lt 200000 ]; do n=$((n+1)); done;"
+# A batch's cases each run in a fork of the prepared sandbox (its files, copy-on-write; fresh processes,
+# /tmp and home): what one case writes anywhere or leaves running, the next neither sees nor is slowed by.
+# Forked this many at a time (each a live sandbox until its case is done).
+CASE_FORKS = 4
 MAX_TIMEOUT_S = 3600.0
 MAX_LIFETIME_S = 7 * 24 * 3600.0  # the runtime's largest lifetime_s (runtime/spec.py Limits)
 MIN_TIMEOUT_S = 0.001  # SandboxFusion takes 0 and negative timeouts (asyncio answers them as timed out at once)
@@ -236,8 +234,8 @@ class Runner:
                      binary: dict[str, tuple[str, int]] | None = None) -> ProgramResult:
         """The run alone (no compile here): a one-shot sandbox, unless files are to be fetched or cases run.
         ``binary``: a cached compile's artifacts (path -> (base64, mode)), written by the sandbox's agent."""
-        if p.cases is not None:  # the files (and artifacts) written once, copied for each case
-            prep = _exec(command=_prefixed(unpack, BASE_COPY), files=files, timeout_s=60.0)
+        if p.cases is not None:  # the files (and artifacts) written once, forked for each case
+            prep = _exec(command=_prefixed(unpack, "true"), files=files, timeout_s=60.0)
             if binary:
                 prep = prep.with_binary(binary)
             run, fetched, _, cases = await self._session(p, plan, limits, None, prep=prep)
@@ -281,7 +279,7 @@ class Runner:
                 run_req = self._run_request(p, plan, {}, [])  # (its files are there already)
             cases: list[ExecResult] | None = None
             if p.cases is not None:
-                cases = await self._cases(sb.id, p, plan, prep or _exec(command=BASE_COPY, timeout_s=60.0))
+                cases = await self._cases(sb.id, p, plan, prep)
                 run = next((c for c in cases if c.timed_out or c.exit_code != 0), cases[-1] if cases else None)
             else:
                 assert run_req is not None
@@ -292,17 +290,32 @@ class Runner:
         finally:
             await self.rt.destroy(sb.id)
 
-    async def _cases(self, sandbox_id: str, p: Program, plan: languages.Plan, prep: ExecRequest) -> list[ExecResult]:
-        """Each case in a fresh copy of the prepared home (what one case writes there, the next does not see)."""
-        done = await self.rt.exec(sandbox_id, prep)
-        if done.timed_out or done.exit_code != 0:
-            raise SandboxFault(f"preparing the cases failed (exit {done.exit_code}): {done.stderr[-500:]}",
-                               sandbox_id=sandbox_id)
-        run = f"{CLEAR} rm -rf {CASE} && cp -a {BASE} {CASE} && cd {CASE} && {_exec_form(plan.run)}"
-        out = []
-        for stdin in p.cases or ():
-            out.append(await self.rt.exec(sandbox_id, _exec(command=run, stdin=stdin, env=p.env,
-                                                            timeout_s=_clamp(p.run_timeout_s))))
+    async def _cases(self, sandbox_id: str, p: Program, plan: languages.Plan,
+                     prep: ExecRequest | None) -> list[ExecResult]:
+        """Each case in a fork of the prepared sandbox (``Runtime.fork``: its files, copy-on-write; its own
+        processes, /tmp and home), destroyed after the case: no case sees what another wrote or left
+        running. The forks' lives are billed as the run's."""
+        if prep is not None:
+            done = await self.rt.exec(sandbox_id, prep)
+            if done.timed_out or done.exit_code != 0:
+                raise SandboxFault(f"preparing the cases failed (exit {done.exit_code}): {done.stderr[-500:]}",
+                                   sandbox_id=sandbox_id)
+        stdins = list(p.cases or ())
+        out: list[ExecResult] = []
+        for at in range(0, len(stdins), CASE_FORKS):
+            batch = stdins[at:at + CASE_FORKS]
+            kids = [k.sandbox_id for k in await self.rt.fork(sandbox_id, len(batch))]
+            for kid in kids:
+                self.rt.get(kid).metered = "run"
+            try:
+                for stdin in batch:
+                    out.append(await self.rt.exec(kids[0], _exec(command=_exec_form(plan.run), stdin=stdin,
+                                                                 env=p.env, timeout_s=_clamp(p.run_timeout_s))))
+                    await self.rt.destroy(kids.pop(0))
+            finally:
+                for kid in kids:
+                    with contextlib.suppress(RollboxError):
+                        await self.rt.destroy(kid)
         return out
 
     async def _fetch(self, sandbox_id: str, paths: tuple[str, ...]) -> dict[str, bytes]:

@@ -416,6 +416,21 @@ async def test_what_a_case_leaves_running_is_gone_before_the_next_case(http: htt
     assert got[:3] + got[4:] == [("bg\n", 0), ("0\n", 1), ("0\n", 1), ("ok\n", 0), ("ok\n", 0)], r.data["cases"]
 
 
+async def test_what_a_case_writes_anywhere_the_next_case_does_not_see(http: httpx.AsyncClient,
+                                                                       srv: ServerProc) -> None:
+    """Not only its home: a case's files in /tmp, in the prepared program's own directory (its compiled
+    program overwritten: a reward hack), stay with that case; each later case finds the prepared sandbox
+    as it was (/tmp was shared by the cases, and the prepared copy sat in it, writable)."""
+    cmd = ("read m; case $m in write) echo x > /tmp/leak; echo y > $HOME/leak; echo 'echo hacked' > prog.sh; "
+           "echo wrote;; *) ls /tmp/leak $HOME/leak 2>/dev/null | wc -l; sh prog.sh;; esac")
+    r = await send(http, srv.url, event("dev.rollbox.sandbox.run", {
+        "command": cmd, "files": {"prog.sh": "echo clean"}, "timeout_s": 20,
+        "cases": [{"stdin": "look"}, {"stdin": "write"}, {"stdin": "look"}, {"stdin": "look"}]}))
+    assert r.status == 200, r.data
+    got = [c["stdout"] for c in r.data["cases"]]
+    assert got == ["0\nclean\n", "wrote\n", "0\nclean\n", "0\nclean\n"], r.data["cases"]
+
+
 HELLO: dict[str, str] = {
     "python": "print(123)",
     "pytest": "def test_sum():\n    assert 1 + 1 == 2\n",
