@@ -100,11 +100,15 @@ class NetNamespaces:
         return fds
 
     def close(self) -> None:
+        """Idempotent: a second close must not close the host namespace's fd number again (by then
+        it may be another file's, a socket's)."""
         self.closed = True
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
         while self.free:
             os.close(self.free.popleft())
-        with contextlib.suppress(OSError):
-            os.close(self._host)
+        if self._host >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._host)
+            self._host = -1

@@ -113,3 +113,19 @@ async def test_with_none_free_a_sandbox_makes_its_own(rt: Runtime) -> None:
     finally:
         nets.failed = None
         nets.free.extend(held)
+
+
+async def test_closing_twice_leaves_a_reused_fd_number_alone() -> None:
+    """A runtime may be closed twice (a service's close, then its owner's): the second close must not close
+    the host namespace's fd number again, which by then may be another file's (an asyncio socket's, in
+    the service: its transport broke with 'fd is not registered')."""
+    pool = NetNamespaces()
+    host_fd = pool._host
+    pool.close()
+    other = os.open("/dev/null", os.O_RDONLY)  # the lowest free number: the one just closed
+    try:
+        assert other == host_fd
+        pool.close()
+        os.fstat(other)  # still open
+    finally:
+        os.close(other)
