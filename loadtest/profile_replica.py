@@ -72,6 +72,8 @@ def store_requests(url: str) -> dict[str, int]:
            for smp in fam.samples if smp.name == "rollbox_store_requests_total" and smp.labels["operation"] != "HeadBucket"}
     out["(resumes)"] = int(sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
                                if smp.name == "rollbox_resumes_total"))
+    out["(hibernated creates)"] = int(sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+                                          if smp.name == "rollbox_hibernations_total" and smp.labels["reason"] == "create"))
     return out
 
 
@@ -162,7 +164,8 @@ def main() -> int:
         print(f"  SeaweedFS {weed * 1000 / n:.2f} ms/request (its idle {weed_idle_s * 1000:.0f} ms/s taken out); "
               f"all three {all_in * 1000 / n:.2f} ms/request")
         sent = {op: k - req0.get(op, 0) for op, k in req1.items() if k > req0.get(op, 0)}
-        print(f"  steps that resumed their sandbox: {sent.pop('(resumes)', 0)} of {args.episodes * args.steps}")
+        print(f"  steps that resumed their sandbox: {sent.pop('(resumes)', 0)} of {args.episodes * args.steps}; "
+              f"creates that restored none (committed hibernated): {sent.pop('(hibernated creates)', 0)} of {args.episodes}")
         print(f"  S3 requests per request {sum(sent.values()) / n:.2f}: "
               + ", ".join(f"{op} {k / n:.2f}" for op, k in sorted(sent.items())))
         if args.no_cprofile:
