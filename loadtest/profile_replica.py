@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--no-cprofile", action="store_true", help="run the server as is: its CPU by thread only")
+    ap.add_argument("--warm-episodes", type=int, default=4,
+                    help="episodes played before measuring (pools, connections); 0: measure from a fresh replica")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="rollbox-profile-replica-"))
     s3 = SeaweedS3(base / "s3")
@@ -138,7 +140,8 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        asyncio.run(drive(url, 4, args.steps, 4))  # warm: pools, connections, the first resumes
+        if args.warm_episodes:  # warm: pools, connections, the first resumes
+            asyncio.run(drive(url, args.warm_episodes, args.steps, 4))
         assert s3.proc is not None
         idle0, i0 = tree_cpu_s(s3.proc.pid, _children()), time.monotonic()
         time.sleep(3.0)  # SeaweedFS's own background work, to take out of its share
