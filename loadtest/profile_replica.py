@@ -72,6 +72,8 @@ def store_requests(url: str) -> dict[str, int]:
            for smp in fam.samples if smp.name == "rollbox_store_requests_total" and smp.labels["operation"] != "HeadBucket"}
     out["(resumes)"] = int(sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
                                if smp.name == "rollbox_resumes_total"))
+    out["(hibernated creates)"] = int(sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+                                          if smp.name == "rollbox_hibernations_total" and smp.labels["reason"] == "create"))
     return out
 
 
@@ -110,6 +112,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--no-cprofile", action="store_true", help="run the server as is: its CPU by thread only")
+    ap.add_argument("--warm-episodes", type=int, default=4,
+                    help="episodes played before measuring (pools, connections); 0: measure from a fresh replica")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="rollbox-profile-replica-"))
     s3 = SeaweedS3(base / "s3")
@@ -136,7 +140,8 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        asyncio.run(drive(url, 4, args.steps, 4))  # warm: pools, connections, the first resumes
+        if args.warm_episodes:  # warm: pools, connections, the first resumes
+            asyncio.run(drive(url, args.warm_episodes, args.steps, 4))
         assert s3.proc is not None
         idle0, i0 = tree_cpu_s(s3.proc.pid, _children()), time.monotonic()
         time.sleep(3.0)  # SeaweedFS's own background work, to take out of its share
@@ -162,7 +167,8 @@ def main() -> int:
         print(f"  SeaweedFS {weed * 1000 / n:.2f} ms/request (its idle {weed_idle_s * 1000:.0f} ms/s taken out); "
               f"all three {all_in * 1000 / n:.2f} ms/request")
         sent = {op: k - req0.get(op, 0) for op, k in req1.items() if k > req0.get(op, 0)}
-        print(f"  steps that resumed their sandbox: {sent.pop('(resumes)', 0)} of {args.episodes * args.steps}")
+        print(f"  steps that resumed their sandbox: {sent.pop('(resumes)', 0)} of {args.episodes * args.steps}; "
+              f"creates that restored none (committed hibernated): {sent.pop('(hibernated creates)', 0)} of {args.episodes}")
         print(f"  S3 requests per request {sum(sent.values()) / n:.2f}: "
               + ", ".join(f"{op} {k / n:.2f}" for op, k in sorted(sent.items())))
         if args.no_cprofile:

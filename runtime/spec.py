@@ -217,8 +217,8 @@ class SandboxInfo(BaseModel):
         description="the isolation report in one line: mode, namespaces, user, cgroups, seccomp, and the layers "
                     "that fell back or could not be read back, if any")
     hibernated: bool | None = Field(default=None, description="durable sandboxes: created hibernated, no live copy "
-                                    "made (while steps here come more slowly than idle live copies last); its first "
-                                    "step resumes it")
+                                    "made (a create runs nothing in it); its first step resumes it. Then `pooled` is "
+                                    "false and `create_ms` is the time to resolve its snapshot and check its limits")
 
     @model_validator(mode="after")
     def _summarize(self) -> SandboxInfo:

@@ -172,7 +172,7 @@ def _typical(values: Any) -> float | None:
 def _per_minute_s(wall_s: Any) -> Any:
     import numpy as np
 
-    return 60.0 * np.maximum(1.0, np.ceil(wall_s / 60.0 - 1e-9))
+    return np.where(wall_s > 0, 60.0 * np.maximum(1.0, np.ceil(wall_s / 60.0 - 1e-9)), 0.0)  # (0: never live)
 
 
 def _pct(series: Any, q: float) -> float | None:

@@ -128,7 +128,8 @@ class UsageRecord(BaseModel):
     reason: str = Field(description="destroyed | lifetime | idle | died | shutdown | run")
     ended_at: float = Field(description="unix seconds")
     wall_s: float = Field(description="live seconds (hibernated time excluded)")
-    billed_s: int = Field(description="wall_s rounded up to the second (at least 1)")
+    billed_s: int = Field(description="wall_s rounded up to the second (at least 1; 0 for a durable sandbox "
+                                      "destroyed or expired before anything ran in it)")
     cpu_max_cores: float
     memory_max_bytes: int
     vcpu_s: float = Field(description="billed_s x cpu_max_cores")

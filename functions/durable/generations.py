@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from rollbox.functions.contract.eventref import EventRef
 from rollbox.functions.durable.metrics import DurableMetrics
 from rollbox.functions.durable.residency import Live, Residency
 from rollbox.functions.durable.store import StateStore
+from rollbox.functions.recording.prices import billed_seconds
 from rollbox.runtime.errors import RollboxError, SandboxBusy, SandboxDied, SandboxGone, StoreError
 from rollbox.runtime.runtime import Runtime
 from rollbox.runtime.spec import ExecResult, Usage
@@ -207,7 +207,7 @@ class Generations:
         u = record.usage
         return Usage(sandbox_id=record.sandbox_id, snapshot_id=record.snapshot, metadata=record.metadata,
                      wall_s=round(u.live_s, 6), cpu_s=round(u.cpu_s, 6), peak_memory_bytes=u.peak_memory_bytes,
-                     billed_s=max(1, math.ceil(u.live_s)), execs=u.execs, reason=reason)
+                     billed_s=billed_seconds(u.live_s), execs=u.execs, reason=reason)
 
     def not_metered(self, sandbox_id: str) -> None:
         """A durable sandbox's lives on replicas are one life, billed once when it ends (``_commit`` of

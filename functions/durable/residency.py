@@ -8,8 +8,7 @@ anything (their state is that of their last acknowledged step):
                     with every live sandbox running a step, a request waits up to ``ROOM_WAIT_S``
     hibernate       a copy idle for ``hibernate_after_s`` (a loop), all idle ones on drain
     pass through    a step resuming a sandbox idle longer than a live copy lasts here runs as its
-                    init and hibernates it (``passes``); when most steps do, creates make no live copy
-                    (``defers_create``)
+                    init and hibernates it (``passes``)
     sweep           expire hibernated sandboxes past their limits (``expire``: the API commits the
                     tombstone), remove destroyed ones' records after the tombstone TTL
 """
@@ -79,7 +78,6 @@ class Residency:
         self.locks: dict[str, asyncio.Lock] = {}
         self.busy: set[str] = set()
         self.evicted: tuple[float, float] | None = None  # the last eviction under pressure (make_room)
-        self.passing_share = 0.0  # of recent steps, those that passed through (a moving average): defers_create
         self._room: asyncio.Future[None] | None = None  # done when a step ends: make_room waits on it
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -190,18 +188,6 @@ class Residency:
             if time.monotonic() - at < max(PRESSURE_MEMORY_S, 4 * idle_s):
                 lasts = min(lasts, idle_s)
         return time.time() - head.last_used >= lasts
-
-    def defers_create(self) -> bool:
-        """Whether a create commits its sandbox hibernated, making no live copy: when most recent steps
-        here passed through. Their sandboxes had sat idle for longer than a live copy lasts here (the
-        trainers think for longer than that), so a live copy made now would be hibernated, or pushed
-        out to make room, before its first step, with all the work of making it for nothing (and
-        pushing out the copy another sandbox's next step may still find). Its first step resumes it
-        as any other. Otherwise (steps find their live copies) a create makes one, as before."""
-        return self.passing_share >= 0.5
-
-    def note_passing(self, passing: bool) -> None:
-        self.passing_share = 0.8 * self.passing_share + 0.2 * passing
 
     async def _hibernate_loop(self) -> None:
         while True:

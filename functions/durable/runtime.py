@@ -19,6 +19,8 @@ the reply sent. So:
     hibernate                     a live copy idle for ``hibernate_after_s``, or the least recently
                                   used idle one when the live cap is reached, is ended (nothing is
                                   written: its state is that of its last acknowledged step)
+    create                        commits the first generation hibernated: nothing runs in a new
+                                  sandbox before its first step, which resumes it as any other
     pass through                  an exec that resumes a sandbox idle longer than a live copy lasts
                                   here runs as the resumed sandbox's init, which hibernates it when
                                   the step ends (the reply says ``hibernated``): at that pace a live
@@ -151,10 +153,18 @@ class DurableRuntime:
             self.residency.room_may_be_free()  # (a run's sandbox is gone: its slot is free)
 
     async def create(self, snapshot: str = "python", limits: LimitsArg = None,
-                     metadata: dict[str, str] | None = None, *, event: EventRef | None = None) -> SandboxInfo:
+                     metadata: dict[str, str] | None = None, *, event: EventRef | None = None,
+                     live_copy: bool = False) -> SandboxInfo:
         """A new sandbox, its first generation committed. With ``event``, its id is derived from the
         event (the event's n-th create): the same event again, here or on any replica, gets the
-        sandbox it made, as it replied then. Without, a random id."""
+        sandbox it made, as it replied then. Without, a random id.
+
+        A create runs nothing in its sandbox, so it restores none: its snapshot is resolved and its
+        limits checked as a live create's are (the same errors, at create), its first generation is
+        committed hibernated, and its first step (or fork, snapshot) resumes it as any hibernated
+        sandbox is resumed. Trainers think for longer between steps than a live copy lasts, so a copy
+        made now would be hibernated before the first step anyway. ``live_copy``: restore it now
+        (a caller about to use it at once); the reply then comes from the live sandbox."""
         ev = event
         sid = ev.next_sandbox_id() if ev is not None else "sb-" + secrets.token_hex(10)
         async with self.residency.holding(sid):
@@ -162,8 +172,7 @@ class DurableRuntime:
             # below (412), unless the sandbox is live here (then a create would be refused)
             if ev is not None and sid in self.rt.sandboxes and (made := await self._made(sid, ev)) is not None:
                 return made
-            deferred = self.residency.defers_create()
-            if deferred:
+            if not live_copy:  # nothing runs in it yet: its first step (or fork, snapshot) resumes it
                 info = await self._deferred(snapshot, limits, metadata, sid)
                 live = Live(record=self._first_record(info, None))
             else:
@@ -176,7 +185,7 @@ class DurableRuntime:
                 if ev is None or (made := await self._made(sid, ev)) is None:
                     raise
                 return made
-            if deferred:
+            if not live_copy:
                 self.metrics.hibernations.labels("create").inc()
             return info
 
@@ -423,12 +432,8 @@ class DurableRuntime:
             raise SandboxGone(f"sandbox {sandbox_id} expired ({why} limit)", sandbox_id=sandbox_id, reason=why)
         if live is None:
             passing = may_pass and self.residency.passes(head)
-            if may_pass:
-                self.residency.note_passing(passing)
             live = await self.generations.resume(head, spare=not passing)
             live.passing = passing
-        elif may_pass:  # its live copy lasted until this step
-            self.residency.note_passing(False)
         live.trusted = trusted
         live.unconfirmed = not confirmed
         return live, None

@@ -5,9 +5,17 @@ Kept apart from the recorder so that reading a flag's default loads no Parquet w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["Prices"]
+__all__ = ["Prices", "billed_seconds"]
+
+
+def billed_seconds(wall_s: float) -> int:
+    """A sandbox life's billed seconds: its live time rounded up to the second, at least 1. A durable
+    sandbox never made live (created, then destroyed or expired before anything resumed it) ran
+    nothing and held nothing: 0 live seconds, 0 billed."""
+    return 0 if wall_s <= 0 else max(1, math.ceil(wall_s - 1e-9))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from rollbox.functions.contract.records import DEFAULT_EXPERIMENT, SCHEMA_VERSION
 from rollbox.functions.recording.flush import SETTLE_WAIT_S, Flusher, partition_key
-from rollbox.functions.recording.prices import Prices
+from rollbox.functions.recording.prices import Prices, billed_seconds
 from rollbox.functions.recording.spool import KINDS, Metrics, Spool, Token, spool_line
 from rollbox.runtime.spec import Limits, Usage
 from rollbox.snapshots.calls import StoreCalls
@@ -55,7 +54,7 @@ GiB = 1024**3
 def usage_row(usage: Usage, limits: Limits, *, kind: str, replica: str, prices: Prices, usage_id: str,
               ended_at: float | None = None) -> dict[str, Any]:
     """A sandbox life as a usage record: billed seconds rounded up, vCPU- and GiB-seconds of its limits."""
-    billed = max(1, math.ceil(usage.wall_s - 1e-9))
+    billed = billed_seconds(usage.wall_s)
     vcpu_s = billed * limits.cpu_max_cores
     gib_s = billed * limits.memory_max_bytes / GiB
     meta = usage.metadata

@@ -134,6 +134,8 @@ class Metrics:
 
     def record_reply(self, request_type: str, data: BaseModel) -> None:
         if isinstance(data, SandboxInfo):
+            if data.hibernated:  # no sandbox was made (rollbox_hibernations_total{reason="create"} counts these)
+                return
             self.create_seconds.labels("pooled" if data.pooled else "restored").observe(data.create_ms / 1000)
         elif isinstance(data, ExecResult):
             if data.create_ms is not None:  # a one-shot run: its sandbox was acquired too

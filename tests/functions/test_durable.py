@@ -105,8 +105,9 @@ async def test_steps_alternate_between_replicas_and_see_every_earlier_step(
         r = await step(http, srv, sid, code=APPEND.format(f"step{i}"))
         expected += f"step{i}\n"
         assert (r.status, r.data["stdout"]) == (200, expected), r.data
-        # every step after the first lands on the replica that did not run the one before: resumed
-        assert r.data["resumed"] is (True if i > 0 else None), r.data
+        # every step lands on the replica that did not run the one before (the first on its
+        # create's, which committed it hibernated): resumed
+        assert r.data["resumed"] is True, r.data
         if i > 0:
             assert r.data["resume_ms"] > 0
     text = (await http.get(b.url + "metrics")).text
@@ -317,36 +318,55 @@ async def test_steps_that_change_many_files_or_large_ones_are_committed_as_small
     assert (r.status, r.data["stdout"].strip()) == (200, "False 300 three"), r.data
 
 
-async def test_while_steps_pass_through_a_create_is_committed_hibernated(
+def sandboxes_made(text: str) -> float:
+    """Sandboxes this replica restored (or took from its pool) for requests: its resumes, and the
+    creates that made a live sandbox."""
+    return metric(text, "rollbox_resumes_total") + metric(text, "rollbox_sandbox_create_seconds_count")
+
+
+async def test_a_create_restores_no_sandbox_its_first_step_does(
         local_replicas: Replicas, http: httpx.AsyncClient) -> None:
-    srv = local_replicas.start("--hibernate-after-s", "1")
-    sids = [await create(http, srv) for _ in range(2)]
-    for sid in sids:  # steps that find their live copies: creates keep making live ones
-        assert (await step(http, srv, sid, command="echo 0 >> n.txt")).status == 200
-    r = await send(http, srv.url, event(CREATE, {}))
-    assert (r.status, r.data.get("hibernated"), r.data["pooled"]) == (200, None, True), r.data
-    await hibernated_idle(http, srv, 3)
-    for n in range(1, 4):  # each sandbox sat idle for longer than a live copy lasts: its step passes through
-        for sid in sids:
-            r = await step(http, srv, sid, command=f"echo {n} >> n.txt")
-            assert (r.status, r.data["resumed"], r.data["hibernated"]) == (200, True, True), r.data
-        await asyncio.sleep(1.1)
-    # steps come more slowly than live copies last here: a create makes no live copy
+    """A create runs nothing in its sandbox: it is committed hibernated and its first step (or fork,
+    snapshot) resumes it. So a create and destroy without a step make no sandbox, a create and a step
+    make one; a create that names no snapshot or asks for bad limits is still refused at create."""
+    srv = local_replicas.start()
+
+    async def made() -> str:
+        return (await http.get(srv.url + "metrics")).text
+
     r = await send(http, srv.url, event(CREATE, {"metadata": {"task": "t1"}}))
     assert (r.status, r.data["hibernated"], r.data["pooled"]) == (200, True, False), r.data
     assert "namespaces mnt" in r.data["isolation_summary"] and r.data["metadata"] == {"task": "t1"}
-    text = (await http.get(srv.url + "metrics")).text
+    assert r.data["limits"]["memory_max_bytes"] > 0 and r.data["env_version"], r.data
+    r = await send(http, srv.url, event(DESTROY, {"sandbox_id": r.data["sandbox_id"]}))
+    assert (r.status, r.data["execs"], r.data["wall_s"], r.data["billed_s"]) == (200, 0, 0, 0), r.data  # never live
+    text = await made()
+    assert (sandboxes_made(text), metric(text, "rollbox_live_sandboxes")) == (0, 0)
     assert metric(text, "rollbox_hibernations_total", reason="create") == 1
-    assert metric(text, "rollbox_live_sandboxes") == 0
-    lazy = r.data["sandbox_id"]
-    r = await step(http, srv, lazy, command="echo first > f.txt; cat f.txt")  # its first step resumes it
+
+    sid = await create(http, srv)
+    r = await step(http, srv, sid, command="echo first > f.txt; cat f.txt")  # its first step resumes it
     assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, "first\n", True), r.data
-    r = await step(http, srv, lazy, command="cat f.txt")  # right after: its live copy lasted
+    assert sandboxes_made(await made()) == 1
+    r = await step(http, srv, sid, command="cat f.txt")  # right after: its live copy lasted
     assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, "first\n", None), r.data
-    r = await send(http, srv.url, event(DESTROY, {"sandbox_id": lazy}))  # and it ends like any other
-    assert (r.status, r.data["execs"]) == (200, 2), r.data
-    r = await step(http, srv, sids[0], command="cat n.txt")
-    assert (r.status, r.data["stdout"]) == (200, "0\n1\n2\n3\n"), r.data
+    assert sandboxes_made(await made()) == 1
+
+    # a fork of, and a snapshot of, a sandbox never restored resume it first
+    fresh = await create(http, srv)
+    r = await send(http, srv.url, event("dev.rollbox.sandbox.fork", {"sandbox_id": fresh, "count": 2}))
+    assert r.status == 200 and len(r.data["sandboxes"]) == 2, r.data
+    other = await create(http, srv)
+    r = await send(http, srv.url, event("dev.rollbox.sandbox.snapshot", {"sandbox_id": other}))
+    assert r.status == 200 and r.data["snapshot_id"], r.data
+    r = await step(http, srv, other, command="echo still here")
+    assert (r.status, r.data["stdout"]) == (200, "still here\n"), r.data
+
+    r = await send(http, srv.url, event(CREATE, {"snapshot": "no-such-snapshot"}))
+    assert (r.status, r.data["code"]) == (404, "snapshot_not_found") and "no-such-snapshot" in r.data["message"]
+    r = await send(http, srv.url, event(CREATE, {"limits": {"memory_max_bytes": 1}}))
+    assert r.status == 400 and "memory_max_bytes" in r.data["message"], r.data
+    assert metric(await made(), "rollbox_hibernations_total", reason="create") == 4  # (the refused made none)
 
 
 async def test_at_the_live_cap_creates_hibernate_idle_sandboxes(
@@ -368,9 +388,9 @@ async def test_at_the_live_cap_creates_hibernate_idle_sandboxes(
 async def test_at_the_live_cap_with_every_sandbox_running_a_resume_waits_for_a_step_to_end(
         local_replicas: Replicas, http: httpx.AsyncClient) -> None:
     srv = local_replicas.start("--max-live", "1")
-    a = await create(http, srv)
-    b = await create(http, srv)  # pushes a out
-    running_step = asyncio.create_task(step(http, srv, a, command="sleep 1.5; echo a"))  # resumes a, pushes b out
+    a = await create(http, srv)  # (committed hibernated: no live copy)
+    b = await create(http, srv)
+    running_step = asyncio.create_task(step(http, srv, a, command="sleep 1.5; echo a"))  # resumes a
     await asyncio.sleep(0.7)  # the only live sandbox is running a step: no idle one to hibernate
     t0 = time.monotonic()
     r = await step(http, srv, b, command="echo b")
@@ -378,8 +398,8 @@ async def test_at_the_live_cap_with_every_sandbox_running_a_resume_waits_for_a_s
     assert (r.status, r.data["stdout"], r.data["resumed"]) == (200, "b\n", True), r.data  # not 429
     assert waited > 0.4, waited  # it waited for a's step to end
     assert (await running_step).data["stdout"] == "a\n"
-    text = (await http.get(srv.url + "metrics")).text  # (both steps passed through: their sandboxes ended with them)
-    assert [metric(text, "rollbox_hibernations_total", reason=why) for why in ("pressure", "step")] == [2, 2]
+    text = (await http.get(srv.url + "metrics")).text  # b's resume pushed a out once a's step ended
+    assert [metric(text, "rollbox_hibernations_total", reason=why) for why in ("pressure", "step")] == [1, 0]
 
 
 async def test_restart_on_the_local_store_keeps_episodes_and_replays_acknowledged_events(

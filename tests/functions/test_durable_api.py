@@ -45,14 +45,14 @@ async def test_a_create_with_the_same_event_is_the_same_sandbox(durable: Durable
     first = await durable.create("python", event=EventRef("trainer-1", "ev-1", "f" * 64))
     again = await durable.create("python", event=EventRef("trainer-1", "ev-1", "f" * 64))
     assert again.sandbox_id == first.sandbox_id == EventRef("trainer-1", "ev-1", "").sandbox_id(0)
-    assert durable.rt.live_count() == 1
+    assert durable.rt.live_count() == 0  # committed hibernated: its first step resumes it
     assert (tmp_path / "store" / record_key(first.sandbox_id, 0)).is_file()
     assert not (tmp_path / "store" / record_key(first.sandbox_id, 1)).exists()  # the replay wrote nothing
     assert _records(tmp_path / "store") == [first.sandbox_id], _records(tmp_path / "store")
     other = await durable.create("python", event=EventRef("trainer-1", "ev-2", "f" * 64))
     anon = await durable.create("python")
     assert len({first.sandbox_id, other.sandbox_id, anon.sandbox_id}) == 3
-    assert durable.rt.live_count() == 3
+    assert durable.rt.live_count() == 0
 
     # an exec recorded under its event is answered again, not run twice
     ev = EventRef("trainer-1", "ev-3", "e" * 64)
@@ -60,6 +60,7 @@ async def test_a_create_with_the_same_event_is_the_same_sandbox(durable: Durable
     one = await durable.exec(first.sandbox_id, ExecRequest(code=code), event=ev)
     two = await durable.exec(first.sandbox_id, ExecRequest(code=code), event=EventRef("trainer-1", "ev-3", "e" * 64))
     assert one.stdout == two.stdout and one.exit_code == two.exit_code == 0, (one, two)
+    assert one.resumed and durable.rt.live_count() == 1, one
     count = await durable.exec(first.sandbox_id, ExecRequest(code="print(len(open('/tmp/n').read()))"))
     assert count.stdout == "1\n", count
 
@@ -70,3 +71,14 @@ async def test_the_service_and_the_durable_layer_ask_one_cap(durable: DurableRun
     assert service.admission.cap is durable.cap
     plain = Service(InProcess(durable.rt))
     assert plain.admission.cap.max_live == LiveCap().max_live == 256  # the one default
+
+
+async def test_a_create_asked_for_a_live_copy_restores_its_sandbox_at_once(durable: DurableRuntime) -> None:
+    """``live_copy=True``: the sandbox is restored by the create (its reply is the live sandbox's), and
+    its first step runs on that copy, not on a resume."""
+    info = await durable.create("python", live_copy=True)
+    assert (info.hibernated, durable.rt.live_count()) == (None, 1), info
+    lazy = await durable.create("python")
+    assert (lazy.hibernated, lazy.pooled, durable.rt.live_count()) == (True, False, 1), lazy
+    r = await durable.exec(info.sandbox_id, ExecRequest(command="echo live"))
+    assert (r.stdout, r.resumed) == ("live\n", None), r

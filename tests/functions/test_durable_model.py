@@ -722,7 +722,8 @@ class DurableModel(RuleBasedStateMachine):
         # (past its lifetime, its end may have been recorded first)
         reasons = ("destroyed",) if sb.state(call) == "live" and sb.ended is None else ("destroyed", "lifetime")
         assert (reply.data["sandbox_id"], reply.data["execs"]) == (sb.sid, sb.execs) and \
-            reply.data["reason"] in reasons and reply.data["billed_s"] >= 1, (reply.data, sb.execs, reasons)
+            reply.data["reason"] in reasons and reply.data["billed_s"] >= (reply.data["wall_s"] > 0), \
+            (reply.data, sb.execs, reasons)
         sb.ended = "destroyed" if reply.data["reason"] == "destroyed" else "lifetime"
         sb.destroy_reply = reply.data
         self.ack(ev, reply, "destroy")

@@ -163,14 +163,19 @@ async def test_run_timeout_is_killed(server: ServerProc, http: httpx.AsyncClient
 async def test_create_latency_and_live_metrics(server: ServerProc, http: httpx.AsyncClient) -> None:
     text = (await http.get(server.url + "metrics")).text
     counts = sum(metric(text, "rollbox_sandbox_create_seconds_count", source=s) for s in ("pooled", "restored"))
+    hibernated = metric(text, "rollbox_hibernations_total", reason="create")
     r = await send(http, server.url, ce(SANDBOX_CREATE, {}))
     sid = r.data["sandbox_id"]
+    assert r.data["hibernated"] is True, r.data  # (durable: a create makes no sandbox, its first step resumes it)
     text = (await http.get(server.url + "metrics")).text
     assert (
         sum(metric(text, "rollbox_sandbox_create_seconds_count", source=s) for s in ("pooled", "restored"))
-        == counts + 1
+        == counts
     )
-    assert metric(text, "rollbox_live_sandboxes") >= 1
+    assert metric(text, "rollbox_hibernations_total", reason="create") == hibernated + 1
+    r = await send(http, server.url, ce(SANDBOX_EXEC, {"sandbox_id": sid, "command": "true"}))
+    assert r.data["resumed"] is True, r.data
+    assert metric((await http.get(server.url + "metrics")).text, "rollbox_live_sandboxes") >= 1
     await send(http, server.url, ce(SANDBOX_DESTROY, {"sandbox_id": sid}))
     r = await send(http, server.url, ce(SANDBOX_RUN, {"code": "print(1)"}))  # a one-shot run acquires one too
     res = ExecResult.model_validate(r.data)
@@ -178,7 +183,7 @@ async def test_create_latency_and_live_metrics(server: ServerProc, http: httpx.A
     text = (await http.get(server.url + "metrics")).text
     assert (
         sum(metric(text, "rollbox_sandbox_create_seconds_count", source=s) for s in ("pooled", "restored"))
-        == counts + 2
+        == counts + 1
     )
 
 
