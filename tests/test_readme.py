@@ -164,6 +164,8 @@ CHECKED: tuple[tuple[str, str, Quick], ...] = (
      "a benchmark of minutes as an unprivileged user: --help lists its flags", rootless_bench),
     (r"^\.venv/bin/python loadtest/fleet_local\.py", "a fleet that runs until stopped: --help lists its flags",
      bench_help),
+    (r"^\.venv/bin/python loadtest/fleet\.py --check-run ", "the model against a measured replica, minutes: --help "
+     "lists its flags (its --quick form has its own test)", bench_help),
     (r"\.venv/bin/locust -f loadtest/locustfile\.py --headless", "a load test of minutes: its flags, with --list",
      locust_list),
     (r"^\.venv/bin/rollbox serve --home /tmp/rl --port 18096 ", "the server of the 3-minute load test", serve_parses),
@@ -237,7 +239,8 @@ COMMANDS: tuple[tuple[str, int, Check], ...] = (
      exits(0, has="pulled ")),
     (r"^\.venv/bin/python loadtest/locustfile\.py --host http://127\.0\.0\.1:8080 --think-min-s 0 --think-max-s 0$", 1,
      exits(0)),
-    (r"^\.venv/bin/python loadtest/fleet\.py(\s|$)", 1, exits(0, has="always-on (")),  # the model: ~1 s
+    (r"^\.venv/bin/python loadtest/fleet\.py(?!\s+--check-run)(\s|$)", 1,
+     exits(0, has="always-on (")),  # the model: ~1 s
     (r"^\.venv/bin/rollbox trajectories ls$", 2, exits(0, has="demo")),
     (r"^\.venv/bin/rollbox trajectories show EPISODE --experiment E$", 2, exits(0, has="assert f(2) == 4")),
     (r"^\.venv/bin/rollbox trajectories export --experiment E --format jsonl --since 2026-12-01 --out e\.jsonl$",
