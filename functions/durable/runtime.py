@@ -215,7 +215,12 @@ class DurableRuntime:
                 self.store.note_behind(True)
             return await self._destroy(sandbox_id, event, False)
 
-    async def _destroy(self, sandbox_id: str, ev: EventRef | None, trust: bool, ahead: bool = False) -> Usage:
+    async def _head(self, sandbox_id: str, trust: bool,
+                    ahead: bool) -> tuple[Live | None, SandboxRecord, bool, bool]:
+        """(its live copy here or None, the generation a step or destroy goes on, whether that head is
+        trusted rather than read as the newest, whether it is confirmed the newest): the live copy's
+        record, else (``trust``) what this replica saw last, unread, else the newest read (``ahead``:
+        the first newer one found, unconfirmed)."""
         live = await self._fresh_live(sandbox_id, trust)
         seen = self.store.seen.get(sandbox_id) if trust and live is None else None
         confirmed = True
@@ -225,7 +230,10 @@ class DurableRuntime:
             head = seen
         else:
             head, confirmed = await self.store.newest(sandbox_id, confirm=not ahead)
-        trusted = (trust and (live is not None or seen is not None)) or not confirmed
+        return live, head, (trust and (live is not None or seen is not None)) or not confirmed, confirmed
+
+    async def _destroy(self, sandbox_id: str, ev: EventRef | None, trust: bool, ahead: bool = False) -> Usage:
+        live, head, trusted, confirmed = await self._head(sandbox_id, trust, ahead)
         try:
             usage = await self._tombstone(sandbox_id, ev, live, head)
         except SandboxBusy as exc:  # another replica committed that generation first: nothing was kept
@@ -409,16 +417,7 @@ class DurableRuntime:
         on what this replica saw last of the sandbox, unread (``step``). ``ahead``: on the first
         generation found after it, unconfirmed (``StateStore.newest``; ``step`` runs it again if its
         commit finds another came first)."""
-        live = await self._fresh_live(sandbox_id, trust)
-        seen = self.store.seen.get(sandbox_id) if trust and live is None else None
-        confirmed = True
-        if live is not None:
-            head = live.record
-        elif seen is not None:
-            head = seen
-        else:
-            head, confirmed = await self.store.newest(sandbox_id, confirm=not ahead)
-        trusted = (trust and (live is not None or seen is not None)) or not confirmed
+        live, head, trusted, confirmed = await self._head(sandbox_id, trust, ahead)
         if trusted and head.state != "destroyed" and head.expired(time.time()) is not None:
             return await self._prepare(sandbox_id, ev, model, may_pass)  # an expiry is decided on the newest, read
         if ev is not None and (replay := await self._replayed(head, ev, model)) is not None:
