@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleet_local import Fleet
+from fleet_local import Fleet, format_drain
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -257,6 +257,7 @@ def main() -> int:
                 codes = fleet.scale_to_zero()
                 wave["drain_s"] = time.time() - t_down
                 wave["exit_codes"] = codes
+                wave["phases"] = format_drain(fleet.last_drain)
                 time.sleep(args.down_s)
 
                 def exec_probe(h: httpx.Client) -> httpx.Response:
@@ -302,6 +303,7 @@ def main() -> int:
         first = f"{wave['first_reply_s']:.2f} s" if wave["first_reply_s"] is not None else "none"
         print(f"wave: drained in {wave['drain_s']:.1f} s (exit codes {wave['exit_codes']}), down {args.down_s:g} s; "
               f"started and routed in {wave['routed_s']:.2f} s; first reply {first} after the start")
+        print(f"  drain, s after SIGTERM per replica: {wave['phases']}")
         print(f"  steps sent in the wave (the {args.wave_s:g} s from the start){cut}: "
               f"{window(steps, t_up, t_up + args.wave_s)}")
         print(f"  steps sent while the fleet drained or was down (retried through it): "

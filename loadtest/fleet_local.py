@@ -137,6 +137,7 @@ class Fleet:
         self.bucket = ""
         self.store_env: dict[str, str] = {}
         self.replicas: list[ServerProc | None] = [None] * replicas
+        self.last_drain: list[dict[str, float]] = []  # the last scale_to_zero's phases, per replica
         self.generation = 0  # how many times the replicas were started
         self.haproxy: subprocess.Popen[bytes] | None = None
         self.on_store = on_store
@@ -257,8 +258,16 @@ class Fleet:
     def scale_to_zero(self, timeout_s: float = 120.0) -> list[int]:
         """SIGTERM every running replica at once (each drains) and wait for them; their exit codes."""
         running = [(i, srv) for i, srv in enumerate(self.replicas) if srv is not None]
+
+        def stop(srv: ServerProc) -> int:
+            t_term = time.time()
+            rc = srv.stop(timeout_s)
+            self.last_drain.append(drain_phases(srv, t_term, time.time()))
+            return rc
+
+        self.last_drain = []
         with concurrent.futures.ThreadPoolExecutor(max(1, len(running))) as pool:
-            codes = list(pool.map(lambda s: s[1].stop(timeout_s), running))
+            codes = list(pool.map(lambda s: stop(s[1]), running))
         for i, _ in running:
             self.replicas[i] = None
         return codes
@@ -291,6 +300,26 @@ class Fleet:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+DRAIN_PHASES = ("stopping", "draining", "hibernated", "flushed", "stopped", "exiting")
+
+
+def drain_phases(srv: ServerProc, t_term: float, t_exit: float) -> dict[str, float]:
+    """When each step of a replica's drain was logged, in seconds after its SIGTERM, and its exit: where
+    a slow drain spent its time (a late "stopping": the loop was busy; a late exit after "exiting": the
+    threads left at exit)."""
+    out: dict[str, float] = {}
+    for rec in srv.log_records():
+        msg, ts = rec.get("msg"), rec.get("ts")
+        if msg in DRAIN_PHASES and isinstance(ts, (int, float)) and ts >= t_term - 1:
+            out[msg] = round(ts - t_term, 3)
+    out["exit"] = round(t_exit - t_term, 3)
+    return out
+
+
+def format_drain(phases: list[dict[str, float]]) -> str:
+    return "; ".join(", ".join(f"{k} {v:.2f}" for k, v in p.items()) for p in phases)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import gc
 import importlib
 import math
@@ -18,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -347,7 +349,14 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     logs.configure(cfg.log_level)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(serve(cfg))
+        rc = runner.run(serve(cfg))
+        # Everything that matters is closed ("stopped" was logged): what is left is joining threads
+        # (the loop's executor, here; the pools', at exit). None should take long; if one does, the
+        # stacks go to stderr (the log) and the process ends anyway: a drain is bounded to the end.
+        faulthandler.dump_traceback_later(EXIT_STALL_S, exit=True)
+        t0 = time.monotonic()
+    lifecycle.info("exiting", extra={"fields": {"rc": rc, "joined_s": round(time.monotonic() - t0, 3)}})
+    return rc
 
 
 def _uvicorn_server(config: Any) -> Any:
@@ -389,8 +398,14 @@ async def serve(cfg: ServeConfig) -> int:
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():  # when the loop got to it: a late one here means the loop was busy
+            lifecycle.info("stopping", extra={"fields": {"signal": sig.name}})
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         sock = _listen(cfg.host, cfg.port)
     except OSError as exc:
@@ -647,6 +662,8 @@ async def _watch_store(store: S3Store, service: Service, every_s: float = 5.0) -
                 "store reachable again" if ok else f"store unusable: {why}", extra={"fields": {"store": store.url}})
         service.store_ok = ok
 
+
+EXIT_STALL_S = 10.0  # after "stopped", joining what is left of the threads; longer is a stall
 
 GC_THRESHOLD0 = 20_000  # container allocations (net) between young collections; CPython's default is 700
 

@@ -56,7 +56,8 @@ async def test_sigterm_drains_in_flight_work(tmp_path: Path) -> None:
         srv.proc.wait(40)
         assert srv.proc.returncode == 0
         msgs = [x.get("msg") for x in srv.log_records()]
-        assert "draining" in msgs and msgs[-1] == "stopped"
+        assert "draining" in msgs and msgs[-2:] == ["stopped", "exiting"]
+        assert msgs.index("stopping") < msgs.index("draining")  # the signal, as the loop got to it
     finally:
         rc = srv.stop()
     assert rc == 0
@@ -82,6 +83,34 @@ async def test_sigterm_grace_is_a_bound(tmp_path: Path) -> None:
             assert (r.status, r.type, r.data["code"]) == (503, ERROR, "shutting_down")
             assert "grace period" in r.data["message"] and int(r.headers["retry-after"]) >= 1
         msgs = [x.get("msg") for x in srv.log_records()]
-        assert "grace period over; cancelling in-flight events" in msgs and msgs[-1] == "stopped"
+        assert "grace period over; cancelling in-flight events" in msgs and msgs[-2:] == ["stopped", "exiting"]
     finally:
         srv.stop()
+
+
+STALLED_EXIT = """
+import sys, threading, time
+from rollbox.functions.service import server
+
+async def serve(cfg):  # a serve that leaves a thread behind that will not end soon
+    threading.Thread(target=time.sleep, args=(60,), name="left-behind").start()
+    return 0
+
+server.serve, server.EXIT_STALL_S = serve, 1.0
+sys.exit(server._main(server.argparse.Namespace(**{o.dest: None for o in server.OPTIONS})))
+"""
+
+
+def test_a_stalled_exit_is_bounded_and_shows_its_stacks(tmp_path: Path) -> None:
+    """After "stopped", joining what is left of the threads may not hold the exit: past EXIT_STALL_S the
+    stacks go to stderr and the process ends (exit 1), not after the thread's 60 s."""
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", STALLED_EXIT], capture_output=True, text=True, timeout=50,
+                         env={**os.environ, "ROLLBOX_HOME": str(tmp_path)})
+    took = time.monotonic() - t0
+    assert out.returncode == 1 and took < 20, (out.returncode, took, out.stderr[-2000:])
+    assert "Timeout (0:00:01)!" in out.stderr and "threading.py" in out.stderr  # the stacks: the stall's thread
+    assert "exiting" in out.stderr  # the loop closed first; the stall was after it

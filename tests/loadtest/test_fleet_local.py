@@ -91,6 +91,9 @@ def test_episodes_across_replicas_survive_scale_to_zero_and_back(fleet: Any) -> 
 
         codes = fleet.scale_to_zero()
         assert codes == [0, 0]  # both drained and exited cleanly
+        for phases in fleet.last_drain:  # each step of each drain, in order, seconds after its SIGTERM
+            assert list(phases) == ["stopping", "draining", "hibernated", "flushed", "stopped", "exiting", "exit"], phases
+            assert list(phases.values()) == sorted(phases.values()) and phases["exit"] < 30, phases
         assert fleet.routed() == 0
         down = send(http, fleet.url, EXEC, {"sandbox_id": sids[0], "code": "print(1)"})
         assert down.status_code == 503  # HAProxy: no replica
