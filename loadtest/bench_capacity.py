@@ -76,17 +76,23 @@ def _tree(root: int, children: dict[int, list[int]]) -> list[int]:
     return out
 
 
-def tree_cpu_s(root: int, children: dict[int, list[int]]) -> float:
-    """CPU seconds of ``root`` and its live descendants, and of the children they have reaped."""
-    total = 0
+def tree_cpu_split_s(root: int, children: dict[int, list[int]]) -> tuple[float, float]:
+    """(user, kernel) CPU seconds of ``root`` and its live descendants, and of the children they have reaped."""
+    user = kernel = 0
     for pid in _tree(root, children):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rpartition(")")[2].split()
-            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+            user += int(fields[11]) + int(fields[13])  # utime + cutime
+            kernel += int(fields[12]) + int(fields[14])  # stime + cstime
         except (OSError, IndexError, ValueError):
             continue
-    return total / TICK
+    return user / TICK, kernel / TICK
+
+
+def tree_cpu_s(root: int, children: dict[int, list[int]]) -> float:
+    """CPU seconds of ``root`` and its live descendants, and of the children they have reaped."""
+    return sum(tree_cpu_split_s(root, children))
 
 
 def own_cpu_s(pid: int) -> float:

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +53,12 @@ def free_ports(n: int) -> list[int]:
 
 
 class SeaweedS3:
-    """One ``weed mini`` process; ``stop()``/``start()`` again keeps its data (an outage)."""
+    """One ``weed mini`` process; ``stop()``/``start()`` again keeps its data (an outage). ``extra_args``:
+    more flags for ``weed mini`` (``-volume.max=0``, ...), after the ones set here, so they can override them."""
 
-    def __init__(self, base: Path):
+    def __init__(self, base: Path, extra_args: Sequence[str] = ()):
         self.base = base
+        self.extra_args = tuple(extra_args)
         self.data = base / "data"
         self.logs = base / "logs"
         for d in (self.data, self.logs):
@@ -85,7 +87,7 @@ class SeaweedS3:
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-webdav=false", "-admin.ui=false",
             "-master.telemetry=false", "-volume.preStopSeconds=0", f"-s3.config={self.config}",
             f"-filer.localSocket={self.base}/filer.sock", f"-s3.localSocket={self.base}/s3.sock",
-            *(f"-{flag}={port}" for flag, port in self.ports.items()),
+            *(f"-{flag}={port}" for flag, port in self.ports.items()), *self.extra_args,
         ]
         log = open(self.base / "weed.out", "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
