@@ -415,3 +415,30 @@ def test_a_replica_that_claims_a_build_just_after_another_ones_failed_gets_that_
     with pytest.raises(language_builds.SnapshotNotFound, match=f"building bash on replica {a.me} failed"):
         b.build("bash")
     assert b.started == 0 and b.claims.keys("language-builds/") == ["language-builds/bash.failed"]
+
+
+def test_a_replica_whose_claim_was_taken_over_releases_nothing_of_the_new_owners(
+        tmp_path: Path, s3_url: str, make_s3: Any) -> None:
+    """Replica A claims bash's build; while it builds, replica B takes the claim over (A gave no news for
+    too long). A finishes and pushes, and its release leaves B's claim where it is."""
+    import json
+    import time
+
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "bash.yaml").write_text("name: bash\nwarm: {imports: [json]}\n")
+    a = _shared_builds(tmp_path / "a", s3_url, make_s3, templates)
+    key = "language-builds/bash.claim"
+    theirs = json.dumps({"language": "bash", "snapshot": "bash", "replica": "b:2", "since": time.time()}).encode()
+    seen: list[bytes | None] = []
+
+    def take_over(_: Any) -> None:
+        if not seen:
+            seen.append(a.claims.get(key))  # A's claim, as B found it stale
+            a.claims.delete([key])
+            assert a.claims.put_new(key, theirs)
+
+    built = a.build("bash", on_progress=take_over)
+    assert seen and json.loads(seen[0] or b"{}")["replica"] == a.me
+    assert a.started == 1 and a.remote.names()["bash"] == built.id
+    assert a.claims.get(key) == theirs  # B's claim stays B's to release
