@@ -29,6 +29,10 @@ with a create-only object in the shared store's ``claims``:
     language-builds/<snapshot>.failed   why the last build failed: the waiters get that failure, and
                                         nobody builds it again for ``retry_failed_after_s``
 
+A home that holds a language snapshot the shared store does not name (a baked image's) offers it with
+``push_built`` (``rollbox serve`` runs it on a thread at start): under the same claim, the layers and
+manifest copied, the name created only if absent.
+
 The claim and the beat are released only by their owner (``Objects.delete_own``: only while they hold
 the bytes this replica wrote), so a replica whose claim was taken over leaves the new owner's alone.
 
@@ -41,6 +45,7 @@ time, never a wrong snapshot. When the shared store cannot be reached the build 
                                                      # (an Overloaded: retry) if not done within wait_s
     builds.statuses()                                # every language: ready / building / failed / missing
     LanguageBuilds(local, remote=s3, claims=S3Objects(s3))   # shared: built once, pushed, used by every replica
+    builds.push_built()                              # what this home holds, offered to the shared store
 """
 
 from __future__ import annotations
@@ -381,7 +386,8 @@ class LanguageBuilds:
             fcntl.flock(fd, fcntl.LOCK_EX)
             done = self._built(row.snapshot)
             if done is not None:
-                self._push(language, done)  # (built before the store was shared: the others get it now)
+                if self.remote is not None:  # (built before the store was shared: the others get it now)
+                    self._publish_logged(language, row.snapshot, done)
                 return done
             if self.remote is None:
                 return self._build_locked(language, row.snapshot, row.template, on_progress)
@@ -497,6 +503,101 @@ class LanguageBuilds:
             return
         log.info(f"pushed {language}: snapshot {row.snapshot} = {manifest.id} to {self.remote.url} in "
                  f"{time.time() - started:.0f} s", extra={"fields": {"language": language}})
+
+    # ------------------------------------------------------------------------------ built here, pushed
+    def push_built(self, stop: threading.Event | None = None) -> dict[str, str]:
+        """With a shared store: every language snapshot this home holds that the store does not name, pushed
+        there for the other replicas (a baked image's home has them; replicas started with empty homes then
+        pull instead of building). Per snapshot: skipped while a process here builds it (its build pushes),
+        else ``_publish``. Returns snapshot -> outcome (``_publish``'s, or "failed": a store error, logged);
+        never raises for the store. ``stop`` set: no further snapshot is started."""
+        if self.remote is None:
+            return {}
+        t0 = time.monotonic()
+        firsts: dict[str, str] = {}  # snapshot -> the first language that uses it (bash = debian, go = go_test)
+        for name in languages.SUPPORTED:
+            snapshot = languages.language(name).snapshot
+            if snapshot is not None:
+                firsts.setdefault(snapshot, name)
+        out: dict[str, str] = {}
+        for snapshot, language in sorted(firsts.items()):
+            if stop is not None and stop.is_set():
+                break
+            manifest = self._built(snapshot)
+            if manifest is None:
+                continue
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.dir / f"{snapshot}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    out[snapshot] = "building here"
+                    continue
+                out[snapshot] = self._publish_logged(language, snapshot, manifest)
+            finally:
+                os.close(fd)  # (releases the lock)
+        pushed = sorted(k for k, v in out.items() if v == "pushed")
+        log.info(f"language snapshots built here and pushed to {self.remote.url}: {', '.join(pushed) or 'none'} "
+                 f"({len(out)} here; {time.monotonic() - t0:.1f} s)",
+                 extra={"fields": {"outcomes": out, "store": self.remote.url}})
+        return out
+
+    def _publish_logged(self, language: str, snapshot: str, manifest: Manifest) -> str:
+        """``_publish``, its store errors logged ("failed"): the snapshot is here, the others build it."""
+        assert self.remote is not None
+        try:
+            return self._publish(language, snapshot, manifest)
+        except (RollboxError, OSError) as exc:
+            why = exc.message if isinstance(exc, RollboxError) else str(exc)
+            log.warning(f"{language}: snapshot {snapshot} = {manifest.id} is here but was not pushed to "
+                        f"{self.remote.url}: {why}", extra={"fields": {"language": language}})
+            return "failed"
+
+    def _publish(self, language: str, snapshot: str, manifest: Manifest) -> str:
+        """Push ``snapshot`` (this home's ``manifest``) to the shared store under a build claim, unless the
+        store names it already. Layers the store lacks and the manifest are copied, then the name created
+        only if absent (a name another replica made first is left). Returns "there" (the store names this
+        id), "named other" (another id: left), "claimed" (another replica builds or pushes it), "pushed".
+        The caller holds the snapshot's local lock; raises StoreError."""
+        assert self.remote is not None
+        remote = self.remote
+        named = self._named_there(snapshot)
+        if named is not None:
+            return "there" if named == manifest.id else "named other"
+        claim = self._claim(language, snapshot) if self.claims is not None else None
+        if self.claims is not None and claim is None:
+            log.info(f"{language}: another replica builds or pushes snapshot {snapshot}: not pushed from here",
+                     extra={"fields": {"language": language}})
+            return "claimed"
+        doing = f"pushing the snapshot built on {self.me} to {remote.url}"
+        latest = [BuildProgress(language, snapshot, "building", doing=doing, since=time.time(), pid=os.getpid())]
+        with self._holding(claim, latest) if claim is not None else contextlib.nullcontext():
+            named = self._named_there(snapshot)  # (landed between the look and the claim)
+            if named is not None:
+                return "there" if named == manifest.id else "named other"
+            started = time.monotonic()
+            missing = [ref for ref in manifest.layers if not remote.has_layer(ref.id)]
+            log.info(f"pushing {language}: snapshot {snapshot} = {manifest.id} ({len(missing)} of "
+                     f"{len(manifest.layers)} layers, {sum(r.size_bytes for r in missing) / 1e6:.0f} MB) to "
+                     f"{remote.url}", extra={"fields": {"language": language}})
+            copy_snapshot(self.store, remote, manifest.id, tmp_dir=str(self.store.root / "tmp"))
+            named = remote.create_name(snapshot, manifest.id)
+        if named != manifest.id:
+            log.info(f"{language}: snapshot {snapshot} was named {named} in {remote.url} meanwhile: left so "
+                     f"({manifest.id} is there unnamed)", extra={"fields": {"language": language}})
+            return "named other"
+        log.info(f"pushed {language}: snapshot {snapshot} = {manifest.id} to {remote.url} in "
+                 f"{time.monotonic() - started:.1f} s", extra={"fields": {"language": language}})
+        return "pushed"
+
+    def _named_there(self, snapshot: str) -> str | None:
+        """The id the shared store names ``snapshot``, if it names it (one read, not a listing)."""
+        assert self.remote is not None
+        try:
+            return self.remote.resolve_id(snapshot)
+        except SnapshotNotFound:
+            return None
 
     def _built(self, snapshot: str) -> Manifest | None:
         sid = self.store.names().get(snapshot)

@@ -431,6 +431,25 @@ class S3Store:
         self._put_bytes(self._key("names", name), check_snapshot_id(snapshot_id).encode(),
                         f"naming snapshot {snapshot_id} {name!r}", snapshot_id=snapshot_id)
 
+    def create_name(self, name: str, snapshot_id: str) -> str:
+        try:
+            check_name(name)
+        except ValueError as exc:
+            raise StoreError(str(exc), snapshot_id=snapshot_id) from None
+        doing = f"naming snapshot {snapshot_id} {name!r} (if unnamed)"
+        with self._errors(doing, snapshot_id=snapshot_id):
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._key("names", name),
+                                        Body=check_snapshot_id(snapshot_id).encode(), IfNoneMatch="*")
+            except botocore.exceptions.ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+                if status not in (409, 412) and code not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    raise
+                named = self._get_name(name)
+                return named if named is not None else self.create_name(name, snapshot_id)
+        return snapshot_id
+
     def _get_name(self, name: str) -> str | None:
         data = self._get_bytes(self._key("names", name), f"resolving name {name!r}", snapshot_id=name)
         return None if data is None else data.decode().strip()

@@ -398,3 +398,16 @@ def test_a_server_without_conditional_deletes_gets_a_read_a_compare_and_a_plain_
         proxy.shutdown()
         proxy.server_close()
         serving.join(5)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_create_name_names_only_what_nobody_named(where: str, tmp_path: Path, s3_url: str,
+                                                  make_s3: S3Factory) -> None:
+    store = LocalStore(tmp_path / "store") if where == "local" else make_s3(s3_url)
+    first, second = "1" * 64, "2" * 64
+    assert store.create_name("lua", first) == first
+    assert store.create_name("lua", second) == first and store.resolve_id("lua") == first
+    store.set_name("lua", second)  # (set_name still re-points it)
+    assert store.create_name("lua", first) == second
+    with pytest.raises(StoreError):
+        store.create_name("../x", first)
