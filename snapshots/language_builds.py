@@ -29,6 +29,13 @@ with a create-only object in the shared store's ``claims``:
     language-builds/<snapshot>.failed   why the last build failed: the waiters get that failure, and
                                         nobody builds it again for ``retry_failed_after_s``
 
+A home that holds a language snapshot the shared store does not name (a baked image's) offers it with
+``push_built`` (``rollbox serve`` runs it on a thread at start): under the same claim, the layers and
+manifest copied, the name created only if absent.
+
+The claim and the beat are released only by their owner (``Objects.delete_own``: only while they hold
+the bytes this replica wrote), so a replica whose claim was taken over leaves the new owner's alone.
+
 A build is reproducible (its layers are content-addressed), so two builds racing past a claim only cost
 time, never a wrong snapshot. When the shared store cannot be reached the build is made here alone.
 
@@ -38,6 +45,7 @@ time, never a wrong snapshot. When the shared store cannot be reached the build 
                                                      # (an Overloaded: retry) if not done within wait_s
     builds.statuses()                                # every language: ready / building / failed / missing
     LanguageBuilds(local, remote=s3, claims=S3Objects(s3))   # shared: built once, pushed, used by every replica
+    builds.push_built()                              # what this home holds, offered to the shared store
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -111,6 +119,25 @@ class SharedState:
 
     names: dict[str, str]
     elsewhere: dict[str, BuildProgress]
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A claim this replica holds in the shared store: the snapshot and the exact bytes it wrote (it is
+    released only while the store still holds them)."""
+
+    snapshot: str
+    body: bytes
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """Another replica's build as the shared store shows it: its progress, when it last beat (unix time),
+    and its claim's bytes (None for a failure)."""
+
+    progress: BuildProgress
+    beat_at: float
+    claim: bytes | None
 
 
 class StillBuilding(Overloaded):
@@ -194,7 +221,7 @@ class LanguageBuilds:
                 for snapshot in sorted({k.rsplit("/", 1)[-1].rsplit(".", 1)[0] for k in keys}):
                     found = self._elsewhere(snapshot)
                     if found is not None:
-                        elsewhere[snapshot] = found[0]
+                        elsewhere[snapshot] = found.progress
         except StoreError as exc:
             log.warning(f"the language snapshots in the shared store {self.remote.url} are not known: {exc.message}")
             return None
@@ -215,46 +242,108 @@ class LanguageBuilds:
                 out[name] = self.remote.resolve_id(name)
         return out
 
-    def _elsewhere(self, snapshot: str) -> tuple[BuildProgress, float] | None:
-        """A build of ``snapshot`` claimed in the shared store (its progress and when it last beat), or its
-        failure there (younger than ``retry_failed_after_s``); raises StoreError."""
+    def _elsewhere(self, snapshot: str) -> _Seen | None:
+        """A build of ``snapshot`` claimed in the shared store (its progress, when it last beat, the claim's
+        bytes), or its failure there (younger than ``retry_failed_after_s``); raises StoreError."""
         assert self.claims is not None
-        claim = self._get_json(f"{CLAIMS}/{snapshot}.claim")
+        raw, claim = self._get_raw(f"{CLAIMS}/{snapshot}.claim")
         if claim is not None:
-            beat = self._get_json(f"{CLAIMS}/{snapshot}.beat") or claim
+            beat = self._get_raw(f"{CLAIMS}/{snapshot}.beat")[1] or claim
             p = BuildProgress(str(beat.get("language", snapshot)), snapshot, "building",
                               step=int(beat.get("step", 0)), steps=int(beat.get("steps", 0)),
                               doing=str(beat.get("doing", "")), since=float(claim.get("since", 0.0)),
                               replica=str(claim.get("replica", "")))
-            return p, max(float(beat.get("beat", 0.0)), float(claim.get("since", 0.0)))
+            return _Seen(p, max(float(beat.get("beat", 0.0)), float(claim.get("since", 0.0))), raw)
         failed = self._failed_elsewhere(snapshot)
-        return (failed, failed.since or 0.0) if failed is not None else None
+        return _Seen(failed, failed.since or 0.0, None) if failed is not None else None
 
     def _failed_elsewhere(self, snapshot: str) -> BuildProgress | None:
         """The failure of ``snapshot``'s build recorded in the shared store, if younger than
         ``retry_failed_after_s``; raises StoreError."""
-        failed = self._get_json(f"{CLAIMS}/{snapshot}.failed")
+        failed = self._get_raw(f"{CLAIMS}/{snapshot}.failed")[1]
         if failed is None or time.time() - float(failed.get("since", 0.0)) >= self.retry_failed_after_s:
             return None
         return BuildProgress(str(failed.get("language", snapshot)), snapshot, "failed", error=str(failed.get("error")),
                              since=float(failed.get("since", 0.0)), replica=str(failed.get("replica", "")))
 
-    def _get_json(self, key: str) -> dict[str, Any] | None:
+    def _get_raw(self, key: str) -> tuple[bytes | None, dict[str, Any] | None]:
+        """The object's bytes and their JSON (None if absent; the JSON None if not an object)."""
         assert self.claims is not None
         raw = self.claims.get(key)
         try:
             out = json.loads(raw) if raw is not None else None
         except ValueError:
-            return None
-        return out if isinstance(out, dict) else None
+            return raw, None
+        return raw, out if isinstance(out, dict) else None
 
     def _put_json(self, key: str, value: dict[str, object], *, replace_it: bool = False) -> bool:
-        """Create ``key`` (create-only); ``replace_it``: delete it first (the beat, the failure: only the
-        claim's creation decides anything)."""
+        """Create ``key`` (create-only); ``replace_it``: delete it first (the failure: only the claim's
+        creation decides anything)."""
         assert self.claims is not None
         if replace_it:
             self.claims.delete([key])
         return self.claims.put_new(key, json.dumps(value).encode())
+
+    def _claim(self, language: str, snapshot: str) -> _Claim | None:
+        """Claim ``snapshot``'s build in the shared store (create-only); None if another replica holds it."""
+        assert self.claims is not None
+        body = json.dumps({"language": language, "snapshot": snapshot, "replica": self.me,
+                           "since": time.time()}).encode()
+        return _Claim(snapshot, body) if self.claims.put_new(f"{CLAIMS}/{snapshot}.claim", body) else None
+
+    def _release(self, claim: _Claim, beat: bytes | None = None) -> None:
+        """Remove this replica's claim and its last beat, each only if the shared store still holds what this
+        replica wrote there: a claim taken over meanwhile (this replica gave no news for CLAIM_STALE_S) is
+        the new owner's and stays. A store error is logged (the claim goes stale, and is taken over)."""
+        assert self.claims is not None
+        try:
+            if beat is not None:
+                self.claims.delete_own(f"{CLAIMS}/{claim.snapshot}.beat", beat)
+            if not self.claims.delete_own(f"{CLAIMS}/{claim.snapshot}.claim", claim.body):
+                log.warning(f"the claim on {claim.snapshot} was no longer this replica's (taken over after "
+                            f"{CLAIM_STALE_S:.0f} s without news): left to its owner")
+        except StoreError as exc:
+            log.warning(f"the claim on {claim.snapshot} was not released ({exc.message}); it is taken over once "
+                        f"stale ({CLAIM_STALE_S:.0f} s)")
+
+    @contextlib.contextmanager
+    def _holding(self, claim: _Claim, latest: list[BuildProgress]) -> Iterator[None]:
+        """While the body runs: ``latest[-1]`` (its progress) beaten into the shared store every BEAT_S, as
+        long as the claim is still this replica's; then the claim and the beat released."""
+        assert self.claims is not None
+        claims = self.claims
+        beat_key, claim_key = f"{CLAIMS}/{claim.snapshot}.beat", f"{CLAIMS}/{claim.snapshot}.claim"
+        last: list[bytes] = []  # the beat in the store, as this replica wrote it
+        stop = threading.Event()
+
+        def beat() -> None:
+            while True:
+                if latest:
+                    try:
+                        if claims.get(claim_key) != claim.body:
+                            log.warning(f"the claim on {claim.snapshot} was taken over by another replica: "
+                                        "its progress is no longer reported from here")
+                            return
+                        body = json.dumps({**latest[-1].as_json(), "beat": time.time()}).encode()
+                        if last:
+                            claims.delete_own(beat_key, last.pop())
+                        else:  # a leftover of the claim's previous owner (the claim is ours)
+                            claims.delete([beat_key])
+                        if claims.put_new(beat_key, body):
+                            last.append(body)
+                    except StoreError as exc:
+                        log.debug(f"the beat of {claim.snapshot}'s build: {exc.message}")
+                if stop.wait(BEAT_S):
+                    return
+
+        beater = threading.Thread(target=beat, name=f"rollbox-build-beat-{claim.snapshot}", daemon=True)
+        beater.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            beater.join()
+            self._release(claim, last[-1] if last else None)
 
     def _record(self, snapshot: str) -> BuildProgress | None:
         try:
@@ -297,7 +386,8 @@ class LanguageBuilds:
             fcntl.flock(fd, fcntl.LOCK_EX)
             done = self._built(row.snapshot)
             if done is not None:
-                self._push(language, done)  # (built before the store was shared: the others get it now)
+                if self.remote is not None:  # (built before the store was shared: the others get it now)
+                    self._publish_logged(language, row.snapshot, done)
                 return done
             if self.remote is None:
                 return self._build_locked(language, row.snapshot, row.template, on_progress)
@@ -310,7 +400,6 @@ class LanguageBuilds:
         """With a shared store: its snapshot if it names one; else the build this replica claims, or the
         wait for the one another replica claimed (then its snapshot, or its failure)."""
         assert self.remote is not None
-        claim = f"{CLAIMS}/{snapshot}.claim"
         stale_seen = 0
         waiting: str | None = None
         while True:
@@ -325,16 +414,16 @@ class LanguageBuilds:
                 if self.claims is None:
                     return self._build_locked(language, snapshot, template_file, on_progress)
                 other = self._elsewhere(snapshot)
-                if other is not None and other[0].state == "failed":
+                if other is not None and other.progress.state == "failed":
                     (self.dir / f"{snapshot}.json").unlink(missing_ok=True)
-                    raise SnapshotNotFound(other[0].describe(), snapshot_id=snapshot)
-                if other is None and self._put_json(claim, {"language": language, "snapshot": snapshot,
-                                                            "replica": self.me, "since": time.time()}):
+                    raise SnapshotNotFound(other.progress.describe(), snapshot_id=snapshot)
+                mine = self._claim(language, snapshot) if other is None else None
+                if mine is not None:
                     found = self._in_store(snapshot)  # (built, pushed and unclaimed since the look above,
                     failed = None if found is not None else self._failed_elsewhere(snapshot)  # or failed)
                     if found is None and failed is None:
-                        return self._build_claimed(language, snapshot, template_file, on_progress)
-                    self.claims.delete([claim])
+                        return self._build_claimed(language, mine, template_file, on_progress)
+                    self._release(mine)
                     if failed is not None:
                         (self.dir / f"{snapshot}.json").unlink(missing_ok=True)
                         raise SnapshotNotFound(failed.describe(), snapshot_id=snapshot)
@@ -347,7 +436,7 @@ class LanguageBuilds:
             if other is None:
                 time.sleep(0.1)
                 continue  # another replica claimed it between the look and the claim: look again
-            p, beat = other
+            p, beat = other.progress, other.beat_at
             if waiting is None:
                 waiting = p.replica or "another replica"
                 log.info(f"waiting for the build of {language} on replica {waiting}",
@@ -356,14 +445,15 @@ class LanguageBuilds:
             if stale_seen >= 2:  # (twice: a beat being rewritten is absent for a moment)
                 log.warning(f"the build of {language} on replica {p.replica} gave no news for "
                             f"{time.time() - beat:.0f} s: building it here", extra={"fields": {"language": language}})
-                with contextlib.suppress(StoreError):
-                    self.claims.delete([claim, f"{CLAIMS}/{snapshot}.beat"])
+                with contextlib.suppress(StoreError):  # that claim, not one another replica took over meanwhile
+                    if other.claim is not None and self.claims.delete_own(f"{CLAIMS}/{snapshot}.claim", other.claim):
+                        self.claims.delete([f"{CLAIMS}/{snapshot}.beat"])
                 stale_seen = 0
                 continue
-            mine = replace(p, language=language, pid=os.getpid())
-            self._write(mine)  # this store's status: building (elsewhere) while this process waits
+            theirs = replace(p, language=language, pid=os.getpid())
+            self._write(theirs)  # this store's status: building (elsewhere) while this process waits
             if on_progress is not None:
-                on_progress(mine)
+                on_progress(theirs)
             time.sleep(POLL_S)
 
     def _in_store(self, snapshot: str) -> Manifest | None:
@@ -375,43 +465,25 @@ class LanguageBuilds:
             return None
         return self.remote.get_manifest(sid)
 
-    def _build_claimed(self, language: str, snapshot: str, template_file: str,
+    def _build_claimed(self, language: str, claim: _Claim, template_file: str,
                        on_progress: Callable[[BuildProgress], None] | None) -> Manifest:
         """The build this replica claimed: its progress beaten into the shared store meanwhile, its failure
-        left there for the others, the claim removed at the end (after the push)."""
+        left there for the others, the claim released at the end (after the push)."""
         assert self.claims is not None
-        beat_key, failed_key = f"{CLAIMS}/{snapshot}.beat", f"{CLAIMS}/{snapshot}.failed"
+        snapshot = claim.snapshot
+        failed_key = f"{CLAIMS}/{snapshot}.failed"
         latest: list[BuildProgress] = []
-        stop = threading.Event()
-
-        def beat() -> None:
-            while True:
-                if latest:
-                    try:
-                        self._put_json(beat_key, {**latest[-1].as_json(), "beat": time.time()}, replace_it=True)
-                    except StoreError as exc:
-                        log.debug(f"the beat of {language}'s build: {exc.message}")
-                if stop.wait(BEAT_S):
-                    return
-
-        beater = threading.Thread(target=beat, name=f"rollbox-build-beat-{snapshot}", daemon=True)
-        beater.start()
-        try:
-            manifest = self._build_locked(language, snapshot, template_file, on_progress, tap=latest.append)
-        except Exception as exc:
-            why = exc.message if isinstance(exc, RollboxError) else f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(StoreError):
-                self._put_json(failed_key, {"language": language, "snapshot": snapshot, "replica": self.me,
-                                            "since": time.time(), "error": why[-2000:]}, replace_it=True)
-            raise
-        else:
+        with self._holding(claim, latest):
+            try:
+                manifest = self._build_locked(language, snapshot, template_file, on_progress, tap=latest.append)
+            except Exception as exc:
+                why = exc.message if isinstance(exc, RollboxError) else f"{type(exc).__name__}: {exc}"
+                with contextlib.suppress(StoreError):
+                    self._put_json(failed_key, {"language": language, "snapshot": snapshot, "replica": self.me,
+                                                "since": time.time(), "error": why[-2000:]}, replace_it=True)
+                raise
             with contextlib.suppress(StoreError):
                 self.claims.delete([failed_key])
-        finally:
-            stop.set()
-            beater.join()
-            with contextlib.suppress(StoreError):
-                self.claims.delete([f"{CLAIMS}/{snapshot}.claim", beat_key])
         return manifest
 
     def _push(self, language: str, manifest: Manifest) -> None:
@@ -431,6 +503,101 @@ class LanguageBuilds:
             return
         log.info(f"pushed {language}: snapshot {row.snapshot} = {manifest.id} to {self.remote.url} in "
                  f"{time.time() - started:.0f} s", extra={"fields": {"language": language}})
+
+    # ------------------------------------------------------------------------------ built here, pushed
+    def push_built(self, stop: threading.Event | None = None) -> dict[str, str]:
+        """With a shared store: every language snapshot this home holds that the store does not name, pushed
+        there for the other replicas (a baked image's home has them; replicas started with empty homes then
+        pull instead of building). Per snapshot: skipped while a process here builds it (its build pushes),
+        else ``_publish``. Returns snapshot -> outcome (``_publish``'s, or "failed": a store error, logged);
+        never raises for the store. ``stop`` set: no further snapshot is started."""
+        if self.remote is None:
+            return {}
+        t0 = time.monotonic()
+        firsts: dict[str, str] = {}  # snapshot -> the first language that uses it (bash = debian, go = go_test)
+        for name in languages.SUPPORTED:
+            snapshot = languages.language(name).snapshot
+            if snapshot is not None:
+                firsts.setdefault(snapshot, name)
+        out: dict[str, str] = {}
+        for snapshot, language in sorted(firsts.items()):
+            if stop is not None and stop.is_set():
+                break
+            manifest = self._built(snapshot)
+            if manifest is None:
+                continue
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.dir / f"{snapshot}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    out[snapshot] = "building here"
+                    continue
+                out[snapshot] = self._publish_logged(language, snapshot, manifest)
+            finally:
+                os.close(fd)  # (releases the lock)
+        pushed = sorted(k for k, v in out.items() if v == "pushed")
+        log.info(f"language snapshots built here and pushed to {self.remote.url}: {', '.join(pushed) or 'none'} "
+                 f"({len(out)} here; {time.monotonic() - t0:.1f} s)",
+                 extra={"fields": {"outcomes": out, "store": self.remote.url}})
+        return out
+
+    def _publish_logged(self, language: str, snapshot: str, manifest: Manifest) -> str:
+        """``_publish``, its store errors logged ("failed"): the snapshot is here, the others build it."""
+        assert self.remote is not None
+        try:
+            return self._publish(language, snapshot, manifest)
+        except (RollboxError, OSError) as exc:
+            why = exc.message if isinstance(exc, RollboxError) else str(exc)
+            log.warning(f"{language}: snapshot {snapshot} = {manifest.id} is here but was not pushed to "
+                        f"{self.remote.url}: {why}", extra={"fields": {"language": language}})
+            return "failed"
+
+    def _publish(self, language: str, snapshot: str, manifest: Manifest) -> str:
+        """Push ``snapshot`` (this home's ``manifest``) to the shared store under a build claim, unless the
+        store names it already. Layers the store lacks and the manifest are copied, then the name created
+        only if absent (a name another replica made first is left). Returns "there" (the store names this
+        id), "named other" (another id: left), "claimed" (another replica builds or pushes it), "pushed".
+        The caller holds the snapshot's local lock; raises StoreError."""
+        assert self.remote is not None
+        remote = self.remote
+        named = self._named_there(snapshot)
+        if named is not None:
+            return "there" if named == manifest.id else "named other"
+        claim = self._claim(language, snapshot) if self.claims is not None else None
+        if self.claims is not None and claim is None:
+            log.info(f"{language}: another replica builds or pushes snapshot {snapshot}: not pushed from here",
+                     extra={"fields": {"language": language}})
+            return "claimed"
+        doing = f"pushing the snapshot built on {self.me} to {remote.url}"
+        latest = [BuildProgress(language, snapshot, "building", doing=doing, since=time.time(), pid=os.getpid())]
+        with self._holding(claim, latest) if claim is not None else contextlib.nullcontext():
+            named = self._named_there(snapshot)  # (landed between the look and the claim)
+            if named is not None:
+                return "there" if named == manifest.id else "named other"
+            started = time.monotonic()
+            missing = [ref for ref in manifest.layers if not remote.has_layer(ref.id)]
+            log.info(f"pushing {language}: snapshot {snapshot} = {manifest.id} ({len(missing)} of "
+                     f"{len(manifest.layers)} layers, {sum(r.size_bytes for r in missing) / 1e6:.0f} MB) to "
+                     f"{remote.url}", extra={"fields": {"language": language}})
+            copy_snapshot(self.store, remote, manifest.id, tmp_dir=str(self.store.root / "tmp"))
+            named = remote.create_name(snapshot, manifest.id)
+        if named != manifest.id:
+            log.info(f"{language}: snapshot {snapshot} was named {named} in {remote.url} meanwhile: left so "
+                     f"({manifest.id} is there unnamed)", extra={"fields": {"language": language}})
+            return "named other"
+        log.info(f"pushed {language}: snapshot {snapshot} = {manifest.id} to {remote.url} in "
+                 f"{time.monotonic() - started:.1f} s", extra={"fields": {"language": language}})
+        return "pushed"
+
+    def _named_there(self, snapshot: str) -> str | None:
+        """The id the shared store names ``snapshot``, if it names it (one read, not a listing)."""
+        assert self.remote is not None
+        try:
+            return self.remote.resolve_id(snapshot)
+        except SnapshotNotFound:
+            return None
 
     def _built(self, snapshot: str) -> Manifest | None:
         sid = self.store.names().get(snapshot)

@@ -85,6 +85,11 @@ class Objects(Protocol):
 
     def delete(self, keys: list[str]) -> None: ...
 
+    def delete_own(self, key: str, body: bytes) -> bool:
+        """Delete ``key`` only if it still holds ``body`` (what this writer put there: a claim another
+        writer took over since is theirs, and stays); True if it was deleted, False if it held something
+        else or was absent."""
+
     def requests_sent(self) -> dict[str, int]:
         """Requests sent to a remote store so far, by operation (S3's: GetObject, PutObject, ...); none
         for a directory."""
@@ -213,6 +218,22 @@ class LocalObjects:
             with contextlib.suppress(OSError):
                 if d != self.root:
                     d.rmdir()
+
+    def delete_own(self, key: str, body: bytes) -> bool:
+        """Read, compare, unlink. Not atomic: a writer that replaces the file between the read and the
+        unlink loses its object (the claims that use it are created only while the key is absent, so
+        that needs a takeover in that window)."""
+        path = self._file(key)
+        try:
+            with open(path, "rb") as f:
+                if f.read() != body:
+                    return False
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"cannot delete {path}: {exc}") from exc
+        return True
 
     def requests_sent(self) -> dict[str, int]:
         return {}  # files, not requests

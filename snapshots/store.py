@@ -4,7 +4,8 @@ A store holds three kinds of things, all immutable except names:
 
 - layers, by sha256 (a local store keeps them unpacked, the runtime's ``layer_root``; S3 keeps tars);
 - manifests, by snapshot id (the sha256 of the manifest's canonical JSON);
-- names, ``name -> snapshot id`` (the only mutable entries; the last ``set_name`` wins).
+- names, ``name -> snapshot id`` (the only mutable entries; the last ``set_name`` wins, ``create_name``
+  names only what nobody named).
 
 Everything read from a store is verified against its sha256 before it is used. Stores raise only
 rollbox errors (``SnapshotNotFound``, ``StoreError``, ``StoreUnavailable``, ``IntegrityError``).
@@ -45,6 +46,10 @@ class Store(Protocol):
         """The manifest, verified against its id; ``SnapshotNotFound`` if absent."""
 
     def set_name(self, name: str, snapshot_id: str) -> None: ...
+
+    def create_name(self, name: str, snapshot_id: str) -> str:
+        """Name ``snapshot_id`` only if the name is absent (create-only); returns the id the name points
+        to afterwards: ``snapshot_id``, or the one another writer named first (left as it is)."""
 
     def names(self) -> dict[str, str]: ...
 

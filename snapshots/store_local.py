@@ -218,6 +218,22 @@ class LocalStore:
             raise StoreError(str(exc), snapshot_id=snapshot_id) from None
         _atomic_write(self.root / "names" / name, check_snapshot_id(snapshot_id).encode())
 
+    def create_name(self, name: str, snapshot_id: str) -> str:
+        try:
+            check_name(name)
+        except ValueError as exc:
+            raise StoreError(str(exc), snapshot_id=snapshot_id) from None
+        path = self.root / "names" / name
+        tmp = path.with_name(f".{name}.{os.getpid()}.{time.monotonic_ns()}")
+        _atomic_write(tmp, check_snapshot_id(snapshot_id).encode())
+        try:
+            os.link(tmp, path)  # (fails if the name exists)
+        except FileExistsError:
+            return path.read_text().strip()
+        finally:
+            tmp.unlink()
+        return snapshot_id
+
     def names(self) -> dict[str, str]:
         """Every name and its id. A name never starts with ``.``; those are another writer's temp
         files, and a name removed while listing is skipped."""

@@ -30,6 +30,7 @@ import collections
 import contextlib
 import datetime
 import hashlib
+import logging
 import math
 import os
 import threading
@@ -58,6 +59,7 @@ from rollbox.snapshots.state import REFRESH_AFTER_S
 from rollbox.snapshots.store import ByteCallback, parse_s3_url
 
 MiB = 1024 * 1024
+log = logging.getLogger(__name__)
 _UNREACHABLE = (
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectionClosedError,
@@ -429,6 +431,25 @@ class S3Store:
         self._put_bytes(self._key("names", name), check_snapshot_id(snapshot_id).encode(),
                         f"naming snapshot {snapshot_id} {name!r}", snapshot_id=snapshot_id)
 
+    def create_name(self, name: str, snapshot_id: str) -> str:
+        try:
+            check_name(name)
+        except ValueError as exc:
+            raise StoreError(str(exc), snapshot_id=snapshot_id) from None
+        doing = f"naming snapshot {snapshot_id} {name!r} (if unnamed)"
+        with self._errors(doing, snapshot_id=snapshot_id):
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._key("names", name),
+                                        Body=check_snapshot_id(snapshot_id).encode(), IfNoneMatch="*")
+            except botocore.exceptions.ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", ""))
+                status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+                if status not in (409, 412) and code not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    raise
+                named = self._get_name(name)
+                return named if named is not None else self.create_name(name, snapshot_id)
+        return snapshot_id
+
     def _get_name(self, name: str) -> str | None:
         data = self._get_bytes(self._key("names", name), f"resolving name {name!r}", snapshot_id=name)
         return None if data is None else data.decode().strip()
@@ -528,6 +549,7 @@ class S3Objects:
     def __init__(self, store: S3Store):
         self.store = store
         self.url = store.url
+        self._unconditional_logged = False  # the server refused If-Match on DeleteObject: said once
 
     def requests_sent(self) -> dict[str, int]:
         return self.store.requests_sent()
@@ -652,6 +674,63 @@ class S3Objects:
             batch = [{"Key": st._key(k)} for k in keys[i:i + 1000]]
             with st._errors(f"deleting {len(batch)} objects"):
                 st._client.delete_objects(Bucket=st.bucket, Delete={"Objects": batch, "Quiet": True})
+
+
+    def delete_own(self, key: str, body: bytes) -> bool:
+        """Delete ``key`` only if it holds ``body``: ``DeleteObject`` with ``If-Match`` on the ETag of
+        ``body`` (the MD5 of a single-part put, which is how ``put_new`` writes); where the ETag is not
+        the MD5 (SSE-KMS), the object's own ETag once its body is read and found equal. A server that
+        answers 501 NotImplemented to a conditional delete gets a read, a compare and a plain delete (a
+        writer replacing the object in between loses it). True if deleted; False if it held something
+        else or was absent (S3 answers 412 for both; SeaweedFS 4 too)."""
+        st = self.store
+        full = st._key(key)
+        etag = f'"{hashlib.md5(body, usedforsecurity=False).hexdigest()}"'
+        with st._errors(f"deleting {key} if it is still ours"):
+            for _ in range(2):
+                outcome = self._delete_if_match(full, etag)
+                if outcome == "unconditional":
+                    break
+                if outcome != "differs":
+                    return outcome == "deleted"
+                try:
+                    got = st._client.get_object(Bucket=st.bucket, Key=full)
+                    data: bytes = got["Body"].read()
+                except botocore.exceptions.ClientError as exc:
+                    if str(exc.response.get("Error", {}).get("Code")) in _NOT_FOUND:
+                        return False
+                    raise
+                if data != body or got["ETag"] == etag:
+                    return False
+                etag = got["ETag"]  # ours, under an ETag that is not its MD5: that one
+            else:
+                return False
+            if not self._unconditional_logged:
+                self._unconditional_logged = True
+                log.warning(f"{st.endpoint} does not implement If-Match on DeleteObject (501): objects this "
+                            "replica owns are compared, then deleted without a condition")
+            if st._get_bytes(full, f"reading {key}") != body:
+                return False
+            st._client.delete_object(Bucket=st.bucket, Key=full)
+        return True
+
+    def _delete_if_match(self, full: str, etag: str) -> str:
+        """One conditional delete: "deleted", "differs" (412: another body, or absent) or
+        "unconditional" (the server does not implement the condition)."""
+        st = self.store
+        try:
+            st._client.delete_object(Bucket=st.bucket, Key=full, IfMatch=etag)
+        except botocore.exceptions.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if status == 412 or code == "PreconditionFailed":
+                return "differs"
+            if status == 501 or code == "NotImplemented":
+                return "unconditional"
+            if code in _NOT_FOUND:
+                return "differs"
+            raise
+        return "deleted"
 
 
 def _first_line(exc: BaseException) -> str:

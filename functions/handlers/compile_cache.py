@@ -174,7 +174,7 @@ class CompileCache:
         mine = key not in self._inflight
         if mine:
             self._inflight[key] = fut
-        claim: str | None = None
+        claim: tuple[str, bytes] | None = None  # (its key, the bytes this replica wrote there)
         if mine and self.objects is not None:  # another replica's compile of it, or the claim to make it here
             try:
                 other = await self._claim_or_wait(key, timeout_s)
@@ -189,10 +189,10 @@ class CompileCache:
                 self.hits += 1
                 return other, True
             claim = other
-        beat: tuple[asyncio.Event, asyncio.Task[None]] | None = None
+        beat: tuple[asyncio.Event, asyncio.Task[None], list[bytes]] | None = None
         if claim is not None:
-            stop = asyncio.Event()
-            beat = stop, asyncio.create_task(self._beat(claim, stop))
+            stop, last = asyncio.Event(), list[bytes]()
+            beat = stop, asyncio.create_task(self._beat(claim[0], stop, last)), last
         self.misses += 1
         got: list[Compiled | TimedOut | None] = []
 
@@ -206,10 +206,12 @@ class CompileCache:
                 beat[0].set()
                 await beat[1]
             if claim is not None and self.objects is not None:  # (after the put: a waiter sees the outcome first)
-                try:
-                    await asyncio.to_thread(self.objects.delete, [claim, _beat_key(claim)])
+                try:  # each only if still this replica's: a claim taken over meanwhile is the new owner's
+                    if beat is not None and beat[2]:
+                        await asyncio.to_thread(self.objects.delete_own, _beat_key(claim[0]), beat[2][-1])
+                    await asyncio.to_thread(self.objects.delete_own, *claim)
                 except (RollboxError, OSError) as exc:
-                    log.warning("compile cache: removing the claim %s failed: %s", claim, exc)
+                    log.warning("compile cache: removing the claim %s failed: %s", claim[0], exc)
             if mine:
                 self._inflight.pop(key, None)
                 if not fut.done():
@@ -222,9 +224,9 @@ class CompileCache:
                 await done(None)
         return got[0], False
 
-    async def _beat(self, claim: str, stop: asyncio.Event) -> None:
+    async def _beat(self, claim: str, stop: asyncio.Event, last: list[bytes]) -> None:
         """While this replica holds ``claim``: its beat rewritten every CLAIM_BEAT_S (a failed write is
-        retried at the next)."""
+        retried at the next); ``last`` ends with the beat as this replica last wrote it."""
         assert self.objects is not None
         objects, key = self.objects, _beat_key(claim)
         while True:
@@ -235,13 +237,17 @@ class CompileCache:
                 pass
             body = json.dumps({"replica": self.replica, "beat": time.time()}).encode()
             try:
-                await asyncio.to_thread(objects.delete, [key])
-                await asyncio.to_thread(objects.put_new, key, body)
+                if last:
+                    await asyncio.to_thread(objects.delete_own, key, last[-1])
+                else:  # (a dead holder's, left when its claim was taken over)
+                    await asyncio.to_thread(objects.delete, [key])
+                if await asyncio.to_thread(objects.put_new, key, body):
+                    last[:] = [body]
             except (RollboxError, OSError) as exc:
                 log.debug("compile cache: the beat of %s: %s", claim, exc)
 
-    async def _claim_or_wait(self, key: str, timeout_s: float) -> Compiled | str | None:
-        """Claim ``key``'s compile in the shared store (returns the claim's key: compile it here), or wait
+    async def _claim_or_wait(self, key: str, timeout_s: float) -> Compiled | tuple[str, bytes] | None:
+        """Claim ``key``'s compile in the shared store (returns the claim's key and bytes: compile it here), or wait
         for the replica that claimed it: its outcome (a Compiled); when that replica died, claim it again
         (one of the replicas waiting for it compiles, the others wait for that one). None: compile here,
         unclaimed (the claim went without an outcome: a timeout or a fault; waited too long; a store
@@ -258,8 +264,8 @@ class CompileCache:
                 if await asyncio.to_thread(objects.put_new, claim, body):
                     found = await self.get(key)  # (made and unclaimed since this replica last looked)
                     if found is None:
-                        return claim
-                    await asyncio.to_thread(objects.delete, [claim])
+                        return claim, body
+                    await asyncio.to_thread(objects.delete_own, claim, body)
                     return found
                 outcome = await self._wait_for_claim(key, claim, t0, limit)
                 if outcome != "dead" or time.monotonic() - t0 > limit + CLAIM_GRACE_S:
@@ -288,8 +294,9 @@ class CompileCache:
             if time.time() - last > CLAIM_DEAD_S:
                 log.warning("compile cache: the claim of %s by %s has no beat for %.0f s: claiming it here", key,
                             other["replica"], time.time() - last)
-                if await asyncio.to_thread(objects.get, claim) == raw:  # (not a claim made since by another waiter)
-                    await asyncio.to_thread(objects.delete, [claim, _beat_key(claim)])
+                # that claim only, not one made since by another waiter
+                if await asyncio.to_thread(objects.delete_own, claim, raw):
+                    await asyncio.to_thread(objects.delete, [_beat_key(claim)])
                 return "dead"
             if time.monotonic() - t0 > limit + CLAIM_GRACE_S:
                 return None

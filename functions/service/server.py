@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -389,6 +390,7 @@ class _Replica:
     durable: DurableRuntime | None = None
     recorder: Recorder | None = None
     remote: S3Store | None = None
+    pushing: threading.Event | None = None  # set to stop pushing the home's language snapshots (on exit)
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -439,6 +441,8 @@ async def serve(cfg: ServeConfig) -> int:
         rc = 1 if replica is None else await _serve(cfg, replica, sock, stop, home)
     finally:
         sock.close()
+        if replica is not None and replica.pushing is not None:
+            replica.pushing.set()  # (no further language is started; one being pushed finishes or dies with us)
         for t in warming:
             t.cancel()
         await asyncio.gather(*warming, return_exceptions=True)
@@ -557,7 +561,22 @@ async def _build(cfg: ServeConfig, rt: Runtime, resolver: StoreResolver, home: P
     # with S3: a language is built once for every replica (pushed there, used from there; docs/languages.md)
     runner.builds = LanguageBuilds(resolver.cache.local, remote=remote, claims=objects if remote is not None else None)
     runner.build_on_first_use = cfg.language_builds == "on"
-    return _Replica(rt=rt, service=service, snapshots=snapshots, durable=durable, recorder=recorder, remote=remote)
+    pushing: threading.Event | None = None
+    if remote is not None:  # the language snapshots this home holds (a baked image's), for the other replicas
+        pushing = threading.Event()
+        threading.Thread(target=_push_languages, args=(runner.builds, pushing), name="rollbox-language-push",
+                         daemon=True).start()
+    return _Replica(rt=rt, service=service, snapshots=snapshots, durable=durable, recorder=recorder, remote=remote,
+                    pushing=pushing)
+
+
+def _push_languages(builds: Any, stop: threading.Event) -> None:
+    """``LanguageBuilds.push_built`` on its own thread: the server listens meanwhile; each language's
+    outcome is logged, and nothing it meets stops the server."""
+    try:
+        builds.push_built(stop)
+    except Exception:
+        logger.exception("pushing the language snapshots built here failed")
 
 
 async def _serve(cfg: ServeConfig, replica: _Replica, sock: socket.socket, stop: asyncio.Event, home: Path) -> int:

@@ -306,3 +306,24 @@ async def test_replicas_waiting_for_a_dead_replicas_claim_compile_once_between_t
     got = await asyncio.wait_for(asyncio.gather(*(c.once("k", compiler(i), 10.0) for i, c in enumerate(caches))), 20)
     assert len(compiles) == 1 and sorted(cached for _, cached in got) == [False, True, True], (compiles, got)
     assert caches[0].objects.keys("compiled/") == ["compiled/k.json"]
+
+
+async def test_a_replica_whose_compile_claim_was_taken_over_leaves_the_new_owners_claim(tmp_path: Path) -> None:
+    """Replica A claims a compile; while it compiles, another replica takes the claim over (A's beat looked
+    dead to it). A's compile lands, and its release leaves the new owner's claim in the store."""
+    import json
+
+    objects = LocalObjects(tmp_path / "store")
+    a = CompileCache(objects)
+    theirs = json.dumps({"replica": "b:2", "since": 0.0, "timeout_s": 10.0}).encode()
+    seen: list[bytes | None] = []
+
+    async def compile_(done):  # type: ignore[no-untyped-def]
+        seen.append(objects.get("compiled/k.claim"))
+        objects.delete(["compiled/k.claim"])
+        assert objects.put_new("compiled/k.claim", theirs)
+        await done(OK)
+
+    assert await a.once("k", compile_, 10.0) == (OK, False)
+    assert seen and json.loads(seen[0] or b"{}")["replica"] == a.replica
+    assert objects.get("compiled/k.claim") == theirs and objects.get("compiled/k.json") is not None

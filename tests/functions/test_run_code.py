@@ -617,6 +617,62 @@ async def test_a_language_built_by_one_replica_is_pushed_to_s3_and_another_repli
         assert srv.stop() == 0, srv.log_path.read_text()[-4000:]
 
 
+async def test_a_replica_whose_home_holds_a_language_pushes_it_to_s3_at_start_and_an_empty_replica_runs_it(
+        tmp_path: Path, seaweed: SeaweedS3) -> None:
+    """Replica A: ``rollbox serve --store s3://...`` on a home that holds lua (a baked image's: its manifest and
+    name here, its layers the language test store's, linked, not built): it listens at once and pushes lua
+    to the store on a thread (under a claim, the name create-only), logging each step. Replica B, on an
+    empty home with builds off, lists lua ready in the store and runs it from the pulled snapshot."""
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    if not (LANG_HOME / "names" / "lua").is_file():
+        pytest.skip(f"lua is not built in {LANG_HOME} (rollbox languages build lua --home {LANG_HOME})")
+    sid = (LANG_HOME / "names" / "lua").read_text().strip()
+    aws = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": seaweed.endpoint}
+    store = f"s3://{seaweed.new_bucket()}/p"
+    a = tmp_path / "a"
+    for sub in ("manifests", "names"):
+        (a / sub).mkdir(parents=True)
+    for sub in ("layers", "layers-meta"):
+        (a / sub).symlink_to(LANG_HOME / sub)
+    shutil.copyfile(LANG_HOME / "manifests" / f"{sid}.json", a / "manifests" / f"{sid}.json")
+    (a / "names" / "lua").write_text(sid)
+    args = ("--store", store, "--prewarm", "", "--durability", "off", "--record", "off")
+    srv_a = start_server(tmp_path / "log-a", "--home", str(a), *args, env=aws)
+    srv_b = None
+    try:
+        deadline = time.monotonic() + 120
+        while not any(str(r.get("msg", "")).startswith("language snapshots built here and pushed")
+                      for r in srv_a.log_records()):
+            assert time.monotonic() < deadline and srv_a.proc.poll() is None, srv_a.log_path.read_text()[-4000:]
+            await asyncio.sleep(0.2)
+        msgs = [str(r.get("msg", "")) for r in srv_a.log_records()]
+        pushing = next(i for i, m in enumerate(msgs) if m.startswith("pushing lua: snapshot lua = " + sid))
+        pushed = next(i for i, m in enumerate(msgs) if m.startswith(f"pushed lua: snapshot lua = {sid} to {store}"))
+        assert msgs.index("listening") < pushed and pushing < pushed, msgs  # (startup did not wait for it)
+        assert msgs[-1].startswith(f"language snapshots built here and pushed to {store}: lua (1 here;"), msgs
+        s3 = store_factory(seaweed)(store)
+        assert s3.names() == {"lua": sid} and S3Objects(s3).keys("language-builds/") == []
+
+        srv_b = start_server(tmp_path / "log-b", "--home", str(tmp_path / "b"), *args, "--language-builds", "off",
+                             env=aws)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
+            langs = {r["language"]: r for r in (await http.get(srv_b.url + "languages")).json()}
+            assert (langs["lua"]["state"], langs["lua"]["where"], langs["lua"]["snapshot_id"]) == ("ready", "store", sid)
+            body = {"code": "print(40 + 2)", "language": "lua", "run_timeout": 30}
+            r = await http.post(srv_b.url + "run_code", json=body)
+            assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "42\n", r.text
+            langs = {r["language"]: r for r in (await http.get(srv_b.url + "languages")).json()}
+            assert (langs["lua"]["state"], langs["lua"]["where"]) == ("ready", "here")  # pulled
+        msgs_b = [str(r.get("msg", "")) for r in srv_b.log_records()]
+        assert "language snapshots built here and pushed to " + store + ": none (0 here; " in " ".join(msgs_b)
+    finally:
+        if srv_b is not None:
+            assert srv_b.stop() == 0, srv_b.log_path.read_text()[-4000:]
+        assert srv_a.stop() == 0, srv_a.log_path.read_text()[-4000:]
+
+
 async def test_the_python_client_runs_a_language_with_cases(srv: ServerProc) -> None:
     from rollbox.functions.client import Client
 

@@ -415,3 +415,74 @@ def test_a_replica_that_claims_a_build_just_after_another_ones_failed_gets_that_
     with pytest.raises(language_builds.SnapshotNotFound, match=f"building bash on replica {a.me} failed"):
         b.build("bash")
     assert b.started == 0 and b.claims.keys("language-builds/") == ["language-builds/bash.failed"]
+
+
+def test_a_replica_whose_claim_was_taken_over_releases_nothing_of_the_new_owners(
+        tmp_path: Path, s3_url: str, make_s3: Any) -> None:
+    """Replica A claims bash's build; while it builds, replica B takes the claim over (A gave no news for
+    too long). A finishes and pushes, and its release leaves B's claim where it is."""
+    import json
+    import time
+
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "bash.yaml").write_text("name: bash\nwarm: {imports: [json]}\n")
+    a = _shared_builds(tmp_path / "a", s3_url, make_s3, templates)
+    key = "language-builds/bash.claim"
+    theirs = json.dumps({"language": "bash", "snapshot": "bash", "replica": "b:2", "since": time.time()}).encode()
+    seen: list[bytes | None] = []
+
+    def take_over(_: Any) -> None:
+        if not seen:
+            seen.append(a.claims.get(key))  # A's claim, as B found it stale
+            a.claims.delete([key])
+            assert a.claims.put_new(key, theirs)
+
+    built = a.build("bash", on_progress=take_over)
+    assert seen and json.loads(seen[0] or b"{}")["replica"] == a.me
+    assert a.started == 1 and a.remote.names()["bash"] == built.id
+    assert a.claims.get(key) == theirs  # B's claim stays B's to release
+
+
+def test_a_home_holding_a_language_pushes_it_under_a_claim_create_only_and_a_store_error_is_only_logged(
+        tmp_path: Path, s3_url: str, make_s3: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A home that built bash before it shared a store (a baked image's) pushes it at start (``push_built``,
+    what ``rollbox serve --store s3://...`` runs on a thread): not while another replica holds its claim,
+    once the claim is gone (layers, manifest, name; no claim left), not again once there, never over a
+    name another replica made, and a store that cannot be reached is logged, not raised."""
+    import json
+    import time
+
+    from rollbox.snapshots.language_builds import LanguageBuilds
+    from rollbox.snapshots.store_s3 import S3Objects, S3Store
+
+    from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, free_ports
+
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "bash.yaml").write_text("name: bash\nwarm: {imports: [json]}\n")
+    built = LanguageBuilds(LocalStore(tmp_path / "a"), templates).build("bash")
+    a = _shared_builds(tmp_path / "a", s3_url, make_s3, templates)
+    claim = json.dumps({"replica": "b:2", "since": time.time()}).encode()
+    assert a.claims.put_new("language-builds/bash.claim", claim)
+    assert a.push_built() == {"bash": "claimed"} and "bash" not in a.remote.names()
+    assert a.claims.get("language-builds/bash.claim") == claim
+    a.claims.delete(["language-builds/bash.claim"])
+    assert a.push_built() == {"bash": "pushed"}
+    assert a.remote.names() == {"bash": built.id} and a.remote.get_manifest(built.id) == built
+    assert all(a.remote.has_layer(ref.id) for ref in built.layers) and a.claims.keys("language-builds/") == []
+    assert a.push_built() == {"bash": "there"}
+    third = _shared_builds(tmp_path / "a", s3_url.replace("/snapshots", "/third"), make_s3, templates)
+    assert third.build("bash") == built and third.started == 0  # (a build asked for: the same push)
+    assert third.remote.names() == {"bash": built.id} and third.claims.keys("language-builds/") == []
+
+    other = _shared_builds(tmp_path / "a", s3_url.replace("/snapshots", "/other"), make_s3, templates)
+    other.remote.set_name("bash", "0" * 64)  # another replica's bash, named first
+    assert other.push_built() == {"bash": "named other"} and other.remote.names() == {"bash": "0" * 64}
+
+    (port,) = free_ports(1)
+    remote = S3Store(s3_url, endpoint_url=f"http://127.0.0.1:{port}", access_key_id=ACCESS_KEY,
+                     secret_access_key=SECRET_KEY, max_attempts=1)
+    gone = LanguageBuilds(LocalStore(tmp_path / "a"), templates, remote=remote, claims=S3Objects(remote))
+    assert gone.push_built() == {"bash": "failed"}
+    assert any("is here but was not pushed" in r.message and "unreachable" in r.message for r in caplog.records)

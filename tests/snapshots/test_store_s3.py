@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import http.client
+import http.server
 import os
 import socket
+import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,7 @@ from rollbox.runtime.errors import IntegrityError, SnapshotNotFound, StoreError,
 from rollbox.snapshots.cache import LayerCache
 from rollbox.snapshots.layers import layer_id
 from rollbox.snapshots.resolver import StoreResolver
+from rollbox.snapshots.state import LocalObjects, Objects
 from rollbox.snapshots.store import copy_snapshot
 from rollbox.snapshots.store_local import LocalStore
 from rollbox.snapshots.store_s3 import S3Objects, S3Store
@@ -271,3 +277,137 @@ def test_durable_state_calls_use_the_endpoint_botocore_found_in_the_environment(
     objects = S3Objects(s3)
     assert objects.put_new("sandboxes/sb-env/000000000000.json", b"env") is True
     assert objects.get("sandboxes/sb-env/000000000000.json") == b"env"
+
+
+# ----------------------------------------------------------------------- objects released only by their owner
+
+
+def _take_over(objects: Objects, key: str, body: bytes) -> None:
+    """What a replica taking over a stale claim does: the old one deleted, its own created."""
+    objects.delete([key])
+    assert objects.put_new(key, body)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_delete_own_removes_an_object_only_while_it_holds_what_this_writer_put(
+        where: str, tmp_path: Path, s3_url: str, make_s3: S3Factory) -> None:
+    """A claim taken over by another owner survives its first owner's release; the owner's own release
+    removes it; an absent key is nobody's."""
+    objects: Objects = LocalObjects(tmp_path / "objects") if where == "local" else S3Objects(make_s3(s3_url))
+    key = "language-builds/lua.claim"
+    first, second = b'{"replica": "a:1"}', b'{"replica": "b:2"}'
+    assert objects.put_new(key, first)
+    _take_over(objects, key, second)
+    assert objects.delete_own(key, first) is False
+    assert objects.get(key) == second
+    assert objects.delete_own(key, second) is True
+    assert objects.get(key) is None and objects.keys("language-builds/") == []
+    assert objects.delete_own(key, second) is False
+
+
+def test_seaweedfs_honours_if_match_on_delete_and_an_etag_that_is_not_the_md5_still_releases(
+        s3_url: str, make_s3: S3Factory, seaweed: SeaweedS3) -> None:
+    """The condition delete_own relies on, asked of the real server: DeleteObject with an If-Match that
+    does not match is refused (412) and the object stays. An object whose ETag is not the MD5 of its
+    body (a multipart upload's, as SSE-KMS gives too) is still released by its owner, by its own ETag."""
+    import botocore.exceptions
+
+    s3 = make_s3(s3_url)
+    objects = S3Objects(s3)
+    key = "language-builds/bash.claim"
+    assert objects.put_new(key, b"theirs")
+    with pytest.raises(botocore.exceptions.ClientError) as refused:
+        s3._client.delete_object(Bucket=s3.bucket, Key=s3._key(key), IfMatch='"0123456789abcdef0123456789abcdef"')
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    assert objects.get(key) == b"theirs"
+    sent = s3.requests_sent().get("DeleteObject", 0)
+    assert objects.delete_own(key, b"theirs") is True and objects.get(key) is None
+    assert s3.requests_sent()["DeleteObject"] == sent + 1  # one conditional delete, nothing read first
+
+    body = b"mine, in one part of a multipart upload"
+    up = s3._client.create_multipart_upload(Bucket=s3.bucket, Key=s3._key(key))
+    part = s3._client.upload_part(Bucket=s3.bucket, Key=s3._key(key), UploadId=up["UploadId"], PartNumber=1, Body=body)
+    done = s3._client.complete_multipart_upload(Bucket=s3.bucket, Key=s3._key(key), UploadId=up["UploadId"],
+                                                MultipartUpload={"Parts": [{"ETag": part["ETag"], "PartNumber": 1}]})
+    assert done["ETag"].strip('"') != hashlib.md5(body, usedforsecurity=False).hexdigest()
+    assert objects.delete_own(key, b"not mine") is False and objects.get(key) == body
+    assert objects.delete_own(key, body) is True and objects.get(key) is None
+
+
+class _NoConditionalDelete(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint that does not implement If-Match on DeleteObject (older S3-compatible servers): a
+    proxy to SeaweedFS answering 501 NotImplemented to such a delete, passing everything else through."""
+
+    protocol_version = "HTTP/1.1"
+    upstream = ""
+    refused: list[str] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _relay(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.command == "DELETE" and "If-Match" in self.headers:
+            type(self).refused.append(self.path)
+            self._answer(501, {"Content-Type": "application/xml"},
+                         b"<Error><Code>NotImplemented</Code><Message>A header you provided implies "
+                         b"functionality that is not implemented</Message></Error>")
+            return
+        conn = http.client.HTTPConnection(urllib.parse.urlsplit(self.upstream).netloc, timeout=10)
+        try:
+            conn.request(self.command, self.path, body=body or None, headers=dict(self.headers.items()))
+            resp = conn.getresponse()
+            data = resp.read()
+            headers = {k: v for k, v in resp.getheaders() if k.lower() not in ("transfer-encoding", "connection")}
+            self._answer(resp.status, headers, data)
+        finally:
+            conn.close()
+
+    def _answer(self, status: int, headers: dict[str, str], data: bytes) -> None:
+        self.send_response(status)
+        for k, v in headers.items():
+            if k.lower() != "content-length":
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _relay
+
+
+def test_a_server_without_conditional_deletes_gets_a_read_a_compare_and_a_plain_delete(
+        s3_url: str, seaweed: SeaweedS3, caplog: pytest.LogCaptureFixture) -> None:
+    from .s3server import ACCESS_KEY, SECRET_KEY
+
+    handler = type("Handler", (_NoConditionalDelete,), {"upstream": seaweed.endpoint, "refused": []})
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    serving = threading.Thread(target=proxy.serve_forever, daemon=True)
+    serving.start()
+    try:
+        objects = S3Objects(S3Store(s3_url, endpoint_url=f"http://127.0.0.1:{proxy.server_address[1]}",
+                                    access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY, max_attempts=2))
+        key = "language-builds/go.claim"
+        assert objects.put_new(key, b"first")
+        _take_over(objects, key, b"second")
+        assert objects.delete_own(key, b"first") is False and objects.get(key) == b"second"
+        assert objects.delete_own(key, b"second") is True and objects.get(key) is None
+        assert len(handler.refused) == 2  # each asked with If-Match once (501 is not retried)
+        assert sum("does not implement If-Match on DeleteObject" in r.message for r in caplog.records) == 1
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+        serving.join(5)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_create_name_names_only_what_nobody_named(where: str, tmp_path: Path, s3_url: str,
+                                                  make_s3: S3Factory) -> None:
+    store = LocalStore(tmp_path / "store") if where == "local" else make_s3(s3_url)
+    first, second = "1" * 64, "2" * 64
+    assert store.create_name("lua", first) == first
+    assert store.create_name("lua", second) == first and store.resolve_id("lua") == first
+    store.set_name("lua", second)  # (set_name still re-points it)
+    assert store.create_name("lua", first) == second
+    with pytest.raises(StoreError):
+        store.create_name("../x", first)
