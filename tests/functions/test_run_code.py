@@ -281,6 +281,24 @@ async def test_same_program_compiles_once_and_concurrent_cases_share_the_compile
     assert len(cached) >= 3  # kept in the store the replicas share
 
 
+async def test_a_compile_whose_artifacts_are_over_the_bound_is_not_kept_and_each_run_still_succeeds(
+        http: httpx.AsyncClient, srv: ServerProc) -> None:
+    """A binary of 20 MiB (an initialized array): its base64 is over what a sandbox reads back for one file, so it
+    was kept cut short and the next run of the program failed unpacking it. Over MAX_ARTIFACT_BYTES the compile
+    is not kept: each run compiles, and succeeds."""
+    from rollbox.functions.handlers.compile_cache import MAX_ARTIFACT_BYTES
+
+    big = 20 << 20
+    assert big > MAX_ARTIFACT_BYTES
+    code = (f"#include <cstdio>\nchar big[{big}] = {{1}};\nint main(){{big[{big} - 1] = 2; "
+            f"std::printf(\"%d\\n\", big[0] + big[{big} - 1]);}}\n// {uuid.uuid4()}\n")
+    for attempt in range(2):
+        r = await run_code(http, srv, code=code, language="cpp")
+        assert (r["status"], r["run_result"]["stdout"]) == ("Success", "3\n"), (attempt, r)
+        assert r["compile_result"].get("cached") is None, (attempt, r)  # compiled each time
+    assert "compile not kept: its artifacts are not under" in srv.log_path.read_text()
+
+
 async def test_cases_waiting_for_a_compile_that_timed_out_get_its_timeout_without_compiling_again(
         http: httpx.AsyncClient, srv: ServerProc) -> None:
     """verl's pattern on an overloaded machine: four cases of one program, whose one compile runs out of its
