@@ -77,8 +77,13 @@ _ROWS = (
              note="JUnit 5.9 console launcher (Debian's junit5); SandboxFusion has 1.8.2's"),
     Language("go", "go", "main.go", compile="go build -o main main.go", run="./main", artifacts=("main",),
              template="go.yaml", note="Go 1.19, GOPATH mode with testify (no module downloads at run time)"),
-    Language("go_test", "go_test", "main_test.go", run="go test main_test.go", tests="go test",
-             template="go_test.yaml", note="Go 1.19, GOPATH mode with testify"),
+    # the test binary compiled once (go test -c runs go test's vet checks too), run as go test runs it: with
+    # -test.paniconexit0 a test calling os.Exit(0) fails, as under go test (else the binary exits 0)
+    Language("go_test", "go_test", "main_test.go", compile="go test -c -o main.test main_test.go",
+             run="./main.test -test.paniconexit0 -test.timeout=10m0s", artifacts=("main.test",), tests="go test",
+             template="go_test.yaml",
+             note="Go 1.19, GOPATH mode with testify; the test binary is compiled once (SandboxFusion runs "
+                  "go test main_test.go: the same verdict, exit 0 = all passed; its report says PASS, not ok)"),
     Language("nodejs", "nodejs", "main.js", run="node main.js", template="nodejs.yaml", note="Node.js 18"),
     Language("typescript", "typescript", "main.ts",
              compile="esbuild main.ts --outfile=main.js --format=cjs --platform=node --log-level=warning",

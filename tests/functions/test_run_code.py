@@ -502,6 +502,35 @@ async def test_every_language_whose_snapshot_is_built_runs(http: httpx.AsyncClie
             assert r["compile_result"].get("cached") is True, r
 
 
+GO_TESTS = 'package main\nimport (\n"os"\n"testing"\n"github.com/stretchr/testify/assert"\n)\nvar _, _ = os.Exit, assert.Equal\n'
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    ("func TestSum(t *testing.T){ assert.Equal(t, 2, 1+1) }", "Success", "PASS"),
+    ("func TestSum(t *testing.T){ assert.Equal(t, 3, 1+1) }", "Failed", "--- FAIL: TestSum"),
+    ("func TestExit(t *testing.T){ os.Exit(0) }", "Failed", "os.Exit(0) during test"),  # as under go test
+    ("func TestPanic(t *testing.T){ var m map[int]int; m[1] = 1 }", "Failed", "panic"),
+])
+async def test_go_test_compiles_the_test_binary_once_with_go_tests_verdicts(http: httpx.AsyncClient, srv: ServerProc,
+                                                                            body: str, status: str, says: str) -> None:
+    """verl sends a go_test program once per case: its test binary is compiled once (go test -c), and each run
+    runs it, with the verdict go test gives (exit 0 = every test passed), the second time from the cache."""
+    if not (LANG_HOME / "names" / "go_test").exists():
+        pytest.skip(f"the go_test snapshot is not in {LANG_HOME}")
+    code = f"{GO_TESTS}{body}\n// {uuid.uuid4()}\n"
+    for attempt in range(2):
+        r = await run_code(http, srv, code=code, language="go_test")
+        assert (r["status"], r["compile_result"]["return_code"]) == (status, 0), (attempt, r)
+        assert r["compile_result"].get("cached") is (True if attempt else None), (attempt, r)
+        assert says in r["run_result"]["stdout"] + r["run_result"]["stderr"], (attempt, r)
+    # go test's vet checks fail the compile, as they fail go test (kept: the same source fails the same way)
+    bad = f'{GO_TESTS}func TestF(t *testing.T){{ t.Logf("%d", "x") }}\n// {uuid.uuid4()}\n'
+    for attempt in range(2):
+        r = await run_code(http, srv, code=bad, language="go_test")
+        assert (r["status"], r["run_result"]) == ("Failed", None), (attempt, r)
+        assert "wrong type string" in r["compile_result"]["stderr"] + r["compile_result"]["stdout"], r
+
+
 async def test_full_is_504_with_retry_after_which_verl_retries(lang_store: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
