@@ -59,6 +59,20 @@ BABEL_CONFIG = """module.exports = {
 """
 
 # no transform at run time: the compile step made JavaScript (loading babel's presets was most of a jest run)
+# kotlin_script: the script compiled once (its class Main, whose constructor runs it), run by this main as
+# `kotlinc -script` runs it: an exception as it prints it (the exception and the script's frames, no cause), exit 3
+KTS_MAIN = """fun main(args: Array<String>) {
+    try {
+        Main(args)
+    } catch (e: Throwable) {
+        System.err.println(e)
+        for (frame in e.stackTrace.takeWhile { it.className != "RollboxKtsKt" }) System.err.println("\\tat $frame")
+        kotlin.system.exitProcess(3)
+    }
+}
+"""
+KOTLIN_CP = ":".join(f"/usr/share/java/kotlin-{jar}.jar" for jar in ("stdlib", "script-runtime", "reflect"))
+
 JEST_PACKAGE = '{"name": "coderunner", "version": "1.0.0", "jest": {"maxWorkers": 1, "transform": {}}}\n'
 
 _ROWS = (
@@ -108,8 +122,11 @@ _ROWS = (
     Language("R", "r", "main.R", run="Rscript main.R", template="R.yaml", note="R 4.2 (base packages)"),
     Language("scala", "scala", "main.scala", compile="scalac main.scala", run="scala {name}",
              artifacts=("*.class",), template="scala.yaml", name_from="scala_object", note="Scala 2.11"),
-    Language("kotlin_script", "kotlin_script", "main.kts", run="kotlinc -script main.kts",
-             template="kotlin_script.yaml", note="Kotlin 1.3 (Debian's kotlin)"),
+    Language("kotlin_script", "kotlin_script", "main.kts", compile="kotlinc main.kts RollboxKts.kt -d .",
+             run=f"{JAVA} -Xmx256M -Xms32M -cp .:{KOTLIN_CP} RollboxKtsKt", artifacts=("*.class",),
+             template="kotlin_script.yaml", extra_files={"RollboxKts.kt": KTS_MAIN},
+             note="Kotlin 1.3 (Debian's kotlin); the script compiled once and run on the JVM with kotlinc's heap "
+                  "(SandboxFusion runs kotlinc -script main.kts: the same output and exit status)"),
     Language("csharp", "csharp", "main.cs", compile="mcs -out:main.exe main.cs", run="mono main.exe",
              artifacts=("main.exe",), template="csharp.yaml",
              note="Mono 6.8's mcs (C# 7; SandboxFusion runs .NET, which Debian does not package)"),

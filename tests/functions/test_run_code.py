@@ -560,6 +560,36 @@ async def test_jest_transpiles_typescript_once_with_jests_verdicts(http: httpx.A
     assert (r["status"], r["run_result"]) == ("Failed", None) and "SyntaxError" in r["compile_result"]["stderr"], r
 
 
+KTS_SUM = 'val (a, b) = readLine()!!.trim().split(" ").map { it.toLong() }\nclass Sum(val v: Long)\n'
+
+
+@pytest.mark.parametrize(("body", "stdin", "status", "code", "out", "err"), [
+    ("println(listOf(a, b).map { Sum(it).v }.sum())", "40 2", "Success", 0, "42\n", ""),
+    ('if (a > b) throw IllegalStateException("boom")\nprintln(a)', "3 2", "Failed", 3, "",
+     "java.lang.IllegalStateException: boom\n\tat Main.<init>(main.kts:3)\n"),  # as kotlinc -script prints it
+    ("kotlin.system.exitProcess(7)", "1 2", "Failed", 7, "", ""),
+])
+async def test_kotlin_script_compiles_once_with_kotlinc_scripts_output(http: httpx.AsyncClient, srv: ServerProc,
+                                                                        body: str, stdin: str, status: str, code: int,
+                                                                        out: str, err: str) -> None:
+    """A kotlin_script program is compiled once (its class and a main that runs it); each run runs it on the JVM
+    with what `kotlinc -script` gives: its output, exit status, an exception's report (status 3); the second run
+    from the compile cache."""
+    if not (LANG_HOME / "names" / "kotlin_script").exists():
+        pytest.skip(f"the kotlin_script snapshot is not in {LANG_HOME}")
+    program = f"{KTS_SUM}{body}\n// {uuid.uuid4()}\n"
+    for attempt in range(2):
+        r = await run_code(http, srv, code=program, language="kotlin_script", stdin=stdin, memory_limit_MB=1024,
+                           compile_timeout=120)
+        assert (r["status"], r["compile_result"]["return_code"]) == (status, 0), (attempt, r)
+        assert r["compile_result"].get("cached") is (True if attempt else None), (attempt, r)
+        run = r["run_result"]
+        assert (run["return_code"], run["stdout"], run["stderr"]) == (code, out, err), (attempt, r)
+    r = await run_code(http, srv, code=f"val x: Int = \"no\"\n// {uuid.uuid4()}\n", language="kotlin_script",
+                       memory_limit_MB=1024, compile_timeout=120)
+    assert (r["status"], r["run_result"]) == ("Failed", None) and "type mismatch" in r["compile_result"]["stderr"], r
+
+
 async def test_full_is_504_with_retry_after_which_verl_retries(lang_store: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
