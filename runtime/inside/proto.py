@@ -217,7 +217,7 @@ class SpawnParams(TypedDict, total=False):
     nofile: int  # the rlimits (runtime.rlimit_params)
     fsize_bytes: int
     nproc: int
-    as_bytes: int
+    data_bytes: int
     nice: int
     userns: bool  # a user namespace is passed as the first fd after the socket
     netns: bool  # a network namespace is passed next (runtime/netns.py): joined, not made

@@ -10,16 +10,18 @@ import resource
 FALLBACK_NICE = 10
 
 
-def apply(nofile: int, fsize_bytes: int, nproc: int | None = None, as_bytes: int | None = None,
+def apply(nofile: int, fsize_bytes: int, nproc: int | None = None, data_bytes: int | None = None,
           nice: int | None = None) -> None:
-    """core 0, nofile, fsize; nproc, address space and a raised nice value only where cgroups cannot
-    limit pids, memory and CPU."""
+    """core 0, nofile, fsize; nproc, data and a raised nice value only where cgroups cannot limit pids,
+    memory and CPU. Memory is RLIMIT_DATA, not RLIMIT_AS: since Linux 4.7 it counts the private writable
+    mappings (brk and anonymous mmap: the memory a program fills), not the ranges it only reserves
+    (PROT_NONE), so a JVM, V8 or lld that reserves gigabytes of address space still starts."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_bytes, fsize_bytes))
     if nproc is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    if as_bytes is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (as_bytes, as_bytes))
+    if data_bytes is not None:
+        resource.setrlimit(resource.RLIMIT_DATA, (data_bytes, data_bytes))
     if nice is not None:
         os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))  # never lowered
