@@ -221,6 +221,8 @@ def cgroups(backend: Backend | None, reason: str, group: Group | None, pid: int 
         out = "none (disabled by the runtime's configuration)" if reason == "disabled" else f"none ({reason})"
         if rlimits is not None:
             cap = f"RLIMIT_DATA {_size(rlimits['data_bytes'])}" if "data_bytes" in rlimits else "memory not limited"
+            if "as_bytes" in rlimits:
+                cap += f" (RLIMIT_AS {_size(rlimits['as_bytes'])} as a backstop for shared mappings)"
             cap += f", RLIMIT_NPROC {rlimits['nproc']}" if "nproc" in rlimits else ", pids not limited"
             return out + f"; fell back to rlimits: {cap}; cpu not limited"
         return out + "; memory and pids fall back to rlimits (RLIMIT_DATA, RLIMIT_NPROC), cpu is not limited"
@@ -294,6 +296,8 @@ def rlimits(params: Mapping[str, int] | None, facts: Mapping[str, Any] | None, i
                                                " (counted across every process of its host uid)")
     if "data_bytes" in params:
         out += f", data {_size(params['data_bytes'])}"
+    if "as_bytes" in params:
+        out += f", address space {_size(params['as_bytes'])}"
     if "nice" in params:
         out += f", nice {params['nice']}"
     return out

@@ -218,6 +218,7 @@ class SpawnParams(TypedDict, total=False):
     fsize_bytes: int
     nproc: int
     data_bytes: int
+    as_bytes: int
     nice: int
     userns: bool  # a user namespace is passed as the first fd after the socket
     netns: bool  # a network namespace is passed next (runtime/netns.py): joined, not made
