@@ -220,10 +220,12 @@ def cgroups(backend: Backend | None, reason: str, group: Group | None, pid: int 
     if backend is None:
         out = "none (disabled by the runtime's configuration)" if reason == "disabled" else f"none ({reason})"
         if rlimits is not None:
-            cap = f"RLIMIT_AS {_size(rlimits['as_bytes'])}" if "as_bytes" in rlimits else "memory not limited"
+            cap = f"RLIMIT_DATA {_size(rlimits['data_bytes'])}" if "data_bytes" in rlimits else "memory not limited"
+            if "as_bytes" in rlimits:
+                cap += f" (RLIMIT_AS {_size(rlimits['as_bytes'])} as a backstop for shared mappings)"
             cap += f", RLIMIT_NPROC {rlimits['nproc']}" if "nproc" in rlimits else ", pids not limited"
             return out + f"; fell back to rlimits: {cap}; cpu not limited"
-        return out + "; memory and pids fall back to rlimits (RLIMIT_AS, RLIMIT_NPROC), cpu is not limited"
+        return out + "; memory and pids fall back to rlimits (RLIMIT_DATA, RLIMIT_NPROC), cpu is not limited"
     out = f"{backend.name}: {reason}; {_backend_where(backend)}"
     if pid is None:
         return out + "; one group per sandbox with its limits"
@@ -274,14 +276,14 @@ def cpu(backend: Backend | None, group: Group | None, limits: Limits | None,
 def _rlimit(name: str, soft: int) -> str:
     if soft < 0:
         return "unlimited"
-    return _size(soft) if name in ("fsize", "as") else str(soft)
+    return _size(soft) if name in ("fsize", "data", "as") else str(soft)
 
 
 def rlimits(params: Mapping[str, int] | None, facts: Mapping[str, Any] | None, in_cgroup: bool,
             own_userns: bool) -> str:
     if params is None:  # the runtime's view: the rule, and what the latest probed sandbox read back
         out = "per sandbox: core 0, nofile and fsize from its limits"
-        out += "" if in_cgroup else ", nproc and address space too (no cgroup)"
+        out += "" if in_cgroup else ", nproc and data (memory) too (no cgroup)"
         why = _errors(facts, "rlimits")
         if why or facts is None:
             return f"{out}; {why or NOT_READ}"
@@ -292,6 +294,8 @@ def rlimits(params: Mapping[str, int] | None, facts: Mapping[str, Any] | None, i
     if "nproc" in params:
         out += f", nproc {params['nproc']}" + (" (counted in its own user namespace)" if own_userns else
                                                " (counted across every process of its host uid)")
+    if "data_bytes" in params:
+        out += f", data {_size(params['data_bytes'])}"
     if "as_bytes" in params:
         out += f", address space {_size(params['as_bytes'])}"
     if "nice" in params:

@@ -40,7 +40,6 @@ from rollbox.runtime.spec import Limits
 __all__ = ["Restorer", "rlimit_params"]
 
 log = logging.getLogger("rollbox.runtime")
-MiB = 1024 * 1024
 
 
 def _hold_mount_ns(pid: int, pidfd: int) -> int:
@@ -59,8 +58,10 @@ def _hold_mount_ns(pid: int, pidfd: int) -> int:
 
 def rlimit_params(limits: Limits, in_cgroup: bool, nproc_first: bool = False) -> dict[str, int]:
     """The rlimits a sandbox is given (runtime/isolation/rlimits.py). Without a cgroup, pids and memory
-    fall back to RLIMIT_NPROC (counted per user namespace) and RLIMIT_AS (with room for the mappings
-    an interpreter has that are not memory use), and CPU to a raised nice value.
+    fall back to RLIMIT_NPROC (counted per user namespace) and RLIMIT_DATA at the memory limit (the
+    private writable mappings a program fills, not the address space it reserves: RLIMIT_AS would stop a
+    JVM, V8 or lld from starting; it is set only as a backstop 4 GiB above, for the shared mappings
+    RLIMIT_DATA does not count), and CPU to a raised nice value.
 
     ``nproc_first``: RLIMIT_NPROC at the pids limit in a cgroup too, for a sandbox whose processes
     run as a host uid of its own (where it counts that sandbox alone) in a group that keeps its
@@ -71,8 +72,9 @@ def rlimit_params(limits: Limits, in_cgroup: bool, nproc_first: bool = False) ->
     params = {"nofile": limits.nofile_max, "fsize_bytes": limits.file_size_max_bytes}
     if not in_cgroup or nproc_first:
         params["nproc"] = limits.pids_max
-    if not in_cgroup:  # in a cgroup memory is the cgroup's: an address-space cap stops JVMs, V8 and lld
-        params["as_bytes"] = limits.memory_max_bytes + 256 * MiB
+    if not in_cgroup:  # in a cgroup memory is the cgroup's (and no rlimit caps memory)
+        params["data_bytes"] = limits.memory_max_bytes
+        params["as_bytes"] = limits.memory_max_bytes + rlimits.AS_BACKSTOP_BYTES  # shared mappings: bounded
         params["nice"] = rlimits.FALLBACK_NICE
     return params
 

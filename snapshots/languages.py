@@ -13,7 +13,13 @@ Debian 12's toolchains; where Debian has another tool the row says so in ``note`
 Languages Debian 12 does not package have ``snapshot=None`` and ``unsupported`` saying why:
 ``plan()`` refuses them with an error naming the language.
 
-    plan = languages.plan("cpp", code)
+A JVM sizes its heap from the machine's memory, not the sandbox's, when no cgroup it can read says
+otherwise (without a cgroup the limit is RLIMIT_DATA: a JVM whose heap may grow to a quarter of the host's
+memory crashes, "committing reserved memory", once it grows past the limit): ``plan(..., memory_max_bytes=)`` gives
+the JVM rows' java (and javac, scala, scalac, kotlinc, through ``-J``) ``-XX:MaxRAM`` at the sandbox's
+limit, so the heap is 75% of it and a program over it is an OutOfMemoryError (a runtime error).
+
+    plan = languages.plan("cpp", code, memory_max_bytes=1 << 30)
     plan.snapshot, plan.files, plan.compile, plan.run, plan.artifacts
 """
 
@@ -26,7 +32,10 @@ from typing import Literal
 from rollbox.runtime.errors import InvalidRequest
 
 WORKDIR = "/home/sandbox"
-JAVA = "java -XX:+UseSerialGC"  # one GC thread pair instead of one per core: a sandbox has ~1 core
+JAVA = "java -XX:+UseSerialGC{jvm}"  # one GC thread pair instead of one per core: a sandbox has ~1 core
+# the share of the sandbox's memory a JVM's heap may take: the rest is the JVM's own (metaspace, code
+# cache, thread stacks, GC) and the launcher's
+JVM_HEAP_PERCENT = 75
 JAVATUPLES = "/usr/share/java/javatuples.jar"
 JUNIT = "/usr/share/java/junit-platform-console-standalone.jar"
 TestRunner = Literal["pytest", "junit", "go test", "jest", "d unittest"]
@@ -49,6 +58,7 @@ class Language:
     name_from: Literal["java_public_class", "scala_object"] | None = None
     extra_files: dict[str, str] = field(default_factory=dict)
     python_inline: bool = False  # the code may run in the warm interpreter itself (a `code` exec)
+    jvm: bool = False  # {jvm} in compile and run: the JVM's memory flags (``jvm_flags``), ``-J`` for {jvm_j}
     note: str = ""
     unsupported: str = ""
 
@@ -83,12 +93,12 @@ _ROWS = (
     Language("cpp", "cpp", "main.cpp", compile="g++ -std=c++17 main.cpp -o main -lcrypto -lssl -lpthread",
              run="./main", artifacts=("main",), template="cpp.yaml",
              note="g++ 12; bits/stdc++.h precompiled for these flags (used when it is the first include)"),
-    Language("java", "java", "Main.java", compile=f"javac -cp .:{JAVATUPLES} Main.java",
-             run=f"{JAVA} -cp .:{JAVATUPLES} -ea Main", artifacts=("*.class",), template="java.yaml",
+    Language("java", "java", "Main.java", compile=f"javac{{jvm_j}} -cp .:{JAVATUPLES} Main.java",
+             run=f"{JAVA} -cp .:{JAVATUPLES} -ea Main", artifacts=("*.class",), template="java.yaml", jvm=True,
              note="OpenJDK 17; javatuples on the class path as in SandboxFusion"),
-    Language("junit", "junit", "{name}.java", compile=f"javac -cp .:{JUNIT} *.java",
+    Language("junit", "junit", "{name}.java", compile=f"javac{{jvm_j}} -cp .:{JUNIT} *.java",
              run=f"{JAVA} -jar {JUNIT} --class-path . --scan-class-path", artifacts=("*.class",), tests="junit",
-             template="junit.yaml", name_from="java_public_class",
+             template="junit.yaml", name_from="java_public_class", jvm=True,
              note="JUnit 5.9 console launcher (Debian's junit5); SandboxFusion has 1.8.2's"),
     Language("go", "go", "main.go", compile="go build -o main main.go", run="./main", artifacts=("main",),
              template="go.yaml", note="Go 1.19, GOPATH mode with testify (no module downloads at run time)"),
@@ -120,11 +130,14 @@ _ROWS = (
     Language("lua", "lua", "main.lua", run="lua main.lua", template="lua.yaml", note="Lua 5.4"),
     Language("perl", "perl", "main.pl", run="perl main.pl", template="perl.yaml", note="Perl 5.36"),
     Language("R", "r", "main.R", run="Rscript main.R", template="R.yaml", note="R 4.2 (base packages)"),
-    Language("scala", "scala", "main.scala", compile="scalac main.scala", run="scala {name}",
-             artifacts=("*.class",), template="scala.yaml", name_from="scala_object", note="Scala 2.11"),
-    Language("kotlin_script", "kotlin_script", "main.kts", compile="kotlinc main.kts RollboxKts.kt -d .",
+    # scala, scalac and kotlinc are Debian's shell launchers: -J flags go to their java after the launchers'
+    # default JAVA_OPTS (-Xmx256M -Xms32M), whose -Xmx keeps the heap at 256 MiB; MaxRAM sizes the rest
+    Language("scala", "scala", "main.scala", compile="scalac{jvm_j} main.scala", run="scala{jvm_j} {name}",
+             artifacts=("*.class",), template="scala.yaml", name_from="scala_object", jvm=True, note="Scala 2.11"),
+    # the compiled script runs on java with kotlinc's -Xmx256M -Xms32M: the heap the script had under kotlinc -script
+    Language("kotlin_script", "kotlin_script", "main.kts", compile="kotlinc{jvm_j} main.kts RollboxKts.kt -d .",
              run=f"{JAVA} -Xmx256M -Xms32M -cp .:{KOTLIN_CP} RollboxKtsKt", artifacts=("*.class",),
-             template="kotlin_script.yaml", extra_files={"RollboxKts.kt": KTS_MAIN},
+             template="kotlin_script.yaml", extra_files={"RollboxKts.kt": KTS_MAIN}, jvm=True,
              note="Kotlin 1.3 (Debian's kotlin); the script compiled once and run on the JVM with kotlinc's heap "
                   "(SandboxFusion runs kotlinc -script main.kts: the same output and exit status)"),
     Language("csharp", "csharp", "main.cs", compile="mcs -out:main.exe main.cs", run="mono main.exe",
@@ -184,11 +197,25 @@ def language(name: str) -> Language:
     return row
 
 
-def plan(name: str, code: str) -> Plan:
-    """What to write and run for ``code`` in language ``name`` (see Plan)."""
+def jvm_flags(memory_max_bytes: int | None) -> list[str]:
+    """A JVM's flags for a sandbox of ``memory_max_bytes``: its heap sized from that, not the host's memory."""
+    if memory_max_bytes is None:
+        return []
+    return [f"-XX:MaxRAM={memory_max_bytes}", f"-XX:MaxRAMPercentage={JVM_HEAP_PERCENT}"]
+
+
+def plan(name: str, code: str, memory_max_bytes: int | None = None) -> Plan:
+    """What to write and run for ``code`` in language ``name`` (see Plan). ``memory_max_bytes``: the
+    sandbox's memory limit, which a JVM language's heap is sized to (None: the JVM sizes it itself)."""
     row = language(name)
     assert row.snapshot is not None
-    source, run, error = row.source, row.run, None
+    source, run, compile_, error = row.source, row.run, row.compile, None
+    if row.jvm:
+        flags = jvm_flags(memory_max_bytes)
+        jvm = {"jvm": "".join(f" {f}" for f in flags), "jvm_j": "".join(f" -J{f}" for f in flags)}
+        run = run.replace("{jvm}", jvm["jvm"]).replace("{jvm_j}", jvm["jvm_j"])
+        if compile_ is not None:
+            compile_ = compile_.replace("{jvm}", jvm["jvm"]).replace("{jvm_j}", jvm["jvm_j"])
     if row.php_tag:
         code = php_with_tag(code)
     if row.name_from == "java_public_class":
@@ -199,7 +226,7 @@ def plan(name: str, code: str) -> Plan:
             error = "Object name not found."
         run = run.format(name=obj or "Main")
     files = {**row.extra_files, source: code}
-    return Plan(language=name, snapshot=row.snapshot, files=files, compile=row.compile, run=run,
+    return Plan(language=name, snapshot=row.snapshot, files=files, compile=compile_, run=run,
                 artifacts=row.artifacts, tests=row.tests, python_inline=row.python_inline, compile_error=error)
 
 
@@ -229,4 +256,4 @@ def scala_object(code: str) -> str | None:
 
 
 __all__ = ["LANGUAGES", "SUPPORTED", "WORKDIR", "Language", "Plan", "UnsupportedLanguage", "java_public_class",
-           "language", "missing_snapshot", "php_with_tag", "plan", "scala_object"]
+           "jvm_flags", "language", "missing_snapshot", "php_with_tag", "plan", "scala_object"]

@@ -11,7 +11,8 @@ and the ``run`` event's ``language``. Per program:
 
 A program with no compile step (or a cached one) and no files to fetch is one one-shot sandbox
 (``Runtime.run``, from the warm pool); otherwise one sandbox takes the steps in turn and is destroyed.
-Memory is the sandbox's cgroup limit (no address-space rlimit: JVMs, V8 and linkers reserve freely);
+Memory is the sandbox's cgroup limit (no address-space rlimit: JVMs, V8 and linkers reserve freely; without
+a cgroup, RLIMIT_DATA: what a program fills, not what it reserves), and a JVM's heap is sized to it (plan());
 timeouts, output caps and killing every process of a step are the runtime's (the kernel's).
 Binary input files travel as base64 text and are decoded inside the sandbox (``base64`` is in every
 Debian snapshot); a cached compile's artifacts are written by the sandbox's agent (``ExecRequest.with_binary``),
@@ -170,6 +171,10 @@ class Runner:
             await self.builds.ensure(p.language, p.build_wait_s)  # StillBuilding (retry) past the wait
             view = await self.rt.resolve(plan.snapshot)
         limits = _lifetime_for(p, view.limits.lifetime_s)
+        unsized = plan  # its compile command is the cache's key: another memory limit is the same compile
+        if p.plan is None:  # again, with the sandbox's memory limit (the request's, else the snapshot's): a JVM's heap
+            memory = (limits or {}).get("memory_max_bytes") or view.limits.memory_max_bytes
+            plan = languages.plan(p.language, p.code, memory_max_bytes=int(memory))
         text, binary = _split(p.files)
         files = {**text, **plan.files}  # the code's file last: as in SandboxFusion, it wins over a request file
         binary = {k: v for k, v in binary.items() if k not in plan.files}
@@ -183,7 +188,7 @@ class Runner:
         if self.cache is None:
             return await self._compile_and_run(p, plan, limits, files, unpack, None)
         all_bytes = {k: v.encode() for k, v in {**text, **plan.files}.items()} | binary
-        key = cache_key(plan.language, view.id, plan.compile, all_bytes)
+        key = cache_key(plan.language, view.id, unsized.compile or plan.compile, all_bytes)
         box: list[ProgramResult] = []
 
         async def compile_(done: Callable[[Compiled | TimedOut | None], Awaitable[None]]) -> None:

@@ -201,7 +201,9 @@ def _as_run_data(req: RunCodeRequest, meta: dict[str, str]) -> RunData:
     from rollbox.snapshots import languages
 
     try:
-        plan = languages.plan(req.language, req.code)
+        # the JVM flags of the limit asked for (none asked: the run had the snapshot's, not written here)
+        memory = req.memory_limit_MB * 2**20 if req.memory_limit_MB > 0 else None
+        plan = languages.plan(req.language, req.code, memory_max_bytes=memory)
         command = f"{plan.compile} && {plan.run}" if plan.compile else plan.run
         files = {k: v for k, v in plan.files.items()}
         snapshot = plan.snapshot

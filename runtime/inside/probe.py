@@ -18,7 +18,7 @@ from rollbox.runtime.isolation import users
 NAMESPACES = ("mnt", "pid", "ipc", "uts", "net", "user", "cgroup", "time")
 STATUS_FIELDS = ("Uid", "Gid", "CapEff", "CapPrm", "CapBnd", "NoNewPrivs", "Seccomp", "Seccomp_filters", "NSpid")
 RLIMITS = {"core": resource.RLIMIT_CORE, "nofile": resource.RLIMIT_NOFILE, "fsize": resource.RLIMIT_FSIZE,
-           "nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS,
+           "nproc": resource.RLIMIT_NPROC, "data": resource.RLIMIT_DATA, "as": resource.RLIMIT_AS,
            "msgqueue": resource.RLIMIT_MSGQUEUE, "sigpending": resource.RLIMIT_SIGPENDING}
 
 __all__ = ["NAMESPACES", "namespaces", "read_back", "userns_owner"]

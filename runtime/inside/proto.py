@@ -217,6 +217,7 @@ class SpawnParams(TypedDict, total=False):
     nofile: int  # the rlimits (runtime.rlimit_params)
     fsize_bytes: int
     nproc: int
+    data_bytes: int
     as_bytes: int
     nice: int
     userns: bool  # a user namespace is passed as the first fd after the socket

@@ -47,7 +47,8 @@ def contain(cfg: ZygoteConfig, bpf: libc.SeccompProgram, req: dict[str, Any], cg
     # --- privileges drop here: from now on the process is the unprivileged sandbox user ---
     users.drop_privileges(cfg.rootless, userns_fd, cfg.user_budgets)
     # After the drop: rootless, RLIMIT_NPROC then counts this sandbox's own user namespace only.
-    rlimits.apply(req["nofile"], req["fsize_bytes"], req.get("nproc"), req.get("as_bytes"), req.get("nice"))
+    rlimits.apply(req["nofile"], req["fsize_bytes"], req.get("nproc"), req.get("data_bytes"), req.get("nice"),
+                  req.get("as_bytes"))
     libc.prctl(libc.PR_SET_PDEATHSIG, signal.SIGKILL)  # cleared by the credential change
     libc.prctl(libc.PR_SET_DUMPABLE, 0)
     seccomp.apply(bpf)

@@ -123,6 +123,28 @@ async def test_python_cpp_java_answer_like_sandboxfusion_at_verls_memory_limit(h
     assert (r["status"], r["run_result"]["stdout"]) == ("Success", "ok\n"), r
 
 
+JAVA_MAX_HEAP = ("public class Main{public static void main(String[] x){"
+                 "System.out.println(Runtime.getRuntime().maxMemory()>>20);}}\n")
+JAVA_2_GIB = ("public class Main{public static void main(String[] x){byte[][] k=new byte[2048*16][];"
+              "for(int i=0;i<k.length;i++){k[i]=new byte[1<<16];k[i][7]=1;}System.out.println(k.length);}}\n")
+
+
+async def test_a_jvms_heap_is_sized_to_the_requests_memory_limit_and_more_is_a_runtime_error(
+        http: httpx.AsyncClient, srv: ServerProc) -> None:
+    """The JVM's heap is 75% of memory_limit_MB (not a quarter of the host's memory), through /run_code and the
+    `run` event; a program wanting 2 GiB at verl's 1024 is the heap's OutOfMemoryError: Failed, a runtime error."""
+    for mb in (1024, 512):
+        r = await run_code(http, srv, code=JAVA_MAX_HEAP + f"// {uuid.uuid4()}", language="java", memory_limit_MB=mb)
+        assert r["status"] == "Success" and 0.68 * mb <= int(r["run_result"]["stdout"]) <= 0.75 * mb, r
+    r = await send(http, srv.url, event("dev.rollbox.sandbox.run", {
+        "language": "java", "code": JAVA_MAX_HEAP, "limits": {"memory_max_bytes": 256 << 20}, "timeout_s": 30,
+        "compile_timeout_s": 60}))
+    assert r.status == 200 and r.data["exit_code"] == 0 and 0.68 * 256 <= int(r.data["stdout"]) <= 192, r.data
+    r = await run_code(http, srv, code=JAVA_2_GIB, language="java", memory_limit_MB=1024)
+    assert (r["status"], r["run_result"]["status"], r["run_result"]["return_code"]) == ("Failed", "Finished", 1), r
+    assert "java.lang.OutOfMemoryError: Java heap space" in r["run_result"]["stderr"], r
+
+
 async def test_wrong_answer_runtime_errors_and_signals_are_failed_runs(http: httpx.AsyncClient,
                                                                       srv: ServerProc) -> None:
     r = await run_code(http, srv, code="print(41)", language="python")
@@ -857,7 +879,17 @@ PROGRAMS: dict[str, dict[str, str]] = {
         "ce": "",  # no compile step in node: a syntax error is a runtime error
     },
 }
-EXPECTED = {"ok": True, "wa": False, "re": -2, "tle": -3, "ce": -4}
+EXPECTED = {"ok": True, "wa": False, "re": -2, "tle": -3, "ce": -4, "mle": -2}
+# over verl's memory_limit_mb=1024 (every page written): a runtime error, as verl scores it
+OVER_1_GIB = {
+    "python": "x = bytearray(2 << 30)\nx[::4096] = b'x' * len(x[::4096])\nprint(len(x))",
+    "cpp": "#include <bits/stdc++.h>\nint main(){std::vector<char> v(2ul<<30, 1); std::cout << int(v[7]) << std::endl;}\n",
+    "java": JAVA_2_GIB,
+    "go": "package main\nimport \"fmt\"\nfunc main(){b:=make([]byte,2<<30)\nfor i:=range b{b[i]=1}\nfmt.Println(b[7])}\n",
+    "nodejs": "const b = Buffer.alloc(2 ** 31, 1); console.log(b[7]);",
+}
+for _lang, _code in OVER_1_GIB.items():
+    PROGRAMS[_lang]["mle"] = _code
 
 
 @pytest.mark.parametrize("language", list(PROGRAMS))

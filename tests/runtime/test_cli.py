@@ -74,7 +74,7 @@ def test_run_keeps_a_templates_own_limits(tmp_path: Path) -> None:
     (tmp_path / "tight.yaml").write_text("name: tight\nlimits: {memory_max_bytes: 100663296}\n")  # 96 MiB
     built = run("snapshot", "build", str(tmp_path / "tight.yaml"), tmp=tmp_path)
     assert built.returncode == 0, built.stderr
-    # over 96 MiB, and over the 256 MiB of address space the rlimit fallback (rootless) adds to it
+    # over 96 MiB: the cgroup's limit, or RLIMIT_DATA's without one (rootless)
     hog = "x = bytearray(400 * 2**20); x[::4096] = b'x' * len(x[::4096]); print('kept')"
     p = run("run", "--json", "--snapshot", "tight", "--timeout-s", "20", "--code", hog, tmp=tmp_path)
     rec = json.loads(p.stdout)  # 96 MiB, not the 512 MiB default: killed by the cgroup, or MemoryError

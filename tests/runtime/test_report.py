@@ -157,15 +157,19 @@ async def test_report_says_rlimits_when_cgroups_are_off(tmp_path: Path) -> None:
         info = await rt.create(limits=lim)
         try:
             rep = info.isolation
-            as_bytes = lim.memory_max_bytes + 256 * MiB
-            assert rep["cgroups"] == (f"none (disabled by the runtime's configuration); fell back to rlimits: "
-                                      f"RLIMIT_AS {as_bytes // MiB} MiB, RLIMIT_NPROC 24; cpu not limited")
+            assert rep["cgroups"] == ("none (disabled by the runtime's configuration); fell back to rlimits: "
+                                      "RLIMIT_DATA 96 MiB (RLIMIT_AS 4192 MiB as a backstop for shared mappings), "
+                                      "RLIMIT_NPROC 24; cpu not limited")
             assert "nproc 24 (counted in its own user namespace)" in rep["rlimits"]  # rootless, and as root with slots
-            r = await rt.exec(info.sandbox_id, ExecRequest(command="grep -E '^Max (processes|address space)' "
+            assert ", data 96 MiB" in rep["rlimits"], rep["rlimits"]
+            # memory is capped by RLIMIT_DATA at the limit; the address space only 4 GiB above (a JVM reserves)
+            r = await rt.exec(info.sandbox_id, ExecRequest(command="grep -E '^Max (processes|data size|address space)' "
                                                            "/proc/self/limits"))
-            got = {k: int(v) for k, v in re.findall(r"^(Max [a-z ]+?)\s+(\d+)", r.stdout, re.M)}
-            assert got == {"Max processes": 24, "Max address space": as_bytes}, r.stdout
-            assert "read back in a sandbox: core 0, nofile 1024" in rt.isolation_report()["rlimits"]
+            got = dict(re.findall(r"^(Max [a-z ]+?)\s+(\d+|unlimited)\s", r.stdout, re.M))
+            assert got == {"Max processes": "24", "Max data size": str(96 * MiB), "Max address space":
+                           str(96 * MiB + (4 << 30))}, r.stdout
+            seen = rt.isolation_report()["rlimits"]
+            assert "read back in a sandbox: core 0, nofile 1024" in seen and "data 96 MiB, as 4192 MiB" in seen, seen
         finally:
             await rt.destroy(info.sandbox_id)
 
@@ -183,4 +187,4 @@ async def test_report_names_why_a_cgroup_version_was_not_used(tmp_path: Path) ->
         await rt.destroy(info.sandbox_id)
     assert re.match(r"none \(v2: cgroup v2 at \S+ lacks controllers \[.*'memory'.*\]", info.isolation["cgroups"]), \
         info.isolation["cgroups"]
-    assert "fell back to rlimits: RLIMIT_AS" in info.isolation["cgroups"]
+    assert "fell back to rlimits: RLIMIT_DATA" in info.isolation["cgroups"]

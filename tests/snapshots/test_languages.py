@@ -71,6 +71,34 @@ def test_plans_follow_sandboxfusion_naming_rules() -> None:
                                                       "(from Debian's packages)")
 
 
+def test_jvm_plans_size_the_heap_from_the_sandboxs_memory_limit_not_the_hosts() -> None:
+    """Every JVM language's java (and javac, scalac, scala, kotlinc through -J) gets MaxRAM at the sandbox's
+    limit with the heap at 75% of it; no limit, no flags; other languages never get them."""
+    gib = 1 << 30
+    flags = f"-XX:MaxRAM={gib} -XX:MaxRAMPercentage=75"
+    j = f"-J-XX:MaxRAM={gib} -J-XX:MaxRAMPercentage=75"
+    p = languages.plan("java", "public class Main {}", memory_max_bytes=gib)
+    assert p.compile == f"javac {j} -cp .:/usr/share/java/javatuples.jar Main.java"
+    assert p.run == f"java -XX:+UseSerialGC {flags} -cp .:/usr/share/java/javatuples.jar -ea Main"
+    p = languages.plan("junit", "public class CalcTest {}", memory_max_bytes=gib)
+    assert p.compile is not None and p.compile.startswith(f"javac {j} -cp .:")
+    assert p.run.startswith(f"java -XX:+UseSerialGC {flags} -jar ")
+    p = languages.plan("scala", "object Hello extends App { println(1) }", memory_max_bytes=gib)
+    assert (p.compile, p.run) == (f"scalac {j} main.scala", f"scala {j} Hello")
+    p = languages.plan("kotlin_script", "println(1)", memory_max_bytes=gib)
+    assert p.compile == f"kotlinc {j} main.kts RollboxKts.kt -d ."
+    assert p.run.startswith(f"java -XX:+UseSerialGC {flags} -Xmx256M -Xms32M -cp .:") and p.run.endswith(" RollboxKtsKt")
+    half = languages.plan("java", "class A {}", memory_max_bytes=512 << 20)
+    assert f"-XX:MaxRAM={512 << 20} " in half.run and f"-J-XX:MaxRAM={512 << 20} " in (half.compile or "")
+    unsized = languages.plan("java", "class A {}")
+    assert "MaxRAM" not in unsized.run + (unsized.compile or "") and "{" not in unsized.run + (unsized.compile or "")
+    for name in languages.SUPPORTED:
+        p = languages.plan(name, "object Main", memory_max_bytes=gib)
+        jvm = name in ("java", "junit", "scala", "kotlin_script")
+        assert ("MaxRAM" in p.run) == jvm and "{jvm" not in f"{p.run} {p.compile}", name
+        assert ("MaxRAM" in (p.compile or "")) == (jvm and p.compile is not None), name
+
+
 def test_debian_templates_are_checked_before_anything_is_built(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     bad = tmp_path / "bad.yaml"
@@ -240,11 +268,13 @@ async def test_lua_and_bash_built_from_debian_share_the_base_layer_and_run_in_sa
         assert res.stdout == "1\n", res.stderr
         res = await rt.run(ExecRequest(code="import sys; print(sys.executable)"), snapshot="lua-image-python")
         assert (res.exit_code, res.stdout) == (0, "/usr/bin/python3\n"), res.stderr  # what the wrapper ran
-        # memory is the cgroup's to limit: no address-space cap that would stop a JVM or V8 reserving
-        res = await rt.run(ExecRequest(command="grep '^Max address space' /proc/self/limits"), snapshot="lua",
-                           limits=Limits(memory_max_bytes=256 << 20))
-        if rt.cgroup_backend is not None:
-            assert res.stdout.split()[3:5] == ["unlimited", "unlimited"], res.stdout
+        # no address-space cap that would stop a JVM or V8 reserving: memory is the cgroup's to limit, or
+        # (no cgroup) RLIMIT_DATA's, which counts what is filled, not what is reserved
+        res = await rt.run(ExecRequest(command="grep -E '^Max (address space|data size)' /proc/self/limits"),
+                           snapshot="lua", limits=Limits(memory_max_bytes=256 << 20))
+        data, space = (line.split()[3:5] for line in res.stdout.splitlines())
+        assert space == (["unlimited"] * 2 if rt.cgroup_backend is not None else [str((256 << 20) + (4 << 30))] * 2)
+        assert data == (["unlimited"] * 2 if rt.cgroup_backend is not None else [str(256 << 20)] * 2), res.stdout
 
 
 # ----------------------------------------------------------------------- built on first use, or ahead of time
