@@ -68,7 +68,22 @@ BABEL_CONFIG = """module.exports = {
 };
 """
 
-JEST_PACKAGE = '{"name": "coderunner", "version": "1.0.0", "jest": {"maxWorkers": 1}}\n'
+# no transform at run time: the compile step made JavaScript (loading babel's presets was most of a jest run)
+# kotlin_script: the script compiled once (its class Main, whose constructor runs it), run by this main as
+# `kotlinc -script` runs it: an exception as it prints it (the exception and the script's frames, no cause), exit 3
+KTS_MAIN = """fun main(args: Array<String>) {
+    try {
+        Main(args)
+    } catch (e: Throwable) {
+        System.err.println(e)
+        for (frame in e.stackTrace.takeWhile { it.className != "RollboxKtsKt" }) System.err.println("\\tat $frame")
+        kotlin.system.exitProcess(3)
+    }
+}
+"""
+KOTLIN_CP = ":".join(f"/usr/share/java/kotlin-{jar}.jar" for jar in ("stdlib", "script-runtime", "reflect"))
+
+JEST_PACKAGE = '{"name": "coderunner", "version": "1.0.0", "jest": {"maxWorkers": 1, "transform": {}}}\n'
 
 _ROWS = (
     Language("python", "python3", "main.py", run="python3 main.py", template="python3.yaml", python_inline=True,
@@ -87,16 +102,26 @@ _ROWS = (
              note="JUnit 5.9 console launcher (Debian's junit5); SandboxFusion has 1.8.2's"),
     Language("go", "go", "main.go", compile="go build -o main main.go", run="./main", artifacts=("main",),
              template="go.yaml", note="Go 1.19, GOPATH mode with testify (no module downloads at run time)"),
-    Language("go_test", "go_test", "main_test.go", run="go test main_test.go", tests="go test",
-             template="go_test.yaml", note="Go 1.19, GOPATH mode with testify"),
+    # the test binary compiled once (go test -c runs go test's vet checks too), run as go test runs it: with
+    # -test.paniconexit0 a test calling os.Exit(0) fails, as under go test (else the binary exits 0)
+    Language("go_test", "go_test", "main_test.go", compile="go test -c -o main.test main_test.go",
+             run="./main.test -test.paniconexit0 -test.timeout=10m0s", artifacts=("main.test",), tests="go test",
+             template="go_test.yaml",
+             note="Go 1.19, GOPATH mode with testify; the test binary is compiled once (SandboxFusion runs "
+                  "go test main_test.go: the same verdict, exit 0 = all passed; its report says PASS, not ok)"),
     Language("nodejs", "nodejs", "main.js", run="node main.js", template="nodejs.yaml", note="Node.js 18"),
     Language("typescript", "typescript", "main.ts",
              compile="esbuild main.ts --outfile=main.js --format=cjs --platform=node --log-level=warning",
              run="node main.js", artifacts=("main.js",), template="typescript.yaml",
              note="esbuild strips the types (no type check, as SandboxFusion's tsx), node 18 runs it"),
-    Language("jest", "jest", "main.test.ts", run="FORCE_COLOR=0 jest --ci main.test.ts", tests="jest",
-             template="jest.yaml", extra_files={"babel.config.js": BABEL_CONFIG, "package.json": JEST_PACKAGE},
-             note="Jest 29 with babel's TypeScript preset, all from Debian"),
+    # TypeScript to JavaScript once, as babel-jest would at each run (its preset hoists jest.mock), every .ts file
+    # of the home (the test's helpers too); jest runs the JavaScript untransformed
+    Language("jest", "jest", "main.test.ts",
+             compile="babeljs --presets babel-preset-jest --extensions .ts --out-dir . --quiet *.ts",
+             run="FORCE_COLOR=0 jest --ci main.test.js", artifacts=("*.js",), tests="jest", template="jest.yaml",
+             extra_files={"babel.config.js": BABEL_CONFIG, "package.json": JEST_PACKAGE},
+             note="Jest 29 with babel's TypeScript preset, all from Debian; the test transpiled once by babel "
+                  "(SandboxFusion's jest transforms it at each run: its report names main.test.js)"),
     Language("rust", "rust", "main.rs", compile="rustc main.rs -o main", run="./main", artifacts=("main",),
              template="rust.yaml", note="rustc 1.63 (no crates)"),
     Language("bash", "bash", "main.sh", run="bash main.sh", template="bash.yaml"),
@@ -109,8 +134,12 @@ _ROWS = (
     # default JAVA_OPTS (-Xmx256M -Xms32M), whose -Xmx keeps the heap at 256 MiB; MaxRAM sizes the rest
     Language("scala", "scala", "main.scala", compile="scalac{jvm_j} main.scala", run="scala{jvm_j} {name}",
              artifacts=("*.class",), template="scala.yaml", name_from="scala_object", jvm=True, note="Scala 2.11"),
-    Language("kotlin_script", "kotlin_script", "main.kts", run="kotlinc{jvm_j} -script main.kts",
-             template="kotlin_script.yaml", jvm=True, note="Kotlin 1.3 (Debian's kotlin)"),
+    # the compiled script runs on java with kotlinc's -Xmx256M -Xms32M: the heap the script had under kotlinc -script
+    Language("kotlin_script", "kotlin_script", "main.kts", compile="kotlinc{jvm_j} main.kts RollboxKts.kt -d .",
+             run=f"{JAVA} -Xmx256M -Xms32M -cp .:{KOTLIN_CP} RollboxKtsKt", artifacts=("*.class",),
+             template="kotlin_script.yaml", extra_files={"RollboxKts.kt": KTS_MAIN}, jvm=True,
+             note="Kotlin 1.3 (Debian's kotlin); the script compiled once and run on the JVM with kotlinc's heap "
+                  "(SandboxFusion runs kotlinc -script main.kts: the same output and exit status)"),
     Language("csharp", "csharp", "main.cs", compile="mcs -out:main.exe main.cs", run="mono main.exe",
              artifacts=("main.exe",), template="csharp.yaml",
              note="Mono 6.8's mcs (C# 7; SandboxFusion runs .NET, which Debian does not package)"),

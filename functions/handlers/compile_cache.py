@@ -42,7 +42,7 @@ from typing import Any
 from rollbox.runtime.errors import RollboxError
 from rollbox.snapshots.state import Objects
 
-__all__ = ["CompileCache", "Compiled", "TimedOut", "cache_key"]
+__all__ = ["MAX_ARTIFACT_BYTES", "CompileCache", "Compiled", "TimedOut", "cache_key"]
 
 log = logging.getLogger("rollbox.compile_cache")
 KEY_PREFIX = "compiled/"
@@ -50,6 +50,11 @@ CLAIM_GRACE_S = 30.0  # a waiter waits for another replica's compile at most its
 CLAIM_BEAT_S = 2.0  # how often a replica holding a compile claim says it is alive
 CLAIM_DEAD_S = 10.0  # a claim with no beat (nor creation) for this long: its replica died
 POLL_FIRST_S, POLL_MAX_S = 0.05, 0.5  # how often a replica looks for another's compile
+# Artifacts kept only under this size (their tar): its base64 (4/3 of it, 16 MiB) is what the sandbox's agent
+# reads back at most for one file (runtime/inside/agent.py MAX_READ_FILE_BYTES); a bigger one came back cut
+# short and every cached run of it failed. A compile whose artifacts are not under it is not kept (each run
+# compiles).
+MAX_ARTIFACT_BYTES = 12 << 20
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,11 @@ class Compiled:
 
     def size(self) -> int:
         return len(self.artifacts_b64) + len(self.stdout) + len(self.stderr) + 200
+
+    def artifact_bytes(self) -> int:
+        """The size of the artifacts tar (decoded from its base64)."""
+        b64 = self.artifacts_b64
+        return len(b64) // 4 * 3 - (b64[-2:].count("=") if b64 else 0)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -127,6 +137,10 @@ class CompileCache:
         return found
 
     async def put(self, key: str, value: Compiled) -> None:
+        if value.artifact_bytes() >= MAX_ARTIFACT_BYTES:  # (run_code never hands one over: it caps what it reads)
+            log.info("compile cache: %s not kept: its artifacts are %d bytes, not under %d", key,
+                     value.artifact_bytes(), MAX_ARTIFACT_BYTES)
+            return
         self._remember(key, value)
         if self.objects is not None:
             try:

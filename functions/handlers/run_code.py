@@ -26,6 +26,7 @@ import binascii
 import contextlib
 import functools
 import io
+import logging
 import re
 import shlex
 import signal
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from rollbox.functions.durable.runtime import DurableRuntime
-from rollbox.functions.handlers.compile_cache import CompileCache, Compiled, TimedOut, cache_key
+from rollbox.functions.handlers.compile_cache import MAX_ARTIFACT_BYTES, CompileCache, Compiled, TimedOut, cache_key
 from rollbox.functions.handlers.routing import InProcess
 from rollbox.runtime.errors import InvalidRequest, RollboxError, SnapshotNotFound
 from rollbox.runtime.spec import CaseResult, CompileResult, ExecRequest, ExecResult
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["CommandRunResult", "CommandRunStatus", "Program", "ProgramResult", "RunCodeRequest", "RunCodeResponse",
            "RunStatus", "Runner", "run_event", "runner_for", "sandboxfusion_response"]
 
+log = logging.getLogger("rollbox.run_code")
 MiB = 1 << 20
 ARTIFACTS = "/tmp/.rollbox-artifacts.b64"  # outside the home: the program does not see it in its directory
 STAGE = "/tmp/.rollbox-in"  # binary input files, base64, decoded by the first step
@@ -201,6 +203,10 @@ class Runner:
                     keep = TimedOut(step, _clamp(p.compile_timeout_s))
                 elif not (c.oom_killed or c.signal is not None or (c.exit_code == 0 and not art)):
                     keep = Compiled(c.exit_code, c.stdout, c.stderr, c.wall_s, art if c.exit_code == 0 else "")
+                    if keep.artifact_bytes() >= MAX_ARTIFACT_BYTES:  # (read cut there: the tar may be bigger)
+                        log.info("compile cache: a %s compile not kept: its artifacts are not under %d bytes",
+                                 plan.language, MAX_ARTIFACT_BYTES)
+                        keep = None
                 await done(keep)  # (not kept: a timeout or a kill depends on the load, not on the source)
                 return step
 
@@ -228,7 +234,9 @@ class Runner:
         assert plan.compile is not None
         command = plan.compile
         if key is not None and plan.artifacts:  # keep what the run needs, for the next compile of this source
-            command = f"{command} && tar -cf - {' '.join(plan.artifacts)} | base64 -w0 > {ARTIFACTS}"
+            # (read up to the bound: a tar that reaches it is not kept, compile_cache.MAX_ARTIFACT_BYTES)
+            command = (f"{command} && tar -cf - {' '.join(plan.artifacts)} | head -c {MAX_ARTIFACT_BYTES}"
+                       f" | base64 -w0 > {ARTIFACTS}")
         compile_req = _exec(command=_prefixed(unpack, command), files=files, timeout_s=_clamp(p.compile_timeout_s),
                             read_files=[ARTIFACTS] if key is not None else [])
         run, fetched, step, cases = await self._session(p, plan, limits, compile_req, on_compiled=compiled)

@@ -113,6 +113,20 @@ async def test_bounded_in_memory_and_shared_through_the_store(tmp_path: Path) ->
     assert await b.get("key") == fail and (tmp_path / "store" / "compiled" / "key.json").is_file()
 
 
+async def test_artifacts_over_the_bound_are_not_kept(tmp_path: Path) -> None:
+    from rollbox.functions.handlers.compile_cache import MAX_ARTIFACT_BYTES
+
+    for n in (0, 1, 2, 3, 1000):
+        assert Compiled(0, "", "", 0.1, base64.b64encode(b"x" * n).decode()).artifact_bytes() == n
+    cache = CompileCache(LocalObjects(tmp_path / "store"))
+    under = Compiled(0, "", "", 1.0, base64.b64encode(bytes(MAX_ARTIFACT_BYTES - 1)).decode())
+    over = Compiled(0, "", "", 1.0, base64.b64encode(bytes(MAX_ARTIFACT_BYTES)).decode())
+    await cache.put("under", under)
+    await cache.put("over", over)
+    assert await cache.get("under") == under and await cache.get("over") is None
+    assert not (tmp_path / "store" / "compiled" / "over.json").exists()
+
+
 async def test_replicas_sharing_s3_compile_a_program_once(seaweed: SeaweedS3) -> None:
     """Two replicas (two caches on one SeaweedFS bucket) get cases of one program at once: one claims the
     compile in the store and makes it, the other waits for its outcome there instead of compiling too. A

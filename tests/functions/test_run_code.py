@@ -303,6 +303,24 @@ async def test_same_program_compiles_once_and_concurrent_cases_share_the_compile
     assert len(cached) >= 3  # kept in the store the replicas share
 
 
+async def test_a_compile_whose_artifacts_are_over_the_bound_is_not_kept_and_each_run_still_succeeds(
+        http: httpx.AsyncClient, srv: ServerProc) -> None:
+    """A binary of 20 MiB (an initialized array): its base64 is over what a sandbox reads back for one file, so it
+    was kept cut short and the next run of the program failed unpacking it. Over MAX_ARTIFACT_BYTES the compile
+    is not kept: each run compiles, and succeeds."""
+    from rollbox.functions.handlers.compile_cache import MAX_ARTIFACT_BYTES
+
+    big = 20 << 20
+    assert big > MAX_ARTIFACT_BYTES
+    code = (f"#include <cstdio>\nchar big[{big}] = {{1}};\nint main(){{big[{big} - 1] = 2; "
+            f"std::printf(\"%d\\n\", big[0] + big[{big} - 1]);}}\n// {uuid.uuid4()}\n")
+    for attempt in range(2):
+        r = await run_code(http, srv, code=code, language="cpp")
+        assert (r["status"], r["run_result"]["stdout"]) == ("Success", "3\n"), (attempt, r)
+        assert r["compile_result"].get("cached") is None, (attempt, r)  # compiled each time
+    assert "compile not kept: its artifacts are not under" in srv.log_path.read_text()
+
+
 async def test_cases_waiting_for_a_compile_that_timed_out_get_its_timeout_without_compiling_again(
         http: httpx.AsyncClient, srv: ServerProc) -> None:
     """verl's pattern on an overloaded machine: four cases of one program, whose one compile runs out of its
@@ -504,6 +522,94 @@ async def test_every_language_whose_snapshot_is_built_runs(http: httpx.AsyncClie
             assert "123" in r["run_result"]["stdout"], (attempt, r)
         if attempt and r["compile_result"] is not None:
             assert r["compile_result"].get("cached") is True, r
+
+
+GO_TESTS = 'package main\nimport (\n"os"\n"testing"\n"github.com/stretchr/testify/assert"\n)\nvar _, _ = os.Exit, assert.Equal\n'
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    ("func TestSum(t *testing.T){ assert.Equal(t, 2, 1+1) }", "Success", "PASS"),
+    ("func TestSum(t *testing.T){ assert.Equal(t, 3, 1+1) }", "Failed", "--- FAIL: TestSum"),
+    ("func TestExit(t *testing.T){ os.Exit(0) }", "Failed", "os.Exit(0) during test"),  # as under go test
+    ("func TestPanic(t *testing.T){ var m map[int]int; m[1] = 1 }", "Failed", "panic"),
+])
+async def test_go_test_compiles_the_test_binary_once_with_go_tests_verdicts(http: httpx.AsyncClient, srv: ServerProc,
+                                                                            body: str, status: str, says: str) -> None:
+    """verl sends a go_test program once per case: its test binary is compiled once (go test -c), and each run
+    runs it, with the verdict go test gives (exit 0 = every test passed), the second time from the cache."""
+    if not (LANG_HOME / "names" / "go_test").exists():
+        pytest.skip(f"the go_test snapshot is not in {LANG_HOME}")
+    code = f"{GO_TESTS}{body}\n// {uuid.uuid4()}\n"
+    for attempt in range(2):
+        r = await run_code(http, srv, code=code, language="go_test")
+        assert (r["status"], r["compile_result"]["return_code"]) == (status, 0), (attempt, r)
+        assert r["compile_result"].get("cached") is (True if attempt else None), (attempt, r)
+        assert says in r["run_result"]["stdout"] + r["run_result"]["stderr"], (attempt, r)
+    # go test's vet checks fail the compile, as they fail go test (kept: the same source fails the same way)
+    bad = f'{GO_TESTS}func TestF(t *testing.T){{ t.Logf("%d", "x") }}\n// {uuid.uuid4()}\n'
+    for attempt in range(2):
+        r = await run_code(http, srv, code=bad, language="go_test")
+        assert (r["status"], r["run_result"]) == ("Failed", None), (attempt, r)
+        assert "wrong type string" in r["compile_result"]["stderr"] + r["compile_result"]["stdout"], r
+
+
+JEST_TESTS = ("import { add } from './helper';\nimport * as os from 'os';\n"
+              "jest.mock('os', () => ({ EOL: 'mocked' }));\ninterface P { x: number }\n")
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    ("test('sums', () => { const p: P = {x: 1}; expect(add(p.x, 2)).toBe(3); });\n"
+     "test('jest.mock is hoisted over the imports', () => { expect(os.EOL).toBe('mocked'); });", "Success",
+     "Tests:       2 passed, 2 total"),
+    ("test('sums', () => { expect(add(1, 1)).toBe(3); });", "Failed", "Tests:       1 failed, 1 total"),
+])
+async def test_jest_transpiles_typescript_once_with_jests_verdicts(http: httpx.AsyncClient, srv: ServerProc,
+                                                                   body: str, status: str, says: str) -> None:
+    """A jest program's TypeScript (the test and a helper of the request's files) is made JavaScript once, by babel
+    with babel-jest's preset (jest.mock hoisted); each run runs jest on it untransformed, the second from the
+    compile cache, with jest's verdict."""
+    if not (LANG_HOME / "names" / "jest").exists():
+        pytest.skip(f"the jest snapshot is not in {LANG_HOME}")
+    code = f"{JEST_TESTS}{body}\n// {uuid.uuid4()}\n"
+    helper = b64("export const add = (a: number, b: number): number => a + b;\n")
+    for attempt in range(2):
+        r = await run_code(http, srv, code=code, language="jest", files={"helper.ts": helper}, memory_limit_MB=1024)
+        assert (r["status"], r["compile_result"]["return_code"]) == (status, 0), (attempt, r)
+        assert r["compile_result"].get("cached") is (True if attempt else None), (attempt, r)
+        assert says in r["run_result"]["stderr"], (attempt, r)
+    bad = f"test('x', () => {{ const y: number = ; }});\n// {uuid.uuid4()}\n"  # a syntax error fails the compile
+    r = await run_code(http, srv, code=bad, language="jest", memory_limit_MB=1024)
+    assert (r["status"], r["run_result"]) == ("Failed", None) and "SyntaxError" in r["compile_result"]["stderr"], r
+
+
+KTS_SUM = 'val (a, b) = readLine()!!.trim().split(" ").map { it.toLong() }\nclass Sum(val v: Long)\n'
+
+
+@pytest.mark.parametrize(("body", "stdin", "status", "code", "out", "err"), [
+    ("println(listOf(a, b).map { Sum(it).v }.sum())", "40 2", "Success", 0, "42\n", ""),
+    ('if (a > b) throw IllegalStateException("boom")\nprintln(a)', "3 2", "Failed", 3, "",
+     "java.lang.IllegalStateException: boom\n\tat Main.<init>(main.kts:3)\n"),  # as kotlinc -script prints it
+    ("kotlin.system.exitProcess(7)", "1 2", "Failed", 7, "", ""),
+])
+async def test_kotlin_script_compiles_once_with_kotlinc_scripts_output(http: httpx.AsyncClient, srv: ServerProc,
+                                                                        body: str, stdin: str, status: str, code: int,
+                                                                        out: str, err: str) -> None:
+    """A kotlin_script program is compiled once (its class and a main that runs it); each run runs it on the JVM
+    with what `kotlinc -script` gives: its output, exit status, an exception's report (status 3); the second run
+    from the compile cache."""
+    if not (LANG_HOME / "names" / "kotlin_script").exists():
+        pytest.skip(f"the kotlin_script snapshot is not in {LANG_HOME}")
+    program = f"{KTS_SUM}{body}\n// {uuid.uuid4()}\n"
+    for attempt in range(2):
+        r = await run_code(http, srv, code=program, language="kotlin_script", stdin=stdin, memory_limit_MB=1024,
+                           compile_timeout=120)
+        assert (r["status"], r["compile_result"]["return_code"]) == (status, 0), (attempt, r)
+        assert r["compile_result"].get("cached") is (True if attempt else None), (attempt, r)
+        run = r["run_result"]
+        assert (run["return_code"], run["stdout"], run["stderr"]) == (code, out, err), (attempt, r)
+    r = await run_code(http, srv, code=f"val x: Int = \"no\"\n// {uuid.uuid4()}\n", language="kotlin_script",
+                       memory_limit_MB=1024, compile_timeout=120)
+    assert (r["status"], r["run_result"]) == ("Failed", None) and "type mismatch" in r["compile_result"]["stderr"], r
 
 
 async def test_full_is_504_with_retry_after_which_verl_retries(lang_store: Path, tmp_path: Path) -> None:

@@ -85,7 +85,9 @@ def test_jvm_plans_size_the_heap_from_the_sandboxs_memory_limit_not_the_hosts() 
     assert p.run.startswith(f"java -XX:+UseSerialGC {flags} -jar ")
     p = languages.plan("scala", "object Hello extends App { println(1) }", memory_max_bytes=gib)
     assert (p.compile, p.run) == (f"scalac {j} main.scala", f"scala {j} Hello")
-    assert languages.plan("kotlin_script", "println(1)", memory_max_bytes=gib).run == f"kotlinc {j} -script main.kts"
+    p = languages.plan("kotlin_script", "println(1)", memory_max_bytes=gib)
+    assert p.compile == f"kotlinc {j} main.kts RollboxKts.kt -d ."
+    assert p.run.startswith(f"java -XX:+UseSerialGC {flags} -Xmx256M -Xms32M -cp .:") and p.run.endswith(" RollboxKtsKt")
     half = languages.plan("java", "class A {}", memory_max_bytes=512 << 20)
     assert f"-XX:MaxRAM={512 << 20} " in half.run and f"-J-XX:MaxRAM={512 << 20} " in (half.compile or "")
     unsized = languages.plan("java", "class A {}")
