@@ -21,12 +21,15 @@ with no process in the sandbox to unpack them.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
 import functools
 import io
 import logging
+import math
+import os
 import re
 import shlex
 import signal
@@ -41,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from rollbox.functions.durable.runtime import DurableRuntime
 from rollbox.functions.handlers.compile_cache import MAX_ARTIFACT_BYTES, CompileCache, Compiled, TimedOut, cache_key
 from rollbox.functions.handlers.routing import InProcess
-from rollbox.runtime.errors import InvalidRequest, RollboxError, SnapshotNotFound
+from rollbox.runtime.errors import InvalidRequest, Overloaded, RollboxError, SnapshotNotFound
 from rollbox.runtime.spec import CaseResult, CompileResult, ExecRequest, ExecResult
 from rollbox.snapshots import languages
 from rollbox.snapshots.language_builds import LanguageBuilds
@@ -147,8 +150,14 @@ class Runner:
     """Runs ``Program``s on a ``rollbox.runtime.runtime.Runtime`` (the plain one: a program's sandbox
     is one life, recorded as a `run`), with an optional compile cache."""
 
-    def __init__(self, rt: Any, cache: CompileCache | None = None, one_shot: Any = None):
+    def __init__(self, rt: Any, cache: CompileCache | None = None, one_shot: Any = None,
+                 compile_slots: int | None = None):
         self.rt = rt
+        # compiles at once: one per CPU; the others wait their turn (not counted in their compile_timeout).
+        # Compilers are CPU-bound: 16 JVM compiles sharing 2 CPUs all ran past a 60 s compile_timeout (a
+        # correct program judged a compile timeout), where two at a time each finish in seconds.
+        self.compile_slots = compile_slots or _sandbox_cpus(rt)
+        self._compiling = asyncio.Semaphore(self.compile_slots)
         self.cache = cache
         self.one_shot = one_shot or rt  # one-shot runs: the durable layer's run makes room (idle sandboxes hibernate)
         self.builds: LanguageBuilds | None = None  # set by the server: the language snapshots' builds and state
@@ -276,15 +285,37 @@ class Runner:
                        prep: ExecRequest | None = None,
                        on_compiled: Callable[[ExecResult], Awaitable[ExecResult]] | None = None
                        ) -> tuple[ExecResult | None, dict[str, bytes], ExecResult | None, list[ExecResult] | None]:
-        """Steps in one sandbox: compile (if given), the run (if the compile succeeded) or each case, the fetch."""
-        sb = await self.rt.take(plan.snapshot, limits, p.metadata, step_next=True)
+        """Steps in one sandbox: compile (if given), the run (if the compile succeeded) or each case, the fetch.
+        A compile waits for a compile slot first (before its sandbox is taken: its lifetime does not run
+        meanwhile), at most its compile_timeout; past it the request is refused as overloaded (504 with
+        Retry-After on /run_code, which verl retries), never judged."""
+        slot = False
+        if compile_req is not None:
+            wait = compile_req.timeout_s
+            try:
+                async with asyncio.timeout(wait):
+                    await self._compiling.acquire()
+            except TimeoutError:
+                raise Overloaded(f"every compile slot ({self.compile_slots}) stayed busy for {wait:g} s "
+                                 "(the compile_timeout): retry", retry_after_s=min(wait, 10.0)) from None
+            slot = True
+        try:
+            sb = await self.rt.take(plan.snapshot, limits, p.metadata, step_next=True)
+        except BaseException:
+            if slot:
+                self._compiling.release()
+            raise
         sb.metered = "run"  # its life is billed and recorded as a run's (Runtime.on_life_ended)
         compiled: ExecResult | None = None
         run: ExecResult | None = None
         fetched: dict[str, bytes] = {}
         try:
             if compile_req is not None:
-                compiled = await self.rt.exec(sb.id, compile_req)
+                try:
+                    compiled = await self.rt.exec(sb.id, compile_req)
+                finally:
+                    self._compiling.release()
+                    slot = False
                 if on_compiled is not None:
                     compiled = await on_compiled(compiled)
                 if compiled.timed_out or compiled.exit_code != 0:
@@ -301,6 +332,8 @@ class Runner:
                 fetched = await self._fetch(sb.id, p.fetch_files)
             return run, fetched, compiled, cases
         finally:
+            if slot:  # (cancelled before the compile began)
+                self._compiling.release()
             await self.rt.destroy(sb.id)
 
     async def _cases(self, sandbox_id: str, p: Program, plan: languages.Plan,
@@ -417,6 +450,14 @@ def _case_result(r: ExecResult, expected: str | None) -> CaseResult:
 
 
 @functools.lru_cache(maxsize=256)
+def _sandbox_cpus(rt: Any) -> int:
+    """The CPUs sandboxes run on, rounded up: the cap on all of them (the host's or the container's CPUs
+    less the supervisor's reserve) where the runtime has a cgroup backend, else this process's CPUs."""
+    cpu = getattr(getattr(getattr(rt, "rt", rt), "cgroup_backend", None), "cpu", None)
+    cores = getattr(cpu, "cap_cores", None) or getattr(cpu, "available_cores", None)
+    return max(1, math.ceil(cores)) if cores else len(os.sched_getaffinity(0))
+
+
 def _members(artifacts_b64: str) -> dict[str, tuple[str, int]] | None:
     """A cached compile's artifacts (a tar, base64) as the files to write: path under the home -> (base64 of
     the bytes, mode); None when the tar holds anything but plain files at plain relative paths (then the
