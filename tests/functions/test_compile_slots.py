@@ -1,4 +1,4 @@
-"""Compiles take turns: at most ``compile_slots`` at once (one per CPU by default), the others wait
+"""Compiles take turns: at most ``compile_slots`` at once (two per CPU by default), the others wait
 before their sandbox is taken, and their compile_timeout counts their compile, not the wait. A wait
 longer than the compile_timeout is refused as overloaded (504 + Retry-After on /run_code), never judged.
 Real sandboxes (the in-process Runtime, the default snapshot); the "compile" is a 2 s sleep, so the
@@ -28,10 +28,10 @@ def program(compile_timeout_s: float) -> Program:
 
 async def test_compiles_take_turns_and_a_wait_past_the_compile_timeout_is_overloaded(tmp_path: Path) -> None:
     async with Runtime(RuntimeConfig(state_dir=tmp_path)) as rt:
-        # by default one slot per CPU the sandboxes get (the cap less the supervisor's reserve, rounded up)
+        # by default two slots per CPU the sandboxes get (the cap less the supervisor's reserve, rounded up)
         cpu = rt.cgroup_backend.cpu if rt.cgroup_backend is not None else None
         want = math.ceil(cpu.cap_cores) if cpu is not None and cpu.cap_cores else len(os.sched_getaffinity(0))
-        assert Runner(rt).compile_slots == want >= 1
+        assert Runner(rt).compile_slots == 2 * want >= 2
         runner = Runner(rt, compile_slots=1)
         # three 2 s compiles, one slot, 3 s each to compile: the first compiles at once, the second
         # after ~2 s of waiting (its own compile still ~2 s: within 3), the third would wait ~4 s
