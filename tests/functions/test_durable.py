@@ -330,6 +330,14 @@ async def test_a_create_restores_no_sandbox_its_first_step_does(
     snapshot) resumes it. So a create and destroy without a step make no sandbox, a create and a step
     make one; a create that names no snapshot or asks for bad limits is still refused at create."""
     srv = local_replicas.start()
+    # the isolation a create reports is what the replica's sandboxes read back: its prewarm's (which goes
+    # on after the server listens) must have run for the summary to say more than "not read back yet"
+    for _ in range(300):
+        if any(r.get("msg") == "prewarmed" for r in srv.log_records()):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the replica never prewarmed its snapshot")
 
     async def made() -> str:
         return (await http.get(srv.url + "metrics")).text
