@@ -449,7 +449,6 @@ def _case_result(r: ExecResult, expected: str | None) -> CaseResult:
                       oom_killed=r.oom_killed, signal=r.signal, wall_s=r.wall_s, passed=passed)
 
 
-@functools.lru_cache(maxsize=256)
 def _sandbox_cpus(rt: Any) -> int:
     """The CPUs sandboxes run on, rounded up: the cap on all of them (the host's or the container's CPUs
     less the supervisor's reserve) where the runtime has a cgroup backend, else this process's CPUs."""
@@ -458,6 +457,7 @@ def _sandbox_cpus(rt: Any) -> int:
     return max(1, math.ceil(cores)) if cores else len(os.sched_getaffinity(0))
 
 
+@functools.lru_cache(maxsize=256)
 def _members(artifacts_b64: str) -> dict[str, tuple[str, int]] | None:
     """A cached compile's artifacts (a tar, base64) as the files to write: path under the home -> (base64 of
     the bytes, mode); None when the tar holds anything but plain files at plain relative paths (then the
