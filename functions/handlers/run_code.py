@@ -29,7 +29,6 @@ import functools
 import io
 import logging
 import math
-import os
 import re
 import shlex
 import signal
@@ -45,6 +44,7 @@ from rollbox.functions.durable.runtime import DurableRuntime
 from rollbox.functions.handlers.compile_cache import MAX_ARTIFACT_BYTES, CompileCache, Compiled, TimedOut, cache_key
 from rollbox.functions.handlers.routing import InProcess
 from rollbox.runtime.errors import InvalidRequest, Overloaded, RollboxError, SnapshotNotFound
+from rollbox.runtime.isolation.cgroupfs import host_cores
 from rollbox.runtime.spec import CaseResult, CompileResult, ExecRequest, ExecResult
 from rollbox.snapshots import languages
 from rollbox.snapshots.language_builds import LanguageBuilds
@@ -454,7 +454,7 @@ def _sandbox_cpus(rt: Any) -> int:
     less the supervisor's reserve) where the runtime has a cgroup backend, else this process's CPUs."""
     cpu = getattr(getattr(getattr(rt, "rt", rt), "cgroup_backend", None), "cpu", None)
     cores = getattr(cpu, "cap_cores", None) or getattr(cpu, "available_cores", None)
-    return max(1, math.ceil(cores)) if cores else len(os.sched_getaffinity(0))
+    return max(1, math.ceil(cores)) if cores else host_cores()
 
 
 @functools.lru_cache(maxsize=256)
