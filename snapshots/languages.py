@@ -114,11 +114,13 @@ _ROWS = (
              compile="esbuild main.ts --outfile=main.js --format=cjs --platform=node --log-level=warning",
              run="node main.js", artifacts=("main.js",), template="typescript.yaml",
              note="esbuild strips the types (no type check, as SandboxFusion's tsx), node 18 runs it"),
-    # TypeScript to JavaScript once, as babel-jest would at each run (its preset hoists jest.mock), every .ts file
-    # of the home (the test's helpers too); jest runs the JavaScript untransformed
+    # TypeScript to JavaScript once, as babel-jest would at each run (its preset hoists jest.mock), every .ts and
+    # .tsx file of the home, subdirectories included (the test's helpers too); jest runs the JavaScript
+    # untransformed; the artifacts are every .js file under the home (word-split: no spaces in their names)
     Language("jest", "jest", "main.test.ts",
-             compile="babeljs --presets babel-preset-jest --extensions .ts --out-dir . --quiet *.ts",
-             run="FORCE_COLOR=0 jest --ci main.test.js", artifacts=("*.js",), tests="jest", template="jest.yaml",
+             compile="babeljs --presets babel-preset-jest --extensions .ts,.tsx --out-dir . --quiet .",
+             run="FORCE_COLOR=0 jest --ci main.test.js", tests="jest", template="jest.yaml",
+             artifacts=("$(find . -name '*.js' ! -path './node_modules/*' | cut -c3-)",),
              extra_files={"babel.config.js": BABEL_CONFIG, "package.json": JEST_PACKAGE},
              note="Jest 29 with babel's TypeScript preset, all from Debian; the test transpiled once by babel "
                   "(SandboxFusion's jest transforms it at each run: its report names main.test.js)"),

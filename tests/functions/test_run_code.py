@@ -553,27 +553,30 @@ async def test_go_test_compiles_the_test_binary_once_with_go_tests_verdicts(http
         assert "wrong type string" in r["compile_result"]["stderr"] + r["compile_result"]["stdout"], r
 
 
-JEST_TESTS = ("import { add } from './helper';\nimport * as os from 'os';\n"
+JEST_TESTS = ("import { add } from './lib/helper';\nimport { unit } from './unit';\nimport * as os from 'os';\n"
               "jest.mock('os', () => ({ EOL: 'mocked' }));\ninterface P { x: number }\n")
 
 
 @pytest.mark.parametrize(("body", "status", "says"), [
-    ("test('sums', () => { const p: P = {x: 1}; expect(add(p.x, 2)).toBe(3); });\n"
+    ("test('sums', () => { const p: P = {x: unit}; expect(add(p.x, 2)).toBe(3); });\n"
      "test('jest.mock is hoisted over the imports', () => { expect(os.EOL).toBe('mocked'); });", "Success",
      "Tests:       2 passed, 2 total"),
     ("test('sums', () => { expect(add(1, 1)).toBe(3); });", "Failed", "Tests:       1 failed, 1 total"),
 ])
 async def test_jest_transpiles_typescript_once_with_jests_verdicts(http: httpx.AsyncClient, srv: ServerProc,
                                                                    body: str, status: str, says: str) -> None:
-    """A jest program's TypeScript (the test and a helper of the request's files) is made JavaScript once, by babel
-    with babel-jest's preset (jest.mock hoisted); each run runs jest on it untransformed, the second from the
-    compile cache, with jest's verdict."""
+    """A jest program's TypeScript (the test and the request's files: a helper in a subdirectory importing another
+    there, a .tsx) is made JavaScript once, by babel with babel-jest's preset (jest.mock hoisted); each run runs jest
+    on it untransformed, the second from the compile cache (every .js made, subdirectories too), with jest's
+    verdict."""
     if not (LANG_HOME / "names" / "jest").exists():
         pytest.skip(f"the jest snapshot is not in {LANG_HOME}")
     code = f"{JEST_TESTS}{body}\n// {uuid.uuid4()}\n"
-    helper = b64("export const add = (a: number, b: number): number => a + b;\n")
+    files = {"lib/helper.ts": b64("export { add } from './sum';\n"),
+             "lib/sum.ts": b64("export const add = (a: number, b: number): number => a + b;\n"),
+             "unit.tsx": b64("export const unit: number = 1;\n")}
     for attempt in range(2):
-        r = await run_code(http, srv, code=code, language="jest", files={"helper.ts": helper}, memory_limit_MB=1024)
+        r = await run_code(http, srv, code=code, language="jest", files=files, memory_limit_MB=1024)
         assert (r["status"], r["compile_result"]["return_code"]) == (status, 0), (attempt, r)
         assert r["compile_result"].get("cached") is (True if attempt else None), (attempt, r)
         assert says in r["run_result"]["stderr"], (attempt, r)
