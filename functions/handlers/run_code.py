@@ -383,15 +383,16 @@ class Runner:
 _RUNNERS: weakref.WeakKeyDictionary[Any, Runner] = weakref.WeakKeyDictionary()
 
 
-def runner_for(rt: Any) -> Runner:
+def runner_for(rt: Any, *, compile_slots: int | None = None) -> Runner:
     """The runner of a service's runtime (one per runtime, so /run_code and the `run` event share one compile
     cache): the plain runtime under a durable layer (a program's sandbox is one life, not durable state),
-    its compile cache in the durable layer's objects (the store every replica shares) when there are some."""
+    its compile cache in the durable layer's objects (the store every replica shares) when there are some.
+    ``compile_slots`` (the service's ``--compile-slots``) is taken by the call that makes the runner."""
     runner = _RUNNERS.get(rt)
     if runner is None:
         objects = rt.store.objects if isinstance(rt, DurableRuntime) else None
         plain = rt.rt if isinstance(rt, DurableRuntime | InProcess) else rt
-        runner = _RUNNERS[rt] = Runner(plain, CompileCache(objects), rt)
+        runner = _RUNNERS[rt] = Runner(plain, CompileCache(objects), rt, compile_slots=compile_slots)
     return runner
 
 

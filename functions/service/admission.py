@@ -39,6 +39,7 @@ class ServiceConfig:
     retry_after_s: float = 1.0
     request_timeout_s: float = 15.0  # headers, and each wait for more of the body: longer is a 408
     request_deadline_s: float = 30.0  # an event's reply (429 at the latest), plus its exec timeout_s; 0: none
+    compile_slots: int = 0  # language compiles run at once (/run_code, run events); 0: two per sandbox CPU
 
 
 __all__ = ["Admission", "InsufficientStorage", "Rejected", "ServiceConfig", "disk_full"]

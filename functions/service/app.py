@@ -42,6 +42,7 @@ from rollbox.functions.contract.models import (
     ErrorData,
 )
 from rollbox.functions.durable.capacity import LiveCap
+from rollbox.functions.handlers import run_code as run_code_handler
 from rollbox.functions.handlers import sandbox
 from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime
 from rollbox.functions.recording.steps import StepLog, current_step
@@ -202,6 +203,8 @@ class Service:
         replica's metrics registry (shared with the durable layer and the recorder).
         ``cleanup_failures``: the runtime's failed clean-ups by kind, for /metrics."""
         self.runtime = runtime
+        if config is not None and config.compile_slots:  # (0: the runner's own default)
+            run_code_handler.runner_for(runtime, compile_slots=config.compile_slots)
         self.steps = steps  # trajectories and usage: every final reply is recorded before it is sent
         self.config = cfg = config or ServiceConfig()
         self.routes: dict[str, Route] = {}

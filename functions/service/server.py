@@ -104,6 +104,10 @@ OPTIONS: tuple[Option, ...] = (
         _D.max_queued,
         "cap on requests admitted and not yet answered; more get 429",
     ),
+    Option("compile_slots", "--compile-slots", "ROLLBOX_COMPILE_SLOTS", integer(0), _D.compile_slots,
+           "language compiles run at once (/run_code and run events); the others wait their turn, which does not "
+           "count in their compile timeout, and a wait past it is a 504 (/run_code) or 429 with Retry-After; "
+           "0: two per CPU the sandboxes get"),
     Option("max_running", "--max-running", "ROLLBOX_MAX_RUNNING", integer(1), _D.max_running,
            "cap on admitted requests running at once; the others wait their turn in order (not started: on "
            "SIGTERM they get 503 with Retry-After at once, to be retried elsewhere)"),

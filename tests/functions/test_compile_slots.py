@@ -6,13 +6,18 @@ turns are what the timings show."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import os
 from pathlib import Path
 
 import pytest
-from rollbox.functions.handlers.run_code import Program, Runner
+from rollbox.functions.config.options import ConfigError
+from rollbox.functions.handlers.routing import InProcess
+from rollbox.functions.handlers.run_code import Program, Runner, runner_for
+from rollbox.functions.service import server
+from rollbox.functions.service.app import Service
 from rollbox.runtime.errors import Overloaded
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.snapshots.languages import Plan
@@ -73,3 +78,21 @@ async def test_a_request_cancelled_while_waiting_for_a_slot_gives_back_nothing_i
         assert all(1.9 <= c.compile.wall_s < 2.9 for c in (a, b)), (a, b)  # type: ignore[union-attr]
         assert took >= 4.0, took  # one after the other
         assert not rt.sandboxes, rt.sandboxes
+
+
+def test_compile_slots_is_a_serve_flag_and_its_variable_and_the_service_runner_takes_it(tmp_path: Path) -> None:
+    """`rollbox serve --compile-slots N` (or ROLLBOX_COMPILE_SLOTS) sets the turns of the service's runner, the one
+    /run_code and run events share; 0 (the default) leaves the runner's two per CPU; a negative count is refused."""
+    parser = argparse.ArgumentParser()
+    server.add_parser(parser.add_subparsers())
+    assert server.resolve(parser.parse_args(["serve", "--compile-slots", "3"]), {}).service.compile_slots == 3
+    assert server.resolve(parser.parse_args(["serve"]), {"ROLLBOX_COMPILE_SLOTS": "5"}).service.compile_slots == 5
+    assert server.resolve(parser.parse_args(["serve"]), {}).service.compile_slots == 0
+    with pytest.raises(ConfigError, match=r"compile-slots|COMPILE_SLOTS"):
+        server.resolve(parser.parse_args(["serve"]), {"ROLLBOX_COMPILE_SLOTS": "-1"})
+    rt = Runtime(RuntimeConfig(state_dir=tmp_path))  # (not started: a runner only reads its CPU cap)
+    chosen, default = InProcess(rt), InProcess(rt)
+    Service(chosen, config=server.resolve(parser.parse_args(["serve", "--compile-slots", "3"]), {}).service)
+    Service(default, config=server.resolve(parser.parse_args(["serve"]), {}).service)
+    assert runner_for(chosen).compile_slots == 3
+    assert runner_for(default).compile_slots == Runner(rt).compile_slots >= 2
