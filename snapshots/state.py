@@ -83,6 +83,9 @@ class Objects(Protocol):
     def keys(self, prefix: str) -> list[str]:
         """Keys under ``prefix``, sorted."""
 
+    def listing(self, prefix: str) -> list[tuple[str, float]]:
+        """Keys under ``prefix``, sorted, each with when it was last written (Unix time)."""
+
     def delete(self, keys: list[str]) -> None: ...
 
     def delete_own(self, key: str, body: bytes) -> bool:
@@ -206,6 +209,13 @@ class LocalObjects:
             rel = os.path.relpath(dirpath, self.root)
             out.extend(f"{rel}/{f}" if rel != "." else f for f in files if not f.startswith("."))
         return sorted(out)
+
+    def listing(self, prefix: str) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        for key in self.keys(prefix):
+            with contextlib.suppress(FileNotFoundError):  # (removed since: not listed)
+                out.append((key, os.stat(self._file(key)).st_mtime))
+        return out
 
     def delete(self, keys: list[str]) -> None:
         parents = set()

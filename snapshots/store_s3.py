@@ -26,6 +26,7 @@ tier, each filtered on a prefix under the store's::
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import datetime
@@ -35,7 +36,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import boto3
@@ -53,6 +54,7 @@ from rollbox.runtime.errors import (
     StoreUnavailable,
 )
 from rollbox.runtime.spec import Limits
+from rollbox.snapshots.calls import StoreDeadline
 from rollbox.snapshots.layers import check_layer_id
 from rollbox.snapshots.manifest import Manifest, check_name, check_snapshot_id
 from rollbox.snapshots.state import REFRESH_AFTER_S
@@ -667,6 +669,45 @@ class S3Objects:
         st = self.store
         base = st._key("") + "/" if st.prefix else ""
         return [k[len(base):] for k in st._list(st._key(prefix), f"listing {prefix}")]
+
+    def listing(self, prefix: str) -> list[tuple[str, float]]:
+        """``keys`` with each one's LastModified (Unix time)."""
+        st = self.store
+        base = len(st._key("") + "/") if st.prefix else 0
+        out: list[tuple[str, float]] = []
+        with st._errors(f"listing {prefix}"):
+            for page in st._client.get_paginator("list_objects_v2").paginate(Bucket=st.bucket,
+                                                                             Prefix=st._key(prefix)):
+                out.extend((o["Key"][base:], o["LastModified"].timestamp()) for o in page.get("Contents", []))
+        return out
+
+    async def listing_pages(self, prefix: str, page_deadline_s: float) -> AsyncIterator[list[tuple[str, float]]]:
+        """``listing`` a page (up to 1,000 keys) at a time, awaited on the event loop (only where
+        ``awaitable``): obstore lists and parses in its Rust runtime, at ~1/15 of botocore's CPU for the
+        same keys, and a caller that stops (cancelled: a drain) leaves no thread listing on. Each page
+        within ``page_deadline_s`` (``StoreDeadline``)."""
+        import obstore
+
+        st = self.store
+        assert st._fast is not None
+        base = len(st._key("") + "/") if st.prefix else 0
+        stream = obstore.list(st._fast, prefix=st._key(prefix), chunk_size=1000)
+        pages = 0
+        with self._fast_errors(f"listing {prefix}"):
+            while True:
+                try:
+                    async with asyncio.timeout(page_deadline_s):
+                        page = await stream.__anext__()
+                except StopAsyncIteration:
+                    if not pages:  # (an empty listing is one request; the end of a longer one is none)
+                        st._sent(event_name="ListObjectsV2")
+                    return
+                except TimeoutError:
+                    raise StoreDeadline(f"the store did not answer within {page_deadline_s:g} s while listing "
+                                        f"{prefix}") from None
+                pages += 1
+                st._sent(event_name="ListObjectsV2")
+                yield [(m["path"][base:], m["last_modified"].timestamp()) for m in page]
 
     def delete(self, keys: list[str]) -> None:
         st = self.store

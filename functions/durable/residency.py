@@ -34,7 +34,7 @@ from rollbox.snapshots.state import FileHashes, SandboxRecord, generation_of
 if TYPE_CHECKING:
     from rollbox.functions.recording.steps import StepLog
 
-__all__ = ["PRESSURE_MEMORY_S", "ROOM_WAIT_S", "Live", "Residency"]
+__all__ = ["PRESSURE_MEMORY_S", "ROOM_WAIT_S", "SWEEP_REST", "SWEEP_UNKNOWN_READS", "Live", "Residency"]
 
 log = logging.getLogger("rollbox.durable")
 # how long an eviction under pressure tells how long idle live copies last here (``passes``)
@@ -42,6 +42,11 @@ PRESSURE_MEMORY_S = 10.0
 # at the live cap with every live sandbox running a step, a request that needs one waits this long for
 # a step to end before it gets 429: steps end within moments, a retry after Retry-After takes a second
 ROOM_WAIT_S = 5.0
+# a sweep lists every sandbox record in the store: the next one waits at least this many times as long as
+# the last one took (a sweep runs at most 1/(1 + SWEEP_REST) of the time), and the --sweep-interval-s
+SWEEP_REST = 19.0
+# of the sandboxes nothing is known of here, a sweep reads this many (the longest untouched first)
+SWEEP_UNKNOWN_READS = 256
 
 
 @dataclass
@@ -200,41 +205,76 @@ class Residency:
                     self.hibernate(sid, "idle")
 
     async def _sweep_loop(self) -> None:
+        wait = self.sweep_interval_s
         while True:
-            await asyncio.sleep(self.sweep_interval_s)
+            await asyncio.sleep(wait)
+            t0 = time.monotonic()
             try:
-                await self.sweep()
+                done = await self.sweep()
             except (StoreError, OSError) as exc:
                 log.warning("sweeping durable state failed: %s", exc)
+            else:
+                took = time.monotonic() - t0
+                if took >= 1.0 or done["expired"] or done["removed"] or done["unread"]:
+                    log.info("swept durable state", extra={"fields": {**done, "s": round(took, 3)}})
+            # a sweep lists the whole store (every sandbox's records): with many sandboxes it is long, and
+            # its listing costs the store and this replica CPU for every key, so the next one waits at
+            # least SWEEP_REST times as long as this one took
+            wait = max(self.sweep_interval_s, SWEEP_REST * (time.monotonic() - t0))
 
     async def sweep(self) -> dict[str, int]:
         """Expire hibernated sandboxes past their limits; remove destroyed ones' records after the
-        tombstone TTL (a redelivered event finds its reply until then)."""
-        keys: list[str] = await self.store.io(self.store.objects.keys, "sandboxes/")
+        tombstone TTL (a redelivered event finds its reply until then). The store is listed (a page at a
+        time) with each record's write time; a sandbox's newest record is read only when it may be due:
+        when the record seen here, or the sandbox's limits seen here counted from the newest record's
+        write time, say so. Sandboxes nothing is known of here (a replica that just started) are read
+        oldest first, at most ``SWEEP_UNKNOWN_READS`` per sweep (the later ones at later sweeps; a step
+        on one reads it anyway)."""
         by_sid: dict[str, dict[int, str]] = {}
-        for k in keys:
-            if (g := generation_of(k)) is not None:
-                by_sid.setdefault(k.split("/")[1], {})[g] = k
-        expired = removed = 0
+        written: dict[str, float] = {}  # sandbox -> its newest record's write time
+        async for page in self.store.listing("sandboxes/"):
+            for k, mtime in page:
+                if (g := generation_of(k)) is not None:
+                    sid = k.split("/")[1]
+                    gens = by_sid.setdefault(sid, {})
+                    gens[g] = k
+                    if g >= max(gens):
+                        written[sid] = mtime
+        expired = removed = unread = 0
         now = time.time()
+        unknown: list[tuple[float, str]] = []
         for sid, gens in by_sid.items():
             if sid in self.live or sid in self.busy:
                 continue
-            known = self.store.due.get(sid)
-            if known is not None and known[0] == max(gens) and now < known[1]:
-                continue  # nothing changed since it was read or written here, and it is not due
-            head = await self.store.read(sid, max(gens))
-            if head is None:
+            due = self.store.due_at(sid, max(gens), written[sid])
+            if due is None:
+                unknown.append((written[sid], sid))
+            elif now >= due:
+                e, r = await self._sweep_one(sid, gens, now)
+                expired, removed = expired + e, removed + r
+        unknown.sort()
+        for _, sid in unknown[:SWEEP_UNKNOWN_READS]:
+            if sid in self.live or sid in self.busy:
                 continue
-            self.store.note_due(head)  # (not remember: a sweep must not push resumed sandboxes out of seen)
-            if head.state == "destroyed":
-                if now - head.last_used > self.store.tombstone_ttl_s:
-                    await self.store.io(self.store.objects.delete, list(gens.values()))
-                    self.store.forget(sid)
-                    removed += 1
-            elif (why := head.expired(now)) is not None:
-                async with self.holding(sid):
-                    await self._expire(head, why)
-                expired += 1
-        return {"expired": expired, "removed": removed}
+            e, r = await self._sweep_one(sid, by_sid[sid], now)
+            expired, removed = expired + e, removed + r
+        unread = max(0, len(unknown) - SWEEP_UNKNOWN_READS)
+        return {"sandboxes": len(by_sid), "expired": expired, "removed": removed, "unread": unread}
+
+    async def _sweep_one(self, sid: str, gens: dict[int, str], now: float) -> tuple[int, int]:
+        """Read a sandbox's newest record; expire it or remove its records if due. (expired, removed)."""
+        head = await self.store.read(sid, max(gens))
+        if head is None:
+            return 0, 0
+        self.store.note_due(head)  # (not remember: a sweep must not push resumed sandboxes out of seen)
+        if head.state == "destroyed":
+            if now - head.last_used > self.store.tombstone_ttl_s:
+                await self.store.io(self.store.objects.delete, list(gens.values()))
+                self.store.forget(sid)
+                return 0, 1
+        elif (why := head.expired(now)) is not None:
+            async with self.holding(sid):
+                await self._expire(head, why)
+            return 1, 0
+        return 0, 0
 

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -41,7 +41,7 @@ log = logging.getLogger("rollbox.durable")
 # what a store call of this layer is doing, for the 503 a hung store gets
 _DOING = {"get": "reading a sandbox's state", "get_blob": "reading a sandbox's files",
           "put_blob": "writing a sandbox's files", "put_new": "committing a sandbox's step",
-          "keys": "listing sandbox state", "delete": "deleting sandbox state"}
+          "keys": "listing sandbox state", "listing": "listing sandbox state", "delete": "deleting sandbox state"}
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 AIO_COMMITS = 32  # local commits syncing at once (the AIO context has room for 64 syncs in flight)
@@ -89,6 +89,10 @@ class StateStore:
         # with it: it cannot expire, or its tombstone is kept, until then). The sweep reads only the
         # records of sandboxes that passed that time or moved on, not every sandbox in the store.
         self.due: dict[str, tuple[int, float]] = {}
+        # sandbox id -> (when its lifetime ends, its idle limit), from any of its records read or written here:
+        # a sandbox's limits are set at its create, so with the listing's time of its newest record the
+        # sweep knows when that record can expire without reading it (``due_at``)
+        self.limits_seen: dict[str, tuple[float, float]] = {}
         # of recent steps on sandboxes seen here, the share that found them moved on by another replica
         # (a moving average, from 0.5: a new replica trusts nothing until its steps have shown it)
         self.behind = 0.5
@@ -120,6 +124,7 @@ class StateStore:
         """Nothing of the sandbox is to be remembered here (its records were removed)."""
         self.seen.pop(sandbox_id, None)
         self.due.pop(sandbox_id, None)
+        self.limits_seen.pop(sandbox_id, None)
 
     async def put_blobs(self, blobs: dict[str, str]) -> None:
         """Upload the new large contents a scan found (sha -> path), unless written or refreshed here
@@ -197,7 +202,7 @@ class StateStore:
                 self.remember(head)
                 return head, True
         if head is None:
-            keys = await self.io(self.objects.keys, f"sandboxes/{sandbox_id}/")
+            keys = await self.keys(f"sandboxes/{sandbox_id}/")
             gens = sorted(g for k in keys if (g := generation_of(k)) is not None)
             if not gens:
                 raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
@@ -233,9 +238,43 @@ class StateStore:
             due = record.last_used + self.tombstone_ttl_s
         else:
             due = min(record.created_at + record.limits.lifetime_s, record.last_used + record.limits.idle_s)
+            self.limits_seen[record.sandbox_id] = (record.created_at + record.limits.lifetime_s, record.limits.idle_s)
         self.due[record.sandbox_id] = (record.generation, due)
         while len(self.due) > 1_000_000:
             self.due.pop(next(iter(self.due)))
+        while len(self.limits_seen) > 1_000_000:
+            self.limits_seen.pop(next(iter(self.limits_seen)))
+
+    def due_at(self, sandbox_id: str, newest: int, written_at: float) -> float | None:
+        """When the sweep may next have to do with a sandbox whose newest record (generation ``newest``)
+        was written at ``written_at`` (its listing's time), without reading that record: from the record
+        seen here if it is that one, else from the sandbox's limits seen here (its idle window counted
+        from ``written_at``, a little after the step's own time: an expiry found a sweep later, never
+        early). None: nothing of it is known here (its record must be read)."""
+        due = self.due.get(sandbox_id)
+        if due is not None and due[0] == newest:
+            return due[1]
+        limits = self.limits_seen.get(sandbox_id)
+        if limits is None:
+            return None
+        return min(limits[0], written_at + limits[1])
+
+    async def keys(self, prefix: str) -> list[str]:
+        """Keys under ``prefix``: S3's through obstore on the event loop (``listing``), else in a store call."""
+        if self._awaitable is not None and hasattr(self._awaitable, "listing_pages"):
+            return [k async for page in self.listing(prefix) for k, _ in page]
+        keys: list[str] = await self.io(self.objects.keys, prefix)
+        return keys
+
+    async def listing(self, prefix: str) -> AsyncIterator[list[tuple[str, float]]]:
+        """Keys under ``prefix`` with their write times, a page at a time: S3's through obstore on the
+        event loop (each page with the store's deadline, and nothing left listing in a thread when the
+        caller stops), a local store's in one call."""
+        if self._awaitable is not None and hasattr(self._awaitable, "listing_pages"):
+            async for page in self._awaitable.listing_pages(prefix, self.calls.deadline_s):
+                yield page
+            return
+        yield await self.io(self.objects.listing, prefix)
 
     async def put_record(self, key: str, data: bytes) -> bool:
         """The create-only write of a record. On the local store it runs on the event loop and its two
