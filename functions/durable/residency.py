@@ -243,7 +243,9 @@ class Residency:
         expired = removed = unread = 0
         now = time.time()
         unknown: list[tuple[float, str]] = []
-        for sid, gens in by_sid.items():
+        for i, (sid, gens) in enumerate(by_sid.items()):
+            if i % 1000 == 999:
+                await asyncio.sleep(0)  # (the loop serves steps between every 1,000 sandboxes looked at)
             if sid in self.live or sid in self.busy:
                 continue
             due = self.store.due_at(sid, max(gens), written[sid])
