@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleet_local import Fleet, format_drain
+from fleet_local import Fleet, format_drain, locust_master_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -234,7 +234,7 @@ def main() -> int:
         with httpx.Client(timeout=120) as http:
             clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOX_")}
             cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
-                   "--only-summary", "--processes", str(args.processes), "-u", str(args.users),
+                   "--only-summary", "--processes", str(args.processes), *locust_master_args(), "-u", str(args.users),
                    "-r", str(args.spawn_rate), "-t", f"{args.run_s:.0f}s", "--stop-timeout", "30",
                    "--host", fleet.url.rstrip("/"), "--think-min-s", str(args.think_min_s),
                    "--think-max-s", str(args.think_max_s), "--steps", str(args.steps),

@@ -46,7 +46,7 @@ drops), beside what was measured: steps/s and step p99, their relative errors, a
 one within --tolerance, 25 %). `--check-run DIR` measures first, on one replica of this box, in one
 sweep: the curve's points and the two check points between them (the curve is made of the others, so
 the check is not the curve read back); ~6 minutes on a quiet box (estimated; 10 min 20 s on this one
-while other jobs loaded it), `--quick` ~1 minute (plumbing, not a verdict):
+while other jobs loaded it), `--quick` ~40 s (plumbing, not a verdict):
 
     .venv/bin/python loadtest/fleet.py --check-run /tmp/check       # then the verdict
     .venv/bin/python loadtest/fleet.py --check-against /tmp/check/check.csv --capacity /tmp/check/curve.csv
@@ -588,8 +588,10 @@ def simulate(burst: Burst, kpa: Kpa, cap: Capacity, prices: Prices | None = None
 # the loads checked (open episodes, think s), inside the curve's range: 15 and 30 steps/s offered
 CHECK_POINTS = ((300, 20.0), (600, 20.0))
 CURVE_POINTS = ((200, 20.0), (400, 20.0), (800, 20.0))  # (a point far past the knee took minutes to open)
-QUICK_CHECK = ((10, 4.0), (40, 4.0))  # --quick: plumbing in ~1 minute, not a verdict
-QUICK_CURVE = ((4, 4.0), (20, 4.0), (60, 4.0))
+# --quick: plumbing in ~40 s, not a verdict; half the episodes at half the think time (and half the
+# hibernation delay) offer the same steps/s, with as many steps hibernated, in half the warm-up
+QUICK_CHECK = ((5, 2.0), (20, 2.0))
+QUICK_CURVE = ((2, 2.0), (10, 2.0), (30, 2.0))
 
 
 def predict_point(cap: Capacity, kpa: Kpa, users: int, think_s: float, *, seed: int = 0,
@@ -649,7 +651,7 @@ def check_run(out: Path, *, quick: bool = False, seed: int = 0) -> tuple[Path, P
     points = sorted({*check, *curve})
     argv = ["--sweep", "--points", ",".join(f"{n}x{t:g}" for n, t in points), "--seed", str(seed), "--out", str(out)]
     if quick:
-        argv += ["--warmup-s", "2", "--window-s", "6", "--hibernate-after-s", "3"]
+        argv += ["--warmup-s", "2", "--window-s", "4", "--hibernate-after-s", "1.5"]
     else:
         argv += ["--warmup-s", "10", "--window-s", "30"]
     rc = capacity_sweep.main(argv)
@@ -772,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-run", type=Path, default=None, metavar="DIR",
                     help="measure first (one replica on this box, ~6 min; as root): the curve's points and two check "
                          "loads in one sweep, into DIR/curve.csv and DIR/check.csv; then the check")
-    ap.add_argument("--quick", action="store_true", help="with --check-run: short points (~1 min), no verdict to keep")
+    ap.add_argument("--quick", action="store_true", help="with --check-run: short points (~40 s), no verdict to keep")
     ap.add_argument("--tolerance", type=float, default=0.25, help="the check's relative error allowed")
     args = ap.parse_args(argv)
     if args.check_run is not None or args.check_against is not None:

@@ -318,6 +318,14 @@ def drain_phases(srv: ServerProc, t_term: float, t_exit: float) -> dict[str, flo
     return out
 
 
+def locust_master_args() -> list[str]:
+    """For a distributed Locust (--processes): its master on a free port of 127.0.0.1, not Locust's fixed
+    *:5557. Another distributed Locust on the box (a second run, another user's) held 5557: the master
+    failed to bind after forking its workers, which then waited for it, orphaned, until killed."""
+    port = free_ports(1)[0]
+    return ["--master-bind-host", "127.0.0.1", "--master-bind-port", str(port), "--master-port", str(port)]
+
+
 def format_drain(phases: list[dict[str, float]]) -> str:
     return "; ".join(", ".join(f"{k} {v:.2f}" for k, v in p.items()) for p in phases)
 

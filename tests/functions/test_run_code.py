@@ -545,7 +545,13 @@ async def test_go_test_compiles_the_test_binary_once_with_go_tests_verdicts(http
         assert (r["status"], r["compile_result"]["return_code"]) == (status, 0), (attempt, r)
         assert r["compile_result"].get("cached") is (True if attempt else None), (attempt, r)
         assert says in r["run_result"]["stdout"] + r["run_result"]["stderr"], (attempt, r)
-    # go test's vet checks fail the compile, as they fail go test (kept: the same source fails the same way)
+
+
+async def test_go_tests_vet_checks_fail_the_compile_twice(http: httpx.AsyncClient, srv: ServerProc) -> None:
+    """go test's vet checks fail the compile, as they fail go test (kept: the same source fails the same way).
+    (Once, not in each verdict's case above: every case compiled the same failing program again.)"""
+    if not (LANG_HOME / "names" / "go_test").exists():
+        pytest.skip(f"the go_test snapshot is not in {LANG_HOME}")
     bad = f'{GO_TESTS}func TestF(t *testing.T){{ t.Logf("%d", "x") }}\n// {uuid.uuid4()}\n'
     for attempt in range(2):
         r = await run_code(http, srv, code=bad, language="go_test")
@@ -580,6 +586,12 @@ async def test_jest_transpiles_typescript_once_with_jests_verdicts(http: httpx.A
         assert (r["status"], r["compile_result"]["return_code"]) == (status, 0), (attempt, r)
         assert r["compile_result"].get("cached") is (True if attempt else None), (attempt, r)
         assert says in r["run_result"]["stderr"], (attempt, r)
+
+
+async def test_jest_a_syntax_error_fails_the_compile(http: httpx.AsyncClient, srv: ServerProc) -> None:
+    """(Once, not in each verdict's case above: every case compiled the same failing program again.)"""
+    if not (LANG_HOME / "names" / "jest").exists():
+        pytest.skip(f"the jest snapshot is not in {LANG_HOME}")
     bad = f"test('x', () => {{ const y: number = ; }});\n// {uuid.uuid4()}\n"  # a syntax error fails the compile
     r = await run_code(http, srv, code=bad, language="jest", memory_limit_MB=1024)
     assert (r["status"], r["run_result"]) == ("Failed", None) and "SyntaxError" in r["compile_result"]["stderr"], r
@@ -610,6 +622,13 @@ async def test_kotlin_script_compiles_once_with_kotlinc_scripts_output(http: htt
         assert r["compile_result"].get("cached") is (True if attempt else None), (attempt, r)
         run = r["run_result"]
         assert (run["return_code"], run["stdout"], run["stderr"]) == (code, out, err), (attempt, r)
+
+
+async def test_kotlin_script_a_type_error_fails_the_compile(http: httpx.AsyncClient, srv: ServerProc) -> None:
+    """(Once, not in each output's case above: every case compiled the same failing program again, ~4 s of
+    kotlinc each.)"""
+    if not (LANG_HOME / "names" / "kotlin_script").exists():
+        pytest.skip(f"the kotlin_script snapshot is not in {LANG_HOME}")
     r = await run_code(http, srv, code=f"val x: Int = \"no\"\n// {uuid.uuid4()}\n", language="kotlin_script",
                        memory_limit_MB=1024, compile_timeout=120)
     assert (r["status"], r["run_result"]) == ("Failed", None) and "type mismatch" in r["compile_result"]["stderr"], r

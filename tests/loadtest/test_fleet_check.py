@@ -97,7 +97,7 @@ def test_check_run_quick_measures_a_curve_and_two_loads_and_prints_the_verdict(t
         assert len(list(csv.DictReader(ln for ln in f if not ln.startswith("#")))) == 3
     rows = re.findall(r"^\s+(\d+)x([\d.]+) s\s+[\d.]+ \|\s+([\d.]+)\s+([\d.]+)\s+[+-]\d+% \|\s+([\d.]+)\s+([\d.]+)\s+"
                       r"[+-]\d+%$", p.stdout, re.M)
-    assert [(int(n), float(t)) for n, t, *_ in rows] == [(10, 4.0), (40, 4.0)], p.stdout
+    assert [(int(n), float(t)) for n, t, *_ in rows] == [(5, 2.0), (20, 2.0)], p.stdout
     assert all(float(m) > 0 and float(pred) > 0 for _, _, m, pred, _, _ in rows), rows
     verdict = re.search(r"^verdict: (within|NOT within) 25% at every load", p.stdout, re.M)
     assert verdict and (verdict.group(1) == "within") == (p.returncode == 0), p.stdout

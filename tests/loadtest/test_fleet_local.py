@@ -123,9 +123,10 @@ def test_distributed_locust_shares_connections_and_sums_workers(fleet: Any, tmp_
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOX_")}
     out_json = tmp_path / "summary.json"
     pids = ",".join(str(p) for k, p in fleet.pids().items() if k.startswith("replica") or k == "haproxy")
+    master = sys.modules["fleet_local"].locust_master_args()  # (the module the fleet fixture loaded)
     p = subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
-         "--only-summary", "--processes", "2", "-u", "24", "-r", "24", "-t", "8s", "--stop-timeout", "10",
+         "--only-summary", "--processes", "2", *master, "-u", "24", "-r", "24", "-t", "8s", "--stop-timeout", "10",
          "--host", fleet.url.rstrip("/"), "--think-min-s", "0.2", "--think-max-s", "0.5", "--connections", "2",
          "--server-pid", pids, "--summary-json", str(out_json)],
         capture_output=True, text=True, timeout=90, env={**clean, "ROLLBOX_LOCUST_SHAPE": "none"})
