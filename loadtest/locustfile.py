@@ -324,9 +324,10 @@ class EpisodeUser(FastHttpUser):
         thinking 10-20 min between steps must, or its sandboxes expire while it thinks). Limits other
         than the snapshot's defaults are not served from its warm pool: such creates and resumes restore."""
         lim: dict[str, Any] = dict(LIMITS)
-        # a think, and the step's own wait and retries: on a saturated fleet, or through a scale-to-zero wave,
-        # minutes (at 20,000 users thinking 2-4 min on 2 cores, a 60 s margin let some sandboxes expire)
-        idle_s = self.cfg.think_max_s + 300
+        # a think, and as long again for the step's own wait and retries: on a saturated fleet, or through a
+        # scale-to-zero wave, minutes (at 20,000 users thinking 2-4 min on 2 cores, a think + 60 s let some
+        # sandboxes expire); short thinks keep the snapshot's limits (their waits are seconds)
+        idle_s = 2 * self.cfg.think_max_s + 60
         lifetime_s = self.cfg.steps * self.cfg.think_max_s + 120
         if idle_s > DEFAULT_IDLE_S or lifetime_s > DEFAULT_LIFETIME_S:  # then with room to spare
             lim["idle_s"] = min(max(1.5 * idle_s, DEFAULT_IDLE_S), 24 * 3600)
