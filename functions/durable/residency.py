@@ -240,7 +240,7 @@ class Residency:
                     gens[g] = k
                     if g >= max(gens):
                         written[sid] = mtime
-        expired = removed = unread = 0
+        expired = removed = 0
         now = time.time()
         unknown: list[tuple[float, str]] = []
         for i, (sid, gens) in enumerate(by_sid.items()):

@@ -86,13 +86,11 @@ class StateStore:
         self.blobs_known: dict[str, float] = {}  # blob -> when it was last written or refreshed here
         self.seen: OrderedDict[str, SandboxRecord] = OrderedDict()
         # sandbox id -> (newest generation seen here, Unix time before which the sweep has nothing to do
-        # with it: it cannot expire, or its tombstone is kept, until then). The sweep reads only the
-        # records of sandboxes that passed that time or moved on, not every sandbox in the store.
-        self.due: dict[str, tuple[int, float]] = {}
-        # sandbox id -> (when its lifetime ends, its idle limit), from any of its records read or written here:
-        # a sandbox's limits are set at its create, so with the listing's time of its newest record the
-        # sweep knows when that record can expire without reading it (``due_at``)
-        self.limits_seen: dict[str, tuple[float, float]] = {}
+        # with it: it cannot expire, or its tombstone is kept, until then, when its lifetime ends, its idle
+        # limit). The sweep reads only the records of sandboxes that passed that time, or that moved on and
+        # whose limits (set at their create) count their idle window from their newest record's write
+        # time to now (``due_at``): not every sandbox in the store.
+        self.due: dict[str, tuple[int, float, float, float]] = {}
         # of recent steps on sandboxes seen here, the share that found them moved on by another replica
         # (a moving average, from 0.5: a new replica trusts nothing until its steps have shown it)
         self.behind = 0.5
@@ -124,7 +122,6 @@ class StateStore:
         """Nothing of the sandbox is to be remembered here (its records were removed)."""
         self.seen.pop(sandbox_id, None)
         self.due.pop(sandbox_id, None)
-        self.limits_seen.pop(sandbox_id, None)
 
     async def put_blobs(self, blobs: dict[str, str]) -> None:
         """Upload the new large contents a scan found (sha -> path), unless written or refreshed here
@@ -234,16 +231,14 @@ class StateStore:
 
     def note_due(self, record: SandboxRecord) -> None:
         """Note a sandbox's generation and when the sweep may next have to do with it (``due``)."""
+        ends, idle_s = record.created_at + record.limits.lifetime_s, record.limits.idle_s
         if record.state == "destroyed":
             due = record.last_used + self.tombstone_ttl_s
         else:
-            due = min(record.created_at + record.limits.lifetime_s, record.last_used + record.limits.idle_s)
-            self.limits_seen[record.sandbox_id] = (record.created_at + record.limits.lifetime_s, record.limits.idle_s)
-        self.due[record.sandbox_id] = (record.generation, due)
+            due = min(ends, record.last_used + idle_s)
+        self.due[record.sandbox_id] = (record.generation, due, ends, idle_s)
         while len(self.due) > 1_000_000:
             self.due.pop(next(iter(self.due)))
-        while len(self.limits_seen) > 1_000_000:
-            self.limits_seen.pop(next(iter(self.limits_seen)))
 
     def due_at(self, sandbox_id: str, newest: int, written_at: float) -> float | None:
         """When the sweep may next have to do with a sandbox whose newest record (generation ``newest``)
@@ -251,17 +246,15 @@ class StateStore:
         seen here if it is that one, else from the sandbox's limits seen here (its idle window counted
         from ``written_at``, a little after the step's own time: an expiry found a sweep later, never
         early). None: nothing of it is known here (its record must be read)."""
-        due = self.due.get(sandbox_id)
-        if due is not None and due[0] == newest:
-            return due[1]
-        limits = self.limits_seen.get(sandbox_id)
-        if limits is None:
+        known = self.due.get(sandbox_id)
+        if known is None:
             return None
-        return min(limits[0], written_at + limits[1])
+        generation, due, ends, idle_s = known
+        return due if generation == newest else min(ends, written_at + idle_s)
 
     async def keys(self, prefix: str) -> list[str]:
         """Keys under ``prefix``: S3's through obstore on the event loop (``listing``), else in a store call."""
-        if self._awaitable is not None and hasattr(self._awaitable, "listing_pages"):
+        if self._awaitable is not None:
             return [k async for page in self.listing(prefix) for k, _ in page]
         keys: list[str] = await self.io(self.objects.keys, prefix)
         return keys
@@ -270,7 +263,7 @@ class StateStore:
         """Keys under ``prefix`` with their write times, a page at a time: S3's through obstore on the
         event loop (each page with the store's deadline, and nothing left listing in a thread when the
         caller stops), a local store's in one call."""
-        if self._awaitable is not None and hasattr(self._awaitable, "listing_pages"):
+        if self._awaitable is not None:
             async for page in self._awaitable.listing_pages(prefix, self.calls.deadline_s):
                 yield page
             return
