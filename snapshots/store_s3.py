@@ -284,12 +284,16 @@ class S3Store:
             self._client.put_object(Bucket=self.bucket, Key=key, Body=data)
 
     def _list(self, prefix: str, doing: str) -> list[str]:
-        keys: list[str] = []
+        return [key for key, _ in self._list_modified(prefix, doing)]
+
+    def _list_modified(self, prefix: str, doing: str) -> list[tuple[str, float]]:
+        """The keys under ``prefix``, each with its LastModified (Unix time)."""
+        out: list[tuple[str, float]] = []
         with self._errors(doing):
             for page in self._client.get_paginator("list_objects_v2").paginate(
                     Bucket=self.bucket, Prefix=prefix):
-                keys.extend(obj["Key"] for obj in page.get("Contents", []))
-        return keys
+                out.extend((obj["Key"], obj["LastModified"].timestamp()) for obj in page.get("Contents", []))
+        return out
 
     def check(self) -> None:
         """Can this store be used now? Raises ``StoreUnavailable`` (cannot reach it: retry later) or
@@ -664,22 +668,18 @@ class S3Objects:
                                    f"{st.max_attempts} times with backoff); check that the S3 endpoint is up, then "
                                    "retry") from exc
 
+    def _base(self) -> int:
+        """How much of a full key is the store's prefix (keys here are relative to it)."""
+        return len(self.store._key("") + "/") if self.store.prefix else 0
+
     def keys(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` (relative to the store's prefix), in S3's (lexicographic) order."""
-        st = self.store
-        base = st._key("") + "/" if st.prefix else ""
-        return [k[len(base):] for k in st._list(st._key(prefix), f"listing {prefix}")]
+        return [k for k, _ in self.listing(prefix)]
 
     def listing(self, prefix: str) -> list[tuple[str, float]]:
         """``keys`` with each one's LastModified (Unix time)."""
-        st = self.store
-        base = len(st._key("") + "/") if st.prefix else 0
-        out: list[tuple[str, float]] = []
-        with st._errors(f"listing {prefix}"):
-            for page in st._client.get_paginator("list_objects_v2").paginate(Bucket=st.bucket,
-                                                                             Prefix=st._key(prefix)):
-                out.extend((o["Key"][base:], o["LastModified"].timestamp()) for o in page.get("Contents", []))
-        return out
+        st, base = self.store, self._base()
+        return [(k[base:], t) for k, t in st._list_modified(st._key(prefix), f"listing {prefix}")]
 
     async def listing_pages(self, prefix: str, page_deadline_s: float) -> AsyncIterator[list[tuple[str, float]]]:
         """``listing`` a page (up to 1,000 keys) at a time, awaited on the event loop (only where
@@ -688,9 +688,8 @@ class S3Objects:
         within ``page_deadline_s`` (``StoreDeadline``)."""
         import obstore
 
-        st = self.store
+        st, base = self.store, self._base()
         assert st._fast is not None
-        base = len(st._key("") + "/") if st.prefix else 0
         stream = obstore.list(st._fast, prefix=st._key(prefix), chunk_size=1000)
         pages = 0
         with self._fast_errors(f"listing {prefix}"):
