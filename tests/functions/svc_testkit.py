@@ -1,7 +1,9 @@
-"""Helpers for the service tests: a real `rollbox serve` process and CloudEvents built by the SDK."""
+"""Helpers for the service tests: a real `rollbox serve` process and CloudEvents built by the SDK; a real
+``DurableRuntime`` over a real ``Runtime`` in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,25 @@ from cloudevents.http import CloudEvent, from_http
 from prometheus_client.parser import text_string_to_metric_families
 
 SERVE = [sys.executable, "-m", "rollbox.functions.cli", "serve"]
+
+
+@contextlib.asynccontextmanager
+async def durable_runtime(home: Path, objects: Any, name: str, **kw: Any) -> AsyncIterator[Any]:
+    """A started ``DurableRuntime`` (``kw``: its settings; a live cap of 8 unless given) over ``objects``,
+    on a started ``Runtime`` in ``home`` under a cgroup parent of its own (``name``); both closed after."""
+    from rollbox.functions.durable.capacity import LiveCap
+    from rollbox.functions.durable.runtime import DurableRuntime
+    from rollbox.runtime.runtime import Runtime, RuntimeConfig
+
+    rt = Runtime(RuntimeConfig(state_dir=home, cgroup_parent=f"rollbox-test-{os.getpid()}-{name}"))
+    await rt.start()
+    d = DurableRuntime(rt, objects, **{"cap": LiveCap(8), **kw})
+    await d.start()
+    try:
+        yield d
+    finally:
+        await d.close()
+        await rt.close()
 
 
 @dataclass

@@ -6,7 +6,6 @@ store, in this process.
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,22 +15,15 @@ from rollbox.functions.durable.capacity import LiveCap
 from rollbox.functions.durable.runtime import DurableRuntime
 from rollbox.functions.handlers.routing import InProcess
 from rollbox.functions.service.app import Service
-from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.spec import ExecRequest
 from rollbox.snapshots.state import LocalObjects, record_key
+from svc_testkit import durable_runtime
 
 
 @pytest.fixture
 async def durable(tmp_path: Path) -> AsyncIterator[DurableRuntime]:
-    rt = Runtime(RuntimeConfig(state_dir=tmp_path / "home", cgroup_parent=f"rollbox-test-{os.getpid()}-durable-api"))
-    await rt.start()
-    d = DurableRuntime(rt, LocalObjects(tmp_path / "store"), cap=LiveCap(8))
-    await d.start()
-    try:
+    async with durable_runtime(tmp_path / "home", LocalObjects(tmp_path / "store"), "durable-api") as d:
         yield d
-    finally:
-        await d.close()
-        await rt.close()
 
 
 def _records(store: Path) -> list[str]:

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from rollbox.functions.durable.capacity import LiveCap
 from rollbox.functions.durable.residency import SWEEP_UNKNOWN_READS
 from rollbox.functions.durable.runtime import DurableRuntime
-from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.snapshots.state import SandboxRecord, record_key
 from rollbox.snapshots.store_s3 import S3Objects
+from svc_testkit import durable_runtime
 
 from tests.snapshots.s3server import SeaweedS3, store_factory
 
@@ -36,15 +34,8 @@ OTHERS = 1200  # sandboxes of other replicas: more than a listing page (1,000 ke
 async def durable(tmp_path: Path, seaweed: SeaweedS3) -> AsyncIterator[DurableRuntime]:
     objects = S3Objects(store_factory(seaweed)(f"s3://{seaweed.new_bucket()}/fleet"))
     assert objects.awaitable  # obstore: listed on the event loop
-    rt = Runtime(RuntimeConfig(state_dir=tmp_path / "home", cgroup_parent=f"rollbox-test-{os.getpid()}-sweep"))
-    await rt.start()
-    d = DurableRuntime(rt, objects, cap=LiveCap(8), sweep_interval_s=3600)  # (swept by the test)
-    await d.start()
-    try:
+    async with durable_runtime(tmp_path / "home", objects, "sweep", sweep_interval_s=3600) as d:  # (swept by the test)
         yield d
-    finally:
-        await d.close()
-        await rt.close()
 
 
 def gets(d: DurableRuntime) -> int:
