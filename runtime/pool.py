@@ -178,7 +178,9 @@ class Pool:
                 t = asyncio.create_task(self._build_one())
                 self._builds.add(t)
                 t.add_done_callback(self._builds.discard)
-            while len(self.ready) > target:
+            # drain one at a time, asking for the target again after each close: a prewarm or a burst
+            # of demand while a close is awaited raises it, and the drain stops there
+            while len(self.ready) > self.target():
                 sb = self.ready.pop()
                 await sb.close("idle")
             self._wake.clear()

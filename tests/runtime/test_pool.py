@@ -36,6 +36,42 @@ async def test_target_follows_demand_and_falls_to_min_when_idle() -> None:
     assert pool.target(now + 60) == 2
 
 
+class _SlowToClose:
+    """Stands in for a ready sandbox in the drain's race: the pool only asks whether it is alive and
+    closes it, and a close that takes 50 ms (a real one takes ~1-5 ms) makes the race certain."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def alive(self) -> bool:
+        return not self.closed
+
+    async def close(self, reason: str) -> None:
+        await asyncio.sleep(0.05)
+        self.closed = True
+
+
+@pytest.mark.asyncio
+async def test_a_prewarm_during_a_drain_stops_it_at_the_new_minimum() -> None:
+    """The pool drains idle sandboxes one close at a time; a prewarm that comes while it does keeps
+    what it asked for (the drain used to go on to the target it had read before its first close)."""
+    pool = Pool("k", _never, min_size=0, max_size=8, window_s=10.0, idle_s=0.0)
+    pool.ready.extend(_SlowToClose() for _ in range(6))  # type: ignore[misc]
+    pool.start()
+    try:
+        for _ in range(100):
+            if len(pool.ready) < 6:
+                break
+            await asyncio.sleep(0.01)
+        assert 3 <= len(pool.ready) < 6  # the drain is under way
+        pool.keep_at_least(2)
+        await asyncio.sleep(0.5)
+        assert len(pool.ready) == 2 and all(sb.alive() for sb in pool.ready)
+    finally:
+        pool.min_size = 0
+        await pool.close()
+
+
 @pytest.mark.asyncio(loop_scope="module")
 async def test_pool_serves_acquisitions_and_drains(rt: Runtime) -> None:
     await rt.prewarm("python", count=2)
