@@ -16,14 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 from rollbox.functions.client.http import _Connections
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.*
+from tests.snapshots.s3server import free_ports
 
 SERVER = r"""
 import asyncio, sys
@@ -45,11 +48,6 @@ async def main():
 asyncio.run(main())
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def measure(url: str, clients: list[httpx.AsyncClient], concurrency: int, n: int) -> tuple[float, float]:
@@ -75,7 +73,7 @@ VARIANTS: list[tuple[str, Callable[[], list[httpx.AsyncClient]]]] = [
 
 
 async def main(levels: list[int], per_worker: int) -> None:
-    port = free_port()
+    port = free_ports(1)[0]
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
     url = f"http://127.0.0.1:{port}/"
     try:

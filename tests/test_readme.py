@@ -50,7 +50,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -63,7 +62,7 @@ import httpx
 import pytest
 
 from tests.functions.svc_testkit import ServerProc
-from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
+from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -394,11 +393,6 @@ def test_the_layout_table_names_every_folder() -> None:
 # -- running them ---------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @dataclass
 class Scratch:
@@ -417,7 +411,7 @@ class Scratch:
                               text=True, timeout=timeout_s)
 
     def serve(self, command: str, log: Path, **env: str) -> ServerProc:
-        port = free_port()
+        port = free_ports(1)[0]
         with open(log, "wb") as out:
             proc = subprocess.Popen(shlex.split(command), cwd=self.dir, env={**self.env, "PORT": str(port), **env},
                                     stdout=out, stderr=subprocess.STDOUT)

@@ -42,6 +42,8 @@ from rollbox.functions.contract.models import ErrorCode
 from rollbox.runtime.spec import ExecResult, Limits, Usage
 from svc_testkit import ServerProc, metric, metrics_of, start_server
 
+from tests.snapshots.s3server import free_ports
+
 
 async def test_sandbox_context_manager(server: ServerProc) -> None:
     async with await Sandbox.create(server.url, metadata={"experiment": "client", "episode": "1"}) as sb:
@@ -356,14 +358,9 @@ async def test_a_draining_server_is_shutting_down(tmp_path: Path, http: httpx.As
         srv.stop()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 async def test_connection_errors_are_retried_until_the_server_is_up(tmp_path: Path) -> None:
-    port = free_port()
+    port = free_ports(1)[0]
     async with Client(f"http://127.0.0.1:{port}", retry_budget_s=2.0) as client:
         t0 = time.monotonic()
         with pytest.raises(TransportError) as info:

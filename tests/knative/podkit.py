@@ -14,7 +14,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.snapshots.s3server import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICE = REPO / "knative" / "base" / "service.yaml"
@@ -88,11 +89,6 @@ def container_spec() -> dict[str, Any]:
     return spec
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def podman_args(spec: dict[str, Any]) -> list[str]:
     """The manifest's securityContext as podman flags: exactly its capabilities and user."""
@@ -125,7 +121,7 @@ class Pod:
     args: list[str] | None = None  # default: the manifest's
     entrypoint: list[str] | None = None  # default: the manifest's command, else the image's
     name: str = field(default_factory=lambda: f"rollbox-test-{uuid.uuid4().hex[:8]}")
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=lambda: free_ports(1)[0])
     started_at: float = 0.0  # time.monotonic() when `podman run` was started
 
     @property

@@ -7,6 +7,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,16 +41,34 @@ def weed_binary() -> str:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = []
+    """``n`` distinct ports free on 127.0.0.1 now, below the kernel's ephemeral range: a port the kernel
+    hands out itself (bind to 0) can be taken again, before the server that was given it binds, as the
+    local end of any outgoing connection (the box makes thousands: SeaweedFS's, HAProxy's, the
+    clients'), and that server then fails with "Address already in use"."""
+    low = _ephemeral_low()
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        while len(socks) < n:
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", random.randrange(10000, low)))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (ip_local_port_range; Linux's default 32768)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(low, 12000)
 
 
 class SeaweedS3:
