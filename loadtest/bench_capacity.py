@@ -202,6 +202,13 @@ def window(steps: list[tuple[float, float, int]], t0: float, t1: float) -> str:
     return f"{len(ms)} steps ({ok} 200), p50 {percentile(ms, 50):.0f} ms, p99 {percentile(ms, 99):.0f} ms"
 
 
+def first_user_reply(steps: list[tuple[float, float, int]], t_up: float) -> float | None:
+    """Seconds from ``t_up`` (the replicas' start) to the first step a user got answered 200 after it,
+    wherever it was sent from (held at HAProxy, retried, or new): when the fleet answered again."""
+    ends = [at + ms / 1000 for at, ms, st in steps if st == 200 and at + ms / 1000 >= t_up]
+    return min(ends) - t_up if ends else None
+
+
 def main() -> int:
     if "--sweep" in sys.argv[1:]:
         import capacity_sweep
@@ -307,8 +314,11 @@ def main() -> int:
         ends = t_start + args.run_s
         cut = f" (Locust stopped {t_up + args.wave_s - ends:.0f} s before its end)" if ends < t_up + args.wave_s else ""
         first = f"{wave['first_reply_s']:.2f} s" if wave["first_reply_s"] is not None else "none"
+        users = first_user_reply(steps, t_up)
         print(f"wave: drained in {wave['drain_s']:.1f} s (exit codes {wave['exit_codes']}), down {args.down_s:g} s; "
-              f"started and routed in {wave['routed_s']:.2f} s; first reply {first} after the start")
+              f"started and routed in {wave['routed_s']:.2f} s; first reply {first} after the start (the probe's "
+              f"step); first step answered to a user " + (f"{users:.2f} s" if users is not None else "none")
+              + " after the start")
         print(f"  drain, s after SIGTERM per replica: {wave['phases']}")
         print(f"  steps sent in the wave (the {args.wave_s:g} s from the start){cut}: "
               f"{window(steps, t_up, t_up + args.wave_s)}")

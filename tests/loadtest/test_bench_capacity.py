@@ -29,8 +29,9 @@ def test_bench_capacity_short_run_with_a_wave(tmp_path: Path) -> None:
     assert abs(cpu["all"] - sum(v for k, v in cpu.items() if k != "all")) < 0.05, cpu
     m = re.search(r"failures (\d+), retries (\d+)", p.stdout)
     assert m and int(m.group(1)) == 0, p.stdout  # the wave's 503s were retried, none given up
-    wave = re.search(r"wave: drained in [\d.]+ s \(exit codes \[0, 0\]\).*first reply ([\d.]+) s after", p.stdout)
-    assert wave and float(wave.group(1)) < 30, p.stdout
+    wave = re.search(r"wave: drained in [\d.]+ s \(exit codes \[0, 0\]\).*first reply ([\d.]+) s after.*"
+                     r"first step answered to a user ([\d.]+) s after the start", p.stdout)
+    assert wave and float(wave.group(1)) < 30 and 0 < float(wave.group(2)) < 30, p.stdout
     # Locust's own window of the wave: the steps its users sent from the replicas' start on
     window = re.search(r"steps sent in the wave .*: (\d+) steps \((\d+) 200\), p50 (\d+) ms, p99 (\d+) ms", p.stdout)
     assert window and int(window.group(1)) > 0 and int(window.group(4)) >= int(window.group(3)) > 0, p.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -95,11 +96,16 @@ def test_episodes_across_replicas_survive_scale_to_zero_and_back(fleet: Any) -> 
             assert list(phases) == ["stopping", "draining", "hibernated", "flushed", "stopped", "exiting", "exit"], phases
             assert list(phases.values()) == sorted(phases.values()) and phases["exit"] < 30, phases
         assert fleet.routed() == 0
+        # as Knative's activator does, HAProxy holds a request while no replica is up (here for 1 s, then 503)
+        fleet.set_activator_wait_s(1.0)
+        t0 = time.monotonic()
         down = send(http, fleet.url, EXEC, {"sandbox_id": sids[0], "code": "print(1)"})
-        assert down.status_code == 503  # HAProxy: no replica
+        assert down.status_code == 503 and time.monotonic() - t0 >= 1.0, down  # HAProxy: no replica, still
+        fleet.set_activator_wait_s(60.0)
 
-        # started while a client polls through HAProxy (503 until a replica is routed): its first 200 (a
-        # create of its own, destroyed after: the episodes' sandboxes stay in S3 alone, for the steps below)
+        # started while a client sends a request through HAProxy (held there until a replica is routed): its
+        # first 200 (a create of its own, destroyed after: the episodes' sandboxes stay in S3 alone, for the
+        # steps below)
         restart = fleet.restart_probed(
             lambda h: send(h, fleet.url, CREATE, {"snapshot": "python"}),
             after=lambda h, r: send(h, fleet.url, "dev.rollbox.sandbox.destroy", {"sandbox_id": r.json()["sandbox_id"]}))
