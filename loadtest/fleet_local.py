@@ -70,7 +70,8 @@ def haproxy_binary() -> str:
 
 
 # Knative's activator, in HAProxy's Lua: a request that finds no replica routed waits until one is (or
-# its time is up; then HAProxy answers 503). nbsrv() is HAProxy's own count of usable servers.
+# its time is up; then HAProxy answers 503). nbsrv() is HAProxy's own count of usable servers, looked at
+# every 50 ms by each waiting request (HAProxy 2.6's Lua has no way to be woken by a server's check).
 ACTIVATOR_LUA = """
 core.register_action("await_replica", {"http-req"}, function(txn, backend)
     local t = core.now()
@@ -80,7 +81,7 @@ core.register_action("await_replica", {"http-req"}, function(txn, backend)
         if t.sec * 1000 + t.usec / 1000 >= deadline then
             return
         end
-        core.msleep(20)
+        core.msleep(50)
     end
 end, 1)
 """
