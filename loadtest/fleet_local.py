@@ -95,7 +95,10 @@ def haproxy_config(port: int, backends: Sequence[int], stats_socket: Path, maxco
     if maxconn is None:
         maxconn = max(256, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200) // 2)
     # downinter: a replica that is down (scaled to zero, starting) is checked every 0.1 s, so the first
-    # request after its start waits at most that long for HAProxy to route to it
+    # request after its start waits at most that long for HAProxy to route to it. `timeout check`: a
+    # check may take 2 s to be answered (without it, the check's interval: a replica whose loop was busy
+    # for 0.5 s at the 100k run's peak was taken out of the rotation); a draining replica answers its
+    # check with 503 at once, and is out within 0.5 s
     servers = "\n".join(f"    server r{i + 1} 127.0.0.1:{p} check inter 500ms downinter 100ms fall 1 rise 1 maxconn 2048"
                         for i, p in enumerate(backends))
     # (the wait is a process variable: Fleet.set_activator_wait_s changes it through the stats socket;
@@ -115,6 +118,7 @@ defaults
     option redispatch
     retries 2
     timeout connect 2s
+    timeout check 2s
     timeout client {HAPROXY_TIMEOUT_SERVER_S}s
     timeout http-keep-alive {HAPROXY_TIMEOUT_SERVER_S}s
     timeout http-request 30s
