@@ -222,9 +222,17 @@ class Fleet:
                                 "--home", str(self.base / "homes" / name), "--log-level", "warning",
                                 *self.serve_args, env=self.store_env, timeout_s=self.start_timeout_s)
 
+        # every replica that started is kept, even when another failed to: stop() then stops it too
         with concurrent.futures.ThreadPoolExecutor(max(1, len(todo))) as pool:
-            for i, srv in zip(todo, pool.map(one, todo), strict=True):
-                self.replicas[i] = srv
+            started = {i: pool.submit(one, i) for i in todo}
+        failed: BaseException | None = None
+        for i, fut in started.items():
+            if (exc := fut.exception()) is not None:
+                failed = failed or exc
+            else:
+                self.replicas[i] = fut.result()
+        if failed is not None:
+            raise failed
         self.wait_routed(sum(r is not None for r in self.replicas))
         return time.monotonic() - t0
 

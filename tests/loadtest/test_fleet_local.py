@@ -27,17 +27,22 @@ pytestmark = pytest.mark.slow
 def haproxy_stat(fleet: Any, proxy: str, server: str, column: str) -> int:
     """One number from HAProxy's stats (its socket), e.g. the frontend's most concurrent sessions."""
     import csv
-    import socket
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.connect(str(fleet.base / "haproxy.sock"))
-        sock.sendall(b"show stat\n")
-        raw = b""
-        while chunk := sock.recv(65536):
-            raw += chunk
-    rows = list(csv.reader(raw.decode().lstrip("# ").splitlines()))
+    rows = list(csv.reader(fleet.haproxy_cli("show stat").decode().lstrip("# ").splitlines()))
     col = {name: i for i, name in enumerate(rows[0])}
     row = next(r for r in rows[1:] if r[col["pxname"]] == proxy and r[col["svname"]] == server)
     return int(row[col[column]] or 0)
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids of the processes whose command line holds ``text``."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out
 
 
 def load_fleet_local() -> ModuleType:
@@ -67,6 +72,23 @@ def send(http: httpx.Client, url: str, etype: str, data: dict[str, Any]) -> http
     headers = {"ce-specversion": "1.0", "ce-type": etype, "ce-source": "/tests/loadtest", "ce-id": uuid.uuid4().hex,
                "content-type": "application/json"}
     return http.post(url, headers=headers, json=data)
+
+
+def test_a_replica_that_cannot_start_leaves_no_other_running(seaweed: SeaweedS3, tmp_path: Path) -> None:
+    """The first replica's port is taken, so it exits at once: the fleet's start fails, and the replica
+    that did start is stopped with the rest (it used to be left running, its pid known to nobody)."""
+    import socket
+
+    fl = load_fleet_local()
+    f = fl.Fleet(tmp_path / "fleet", 2, s3=seaweed)
+    homes = str(tmp_path / "fleet" / "homes")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", f.replica_ports[0]))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            f.start()
+    assert f.replicas == [None, None] and f.haproxy is None
+    assert processes_naming(homes) == []
 
 
 def test_episodes_across_replicas_survive_scale_to_zero_and_back(fleet: Any) -> None:
