@@ -141,17 +141,48 @@ class Components:
         return {"servers": servers, "sandboxes": out.pop("replicas") - servers, **out}
 
 
+def machine_steal_s() -> float:
+    """CPU seconds the hypervisor gave to others while this VM wanted them (/proc/stat's steal)."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8]) / TICK
+
+
 @dataclass
 class MemoryPeaks:
+    """Every 5 s: each component's memory (PSS; the peak is kept) and, with ``cpu_csv``, its CPU over
+    those 5 s in cores, beside the machine's busy and stolen time: where the CPU went, moment by moment
+    (a sweep's listing, the ramp's end, the wave), not only over the run."""
+
     components: Components
     peaks: dict[str, int] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
+    cpu_csv: Path | None = None
 
     def run(self) -> None:
-        while not self.stop.wait(5.0):
-            ch = _children()
-            for name, roots in self.components.roots().items():
-                self.peaks[name] = max(self.peaks.get(name, 0), sum(tree_pss(r, ch) for r in roots))
+        last: tuple[float, dict[str, list[int]], dict[str, float], float, float] | None = None
+        out = open(self.cpu_csv, "w", newline="") if self.cpu_csv is not None else None  # noqa: SIM115
+        writer = csv.writer(out) if out is not None else None
+        try:
+            while not self.stop.wait(5.0):
+                ch = _children()
+                for name, roots in self.components.roots().items():
+                    self.peaks[name] = max(self.peaks.get(name, 0), sum(tree_pss(r, ch) for r in roots))
+                if writer is None:
+                    continue
+                now, roots = time.time(), self.components.roots()
+                cpu, busy, steal = self.components.cpu(), machine_busy_s(), machine_steal_s()
+                if last is None:
+                    writer.writerow(["unix_time", *(f"{k}_cores" for k in cpu), "machine_busy_cores",
+                                     "machine_steal_cores"])
+                elif last[1] == roots:  # (the same processes: not across the wave's restart)
+                    span = now - last[0]
+                    writer.writerow([f"{now:.0f}", *(f"{(cpu[k] - last[2][k]) / span:.3f}" for k in cpu),
+                                     f"{(busy - last[3]) / span:.3f}", f"{(steal - last[4]) / span:.3f}"])
+                    out.flush()  # type: ignore[union-attr]
+                last = (now, roots, cpu, busy, steal)
+        finally:
+            if out is not None:
+                out.close()
 
 
 def send(http: httpx.Client, url: str, etype: str, data: dict[str, Any]) -> httpx.Response:
@@ -253,7 +284,7 @@ def main() -> int:
             locust = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**clean, "ROLLBOX_LOCUST_SHAPE": "none"})
             log.close()
             comps = Components(fleet, locust.pid)
-            sampler = MemoryPeaks(comps)
+            sampler = MemoryPeaks(comps, cpu_csv=Path(f"{prefix}_cpu.csv"))
             threading.Thread(target=sampler.run, daemon=True).start()
             cpu0, busy0 = comps.cpu(), machine_busy_s()
             wave: dict[str, Any] = {}
@@ -309,6 +340,7 @@ def main() -> int:
     print(f"open episodes: peak {summary['open_peak']}")
     print("peak memory (PSS): " + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in sampler.peaks.items())
           + f"; Locust's processes (RSS, summed) {summary['locust_rss_peak_bytes'] / MIB:.0f} MiB")
+    print(f"CPU by component every 5 s, in cores, with the machine's busy and stolen time: {prefix}_cpu.csv")
     if wave:
         steps, t_up = step_log(prefix), wave["t_up"]
         ends = t_start + args.run_s

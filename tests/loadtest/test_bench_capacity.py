@@ -36,6 +36,11 @@ def test_bench_capacity_short_run_with_a_wave(tmp_path: Path) -> None:
     window = re.search(r"steps sent in the wave .*: (\d+) steps \((\d+) 200\), p50 (\d+) ms, p99 (\d+) ms", p.stdout)
     assert window and int(window.group(1)) > 0 and int(window.group(4)) >= int(window.group(3)) > 0, p.stdout
     assert re.search(r"peak memory \(PSS\): replicas \d+ MiB, seaweedfs \d+ MiB, haproxy \d+ MiB", p.stdout)
+    import csv
+    series = list(csv.DictReader((tmp_path / "run" / "locust_cpu.csv").read_text().splitlines()))
+    assert len(series) >= 2, series  # a row every 5 s of the 24 s run, but none across the wave's restart
+    assert all(float(r["machine_busy_cores"]) > 0 and float(r["servers_cores"]) > 0 for r in series), series
+    assert all(float(r["machine_steal_cores"]) >= 0 and float(r["locust_cores"]) > 0 for r in series), series
 
 
 def test_bench_capacity_sweep_quick_writes_the_curve(tmp_path: Path) -> None:
