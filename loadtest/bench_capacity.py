@@ -114,10 +114,17 @@ def tree_pss(root: int, children: dict[int, list[int]]) -> int:
     return total
 
 
-def machine_busy_s() -> float:
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, stolen) CPU seconds of the whole machine, from /proc/stat's first line: busy is every
+    state but idle and iowait (steal included); stolen is what the hypervisor gave to others while
+    this VM wanted it."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / TICK
+    return (sum(v[:8]) - v[3] - v[4]) / TICK, v[7] / TICK
+
+
+def machine_busy_s() -> float:
+    return machine_cpu_s()[0]
 
 
 @dataclass
@@ -141,14 +148,8 @@ class Components:
         return {"servers": servers, "sandboxes": out.pop("replicas") - servers, **out}
 
 
-def machine_steal_s() -> float:
-    """CPU seconds the hypervisor gave to others while this VM wanted them (/proc/stat's steal)."""
-    with open("/proc/stat") as f:
-        return int(f.readline().split()[8]) / TICK
-
-
 @dataclass
-class MemoryPeaks:
+class Sampler:
     """Every 5 s: each component's memory (PSS; the peak is kept) and, with ``cpu_csv``, its CPU over
     those 5 s in cores, beside the machine's busy and stolen time: where the CPU went, moment by moment
     (a sweep's listing, the ramp's end, the wave), not only over the run."""
@@ -164,13 +165,12 @@ class MemoryPeaks:
         writer = csv.writer(out) if out is not None else None
         try:
             while not self.stop.wait(5.0):
-                ch = _children()
-                for name, roots in self.components.roots().items():
-                    self.peaks[name] = max(self.peaks.get(name, 0), sum(tree_pss(r, ch) for r in roots))
+                ch, roots = _children(), self.components.roots()
+                for name, pids in roots.items():
+                    self.peaks[name] = max(self.peaks.get(name, 0), sum(tree_pss(r, ch) for r in pids))
                 if writer is None:
                     continue
-                now, roots = time.time(), self.components.roots()
-                cpu, busy, steal = self.components.cpu(), machine_busy_s(), machine_steal_s()
+                now, cpu, (busy, steal) = time.time(), self.components.cpu(), machine_cpu_s()
                 if last is None:
                     writer.writerow(["unix_time", *(f"{k}_cores" for k in cpu), "machine_busy_cores",
                                      "machine_steal_cores"])
@@ -267,7 +267,7 @@ def main() -> int:
     fleet = Fleet(base / "fleet", args.replicas, serve_args=serve_args)
     fleet.start()
     locust: subprocess.Popen[bytes] | None = None
-    sampler: MemoryPeaks | None = None
+    sampler: Sampler | None = None
     try:
         with httpx.Client(timeout=120) as http:
             clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOX_")}
@@ -284,7 +284,7 @@ def main() -> int:
             locust = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**clean, "ROLLBOX_LOCUST_SHAPE": "none"})
             log.close()
             comps = Components(fleet, locust.pid)
-            sampler = MemoryPeaks(comps, cpu_csv=Path(f"{prefix}_cpu.csv"))
+            sampler = Sampler(comps, cpu_csv=Path(f"{prefix}_cpu.csv"))
             threading.Thread(target=sampler.run, daemon=True).start()
             cpu0, busy0 = comps.cpu(), machine_busy_s()
             wave: dict[str, Any] = {}

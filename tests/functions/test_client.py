@@ -358,7 +358,6 @@ async def test_a_draining_server_is_shutting_down(tmp_path: Path, http: httpx.As
         srv.stop()
 
 
-
 async def test_connection_errors_are_retried_until_the_server_is_up(tmp_path: Path) -> None:
     port = free_ports(1)[0]
     async with Client(f"http://127.0.0.1:{port}", retry_budget_s=2.0) as client:
