@@ -100,7 +100,10 @@ class Pool:
         self.last_acquire = now
         while self.ready:
             sb = self.ready.popleft()
-            if sb.alive():
+            # its zygote gone (crashed, killed), a ready sandbox cannot be trusted even while its init is
+            # still up: it dies with the zygote a moment later (on a busy host, after it is handed out), and
+            # a one-shot run's exit only that zygote can report
+            if sb.alive() and (sb.source is None or sb.source.alive):
                 self.hits += 1
                 self._wake.set()
                 return sb

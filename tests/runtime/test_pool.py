@@ -51,6 +51,41 @@ class _SlowToClose:
         self.closed = True
 
 
+class _Source:
+    alive = True
+
+
+class _Ready:
+    """A ready sandbox as the pool sees it: alive or not, and the zygote it came from."""
+
+    def __init__(self, source: _Source) -> None:
+        self.source, self.closed = source, False
+
+    def alive(self) -> bool:
+        return not self.closed
+
+    async def close(self, reason: str) -> None:
+        self.closed = True
+
+
+@pytest.mark.asyncio
+async def test_a_ready_sandbox_whose_zygote_died_is_not_handed_out() -> None:
+    """A zygote killed under a busy host: its ready sandboxes still look alive for a moment (their inits
+    die with it a little later). The pool hands out none of them (a run that took three in a row failed
+    with "ended before its program started"), and releases them; another zygote's are served."""
+    dead, well = _Source(), _Source()
+    dead.alive = False
+    pool = Pool("k", _never, min_size=0, max_size=8, window_s=10.0, idle_s=60.0)
+    stale = [_Ready(dead) for _ in range(3)]
+    fresh = _Ready(well)
+    pool.ready.extend([*stale, fresh])  # type: ignore[list-item]
+    assert pool.take() is fresh
+    assert pool.take() is None and not pool.ready
+    await asyncio.sleep(0)  # (the discarded ones close in the background)
+    assert all(sb.closed for sb in stale)
+    await pool.close()
+
+
 @pytest.mark.asyncio
 async def test_a_prewarm_during_a_drain_stops_it_at_the_new_minimum() -> None:
     """The pool drains idle sandboxes one close at a time; a prewarm that comes while it does keeps
