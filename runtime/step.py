@@ -281,6 +281,15 @@ class StepIO:
             os.close(fd)
 
 
+def _check_deadline(deadline: float) -> None:
+    """A step's end is judged when it is first looked for: past the deadline then, the step timed out,
+    even if its program's end is already there to read (a timeout of 0, which SandboxFusion's callers send;
+    an event loop busy past a short deadline). It used to count as in time when the end was seen first:
+    a fast program was timed out on a quiet host and finished on a busy one."""
+    if time.monotonic() >= deadline:
+        raise TimeoutError
+
+
 class StepEnd(Protocol):
     """How a step's end is learnt. ``wait``: its end report (None: the sandbox is gone), or
     TimeoutError at ``deadline``; then ``stop`` kills the step and gives what is known of its end.
@@ -298,6 +307,7 @@ class AgentEnd:
         self.sb = sb
 
     async def wait(self, deadline: float) -> Mapping[str, Any] | None:
+        _check_deadline(deadline)
         return await self.sb.expect(Op.EXIT, timeout_s=max(0.0, deadline - time.monotonic()))
 
     async def stop(self) -> Mapping[str, Any] | None:
@@ -327,6 +337,7 @@ class InlineEnd:
         self.exited: asyncio.Future[Any] | None = None
 
     async def wait(self, deadline: float) -> Mapping[str, Any] | None:
+        _check_deadline(deadline)
         sb, ended = self.sb, self.ended
         timeout_s = max(0.0, deadline - time.monotonic())
         answer = self.answer = asyncio.ensure_future(sb.expect(Op.EXIT, Op.STARTED))

@@ -23,6 +23,8 @@ from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.spec import ExecRequest, Limits
 from rollbox.runtime.step import descendants
 
+from .conftest import cgroup_parent
+
 pytestmark = pytest.mark.asyncio
 
 # How late a step may end in a test: the issue's target (p99 <= 0.5 s under a mixed soak) is measured
@@ -47,11 +49,6 @@ ENDLESS_OUTPUT = "import sys\nwhile True: sys.stdout.write('y' * 65536)\n"
 SLEEPER = "import time\ntime.sleep(3600)\n"
 
 
-def _parent(name: str) -> str:
-    base = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT")
-    return f"{base}/{name}-{os.getpid()}" if base else f"rollbox-{name}-{os.getpid()}"
-
-
 def _others(rt: Runtime, sandbox_id: str) -> list[str]:
     """The states of a sandbox's live processes other than its init, seen from the host."""
     sb = rt.sandboxes[sandbox_id]
@@ -68,7 +65,7 @@ def _others(rt: Runtime, sandbox_id: str) -> list[str]:
 
 @pytest.mark.parametrize("cgroup", ["auto", "none"])
 async def test_a_fork_bomb_that_starves_its_agent_ends_at_its_deadline(tmp_path: Path, cgroup: str) -> None:
-    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup=cgroup, cgroup_parent=_parent("timeouts"),
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup=cgroup, cgroup_parent=cgroup_parent("timeouts"),
                                      pool_max=0)) as rt:
         lim = Limits(cpu_max_cores=0.05, pids_max=48)
         info = await rt.create(limits=lim)
@@ -106,7 +103,7 @@ async def test_a_fork_bomb_that_starves_its_agent_ends_at_its_deadline(tmp_path:
 async def test_misbehaving_steps_end_at_their_deadlines_side_by_side(tmp_path: Path) -> None:
     """Fork bombs, memory hogs, endless output and sleeps, two of each at once next to well-behaved
     steps: each misbehaving step ends within OVERSHOOT_S of its deadline and only the step ends."""
-    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("mixed"), pool_max=0)) as rt:
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=cgroup_parent("mixed"), pool_max=0)) as rt:
         lim = Limits(memory_max_bytes=128 * 1024 * 1024, pids_max=64, cpu_max_cores=1.0)
         codes = [FORK_BOMB, MEMORY_HOG, ENDLESS_OUTPUT, SLEEPER] * 2
         infos = [await rt.create(limits=lim) for _ in range(len(codes) + 2)]
@@ -142,7 +139,7 @@ async def test_a_timed_out_one_shot_run_replies_at_its_deadline(tmp_path: Path, 
     """A one-shot run's program is its sandbox's init: killed at the deadline, the run replies then.
     The pid namespace's teardown (seconds for a fork bomb's hundreds of processes) and the reaping
     finish in the background, and then nothing of the sandbox is left."""
-    parent = _parent("oneshot")
+    parent = cgroup_parent("oneshot")
     async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=parent, pool_max=0)) as rt:
         lim = Limits(pids_max=1024, cpu_max_cores=1.0)
         req = {"fork bomb": ExecRequest(code=WILD_FORK_BOMB, timeout_s=1.0),
@@ -173,7 +170,7 @@ async def test_a_timed_out_steps_files_are_read_without_its_agents_word(tmp_path
     so the read needs no word from the agent (neither its report of the step's end nor a freeze), which
     on a busy box takes seconds: here it cannot give one, it is stopped. Its report is read before the
     next step, which runs as usual."""
-    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("frozen"), pool_max=0)) as rt:
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=cgroup_parent("frozen"), pool_max=0)) as rt:
         if rt.cgroup_backend is None:
             pytest.skip("no writable cgroups: the killed processes are not listed apart from the init's zombies")
         info = await rt.create()
@@ -215,7 +212,7 @@ async def test_a_timed_out_steps_files_are_read_whatever_its_agent_forked_before
     fast, forks its spare worker; it kills the spare once it reads the KILL. On a busy box it may be
     held (here: stopped) before it does, with the spare in its cgroup: the read after the timeout still
     needs no word from it. The race is made certain by holding the KILL frame back until then."""
-    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("spare"), pool_max=0)) as rt:
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=cgroup_parent("spare"), pool_max=0)) as rt:
         if rt.cgroup_backend is None:
             pytest.skip("no writable cgroups: the killed processes are not listed apart from the init's zombies")
         info = await rt.create()
@@ -271,7 +268,7 @@ async def test_the_pids_limit_is_reported_once_reached_and_only_then(tmp_path: P
     kernel copies the process and the pids cgroup never refuses one: that the limit was reached is
     read from the group's pids.peak, which is never reset, so a group that reached a sandbox's limit
     is not handed to the next (which would then be said to have reached its own)."""
-    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("pids"), pool_max=0)) as rt:
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=cgroup_parent("pids"), pool_max=0)) as rt:
         lim = Limits(pids_max=16)
         forks = "for i in 1 2 3; do sleep 0.1 & done; wait; echo done"
         for _ in range(2):  # the second time in the group the first one released, if it was kept
@@ -295,7 +292,7 @@ async def test_a_run_replies_at_its_deadline_however_long_its_sandbox_took(tmp_p
     """A one-shot run's timeout_s counts from the run's start: getting its sandbox is part of the run
     (under load it waits for its zygote, here held busy for 1.5 s), and the reply still comes at the
     deadline instead of a timeout's length after the program started."""
-    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("since"), pool_max=0)) as rt:
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=cgroup_parent("since"), pool_max=0)) as rt:
         await rt.run(ExecRequest(code="pass"))  # its zygote is up
         view = await rt.resolve("python")
         lock = rt.restorer.zygote_locks[view.zygote_key]
@@ -306,3 +303,26 @@ async def test_a_run_replies_at_its_deadline_however_long_its_sandbox_took(tmp_p
         wall = time.monotonic() - t0
         assert r.timed_out and r.exit_code == 137, r
         assert wall <= 1.0 + OVERSHOOT_S, f"the run replied {wall - 1.0:.2f} s after its deadline"
+
+
+async def test_a_run_whose_time_was_gone_before_it_started_is_timed_out_however_fast_it_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timeout of 0 (SandboxFusion's callers send it; it is clamped to 1 ms) is used up before the
+    program is sent. On a busy host the program's end could be seen before the deadline's check, and a
+    fast program counted as finished in time; here the wait for its end starts late on purpose (as a
+    busy event loop would): it is timed out all the same. A step sent in time is not."""
+    from rollbox.runtime import step
+
+    real_wait = step.InlineEnd.wait
+
+    async def late_wait(self: Any, deadline: float) -> Any:
+        await asyncio.sleep(0.3)  # the program ends meanwhile
+        return await real_wait(self, deadline)
+
+    monkeypatch.setattr(step.InlineEnd, "wait", late_wait)
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=cgroup_parent("late"))) as rt:
+        await rt.run(ExecRequest(code="pass"))  # its zygote and pool are up
+        r = await rt.run(ExecRequest(code="print(1)", timeout_s=0.001))
+        assert r.timed_out, r
+        r = await rt.run(ExecRequest(code="print(1)", timeout_s=5.0))
+        assert not r.timed_out and (r.exit_code, r.stdout) == (0, "1\n"), r
