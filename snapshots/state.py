@@ -83,8 +83,9 @@ class Objects(Protocol):
     def keys(self, prefix: str) -> list[str]:
         """Keys under ``prefix``, sorted."""
 
-    def listing(self, prefix: str) -> list[tuple[str, float]]:
-        """Keys under ``prefix``, sorted, each with when it was last written (Unix time)."""
+    def listing(self, prefix: str, after: str | None = None, before: str | None = None) -> list[tuple[str, float]]:
+        """Keys under ``prefix``, sorted, each with when it was last written (Unix time); only those
+        after ``after`` and before ``before`` when given (a range of them: what the sweep lists a round)."""
 
     def delete(self, keys: list[str]) -> None: ...
 
@@ -96,6 +97,18 @@ class Objects(Protocol):
     def requests_sent(self) -> dict[str, int]:
         """Requests sent to a remote store so far, by operation (S3's: GetObject, PutObject, ...); none
         for a directory."""
+
+
+def _within(key: str, after: str | None, before: str | None) -> bool:
+    return (after is None or key > after) and (before is None or key < before)
+
+
+def _may_hold(under: str, after: str | None, before: str | None) -> bool:
+    """Whether keys starting with ``under`` may fall in the range (after, before)."""
+    if before is not None and under >= before:
+        return False
+    # every key under it is below after when after neither starts with it nor sorts before it
+    return after is None or after.startswith(under) or under > after
 
 
 class LocalObjects:
@@ -200,19 +213,24 @@ class LocalObjects:
         except OSError as exc:
             raise StoreError(f"cannot read {path}: {exc}") from exc
 
-    def keys(self, prefix: str) -> list[str]:
+    def keys(self, prefix: str, after: str | None = None, before: str | None = None) -> list[str]:
         base = self._path(prefix.rstrip("/") or ".") if prefix.strip("/") else self.root
         if not base.is_dir():
             return []
         out: list[str] = []
-        for dirpath, _dirs, files in os.walk(base):
+        for dirpath, dirs, files in os.walk(base):
             rel = os.path.relpath(dirpath, self.root)
-            out.extend(f"{rel}/{f}" if rel != "." else f for f in files if not f.startswith("."))
+            under = f"{rel}/" if rel != "." else ""
+            if after is not None or before is not None:  # a range: only the directories that may hold some
+                dirs[:] = [d for d in dirs if _may_hold(f"{under}{d}/", after, before)]
+                out.extend(k for f in files if not f.startswith(".") and _within(k := f"{under}{f}", after, before))
+            else:
+                out.extend(f"{under}{f}" for f in files if not f.startswith("."))
         return sorted(out)
 
-    def listing(self, prefix: str) -> list[tuple[str, float]]:
+    def listing(self, prefix: str, after: str | None = None, before: str | None = None) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []
-        for key in self.keys(prefix):
+        for key in self.keys(prefix, after, before):
             with contextlib.suppress(FileNotFoundError):  # (removed since: not listed)
                 out.append((key, os.stat(self._file(key)).st_mtime))
         return out

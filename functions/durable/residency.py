@@ -10,7 +10,8 @@ anything (their state is that of their last acknowledged step):
     pass through    a step resuming a sandbox idle longer than a live copy lasts here runs as its
                     init and hibernates it (``passes``)
     sweep           expire hibernated sandboxes past their limits (``expire``: the API commits the
-                    tombstone), remove destroyed ones' records after the tombstone TTL
+                    tombstone), remove destroyed ones' records after the tombstone TTL; a large store
+                    a range per round, shared by the replicas (``sweeping``)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from rollbox.functions.durable.capacity import LiveCap
 from rollbox.functions.durable.metrics import DurableMetrics
 from rollbox.functions.durable.store import StateStore
+from rollbox.functions.durable.sweeping import SHARDS, SweepPlan
 from rollbox.runtime.errors import Overloaded, StoreError
 from rollbox.runtime.runtime import Runtime
 from rollbox.snapshots.state import FileHashes, SandboxRecord, generation_of
@@ -42,8 +44,9 @@ PRESSURE_MEMORY_S = 10.0
 # at the live cap with every live sandbox running a step, a request that needs one waits this long for
 # a step to end before it gets 429: steps end within moments, a retry after Retry-After takes a second
 ROOM_WAIT_S = 5.0
-# a sweep lists every sandbox record in the store: the next one waits at least this many times as long as
-# the last one took (a sweep runs at most 1/(1 + SWEEP_REST) of the time), and the --sweep-interval-s
+# a sweep round lists every sandbox record in the store, or a range of them: the next round waits at least
+# this many times as long as the last one took (sweeping runs at most 1/(1 + SWEEP_REST) of the time), and
+# a whole pass at least the --sweep-interval-s
 SWEEP_REST = 19.0
 # of the sandboxes nothing is known of here, a sweep reads this many (the longest untouched first)
 SWEEP_UNKNOWN_READS = 256
@@ -205,34 +208,41 @@ class Residency:
                     self.hibernate(sid, "idle")
 
     async def _sweep_loop(self) -> None:
-        wait = self.sweep_interval_s
+        """The sweep, round after round, as ``sweeping.SweepPlan`` paces it: the whole store while its
+        listing is short, else a range of it per round, claimed first (the replicas share the ranges).
+        A listing costs the store and this replica CPU for every key, so the rounds of a pass take at
+        least SWEEP_REST times as long as their listings took."""
+        plan = SweepPlan(self.sweep_interval_s, SWEEP_REST)
         while True:
-            await asyncio.sleep(wait)
+            await asyncio.sleep(plan.wait_s)
             t0 = time.monotonic()
+            bounds = plan.bounds()
+            listed = False
             try:
-                done = await self.sweep()
+                if bounds is None or await self.store.claim(*plan.claim(time.time())):
+                    listed = True
+                    done = await self.sweep(bounds)
+                    took = time.monotonic() - t0
+                    if took >= 1.0 or done["expired"] or done["removed"] or done["unread"]:
+                        where = "all" if bounds is None else f"{plan.shard + 1} of {SHARDS}"
+                        log.info("swept durable state", extra={"fields": {**done, "range": where, "s": round(took, 3)}})
             except (StoreError, OSError) as exc:
                 log.warning("sweeping durable state failed: %s", exc)
-            else:
-                took = time.monotonic() - t0
-                if took >= 1.0 or done["expired"] or done["removed"] or done["unread"]:
-                    log.info("swept durable state", extra={"fields": {**done, "s": round(took, 3)}})
-            # a sweep lists the whole store (every sandbox's records): with many sandboxes it is long, and
-            # its listing costs the store and this replica CPU for every key, so the next one waits at
-            # least SWEEP_REST times as long as this one took
-            wait = max(self.sweep_interval_s, SWEEP_REST * (time.monotonic() - t0))
+            plan.done(time.monotonic() - t0, listed)
 
-    async def sweep(self) -> dict[str, int]:
+    async def sweep(self, bounds: tuple[str | None, str | None] | None = None) -> dict[str, int]:
         """Expire hibernated sandboxes past their limits; remove destroyed ones' records after the
         tombstone TTL (a redelivered event finds its reply until then). The store is listed (a page at a
-        time) with each record's write time; a sandbox's newest record is read only when it may be due:
+        time) with each record's write time, all of it or the keys within ``bounds`` (after, before;
+        ``sweeping.key_range``); a sandbox's newest record is read only when it may be due:
         when the record seen here, or the sandbox's limits seen here counted from the newest record's
         write time, say so. Sandboxes nothing is known of here (a replica that just started) are read
         oldest first, at most ``SWEEP_UNKNOWN_READS`` per sweep (the later ones at later sweeps; a step
         on one reads it anyway)."""
         by_sid: dict[str, dict[int, str]] = {}
         written: dict[str, float] = {}  # sandbox -> its newest record's write time
-        async for page in self.store.listing("sandboxes/"):
+        after, before = bounds or (None, None)
+        async for page in self.store.listing("sandboxes/", after, before):
             for k, mtime in page:
                 if (g := generation_of(k)) is not None:
                     sid = k.split("/")[1]

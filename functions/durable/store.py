@@ -12,8 +12,12 @@ never stale). It knows nothing of live sandboxes (``residency``) or of steps (``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -22,7 +26,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from rollbox.functions.recording.aiosync import AsyncFsync
-from rollbox.runtime.errors import IntegrityError, SandboxGone, SandboxNotFound
+from rollbox.runtime.errors import IntegrityError, SandboxGone, SandboxNotFound, StoreError
 from rollbox.snapshots.calls import StoreCalls, StoreDeadline
 from rollbox.snapshots.state import (
     REFRESH_AFTER_S,
@@ -44,6 +48,7 @@ _DOING = {"get": "reading a sandbox's state", "get_blob": "reading a sandbox's f
           "keys": "listing sandbox state", "listing": "listing sandbox state", "delete": "deleting sandbox state"}
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
+CLAIMANT = f"{socket.gethostname()}:{os.getpid()}"  # who made a claim (its body: another's differs)
 AIO_COMMITS = 32  # local commits syncing at once (the AIO context has room for 64 syncs in flight)
 SEEN_RECORDS = 4096  # newest records kept (their sandboxes' next resume here skips the listing)
 # an exec trusts what this replica saw last of its sandbox (no read of the next generation first) while
@@ -259,15 +264,26 @@ class StateStore:
         keys: list[str] = await self.io(self.objects.keys, prefix)
         return keys
 
-    async def listing(self, prefix: str) -> AsyncIterator[list[tuple[str, float]]]:
+    async def listing(self, prefix: str, after: str | None = None,
+                      before: str | None = None) -> AsyncIterator[list[tuple[str, float]]]:
         """Keys under ``prefix`` with their write times, a page at a time: S3's through obstore on the
         event loop (each page with the store's deadline, and nothing left listing in a thread when the
-        caller stops), a local store's in one call."""
+        caller stops), a local store's in one call. Only those in the range (after, before) when given."""
         if self._awaitable is not None:
-            async for page in self._awaitable.listing_pages(prefix, self.calls.deadline_s):
+            async for page in self._awaitable.listing_pages(prefix, self.calls.deadline_s, after, before):
                 yield page
             return
-        yield await self.io(self.objects.listing, prefix)
+        yield await self.io(self.objects.listing, prefix, after, before)
+
+    async def claim(self, key: str, previous: str) -> bool:
+        """Create ``key`` (create-only) for this process: True if this call made it, False if another
+        writer had (``sweeping``'s claims). The one that makes it deletes ``previous`` (best effort)."""
+        mine = json.dumps({"by": CLAIMANT, "at": time.time()}).encode()
+        if not await self.put_record(key, mine):
+            return False
+        with contextlib.suppress(StoreError, OSError):
+            await self.io(self.objects.delete, [previous])
+        return True
 
     async def put_record(self, key: str, data: bytes) -> bool:
         """The create-only write of a record. On the local store it runs on the event loop and its two

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import random
 import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rollbox.functions.durable.residency import SWEEP_UNKNOWN_READS
 from rollbox.functions.durable.runtime import DurableRuntime
+from rollbox.functions.durable.sweeping import SHARDS, SweepPlan, key_range
 from rollbox.snapshots.state import SandboxRecord, record_key
 from rollbox.snapshots.store_s3 import S3Objects
 from svc_testkit import durable_runtime
@@ -106,3 +109,107 @@ async def test_a_sweep_stops_at_once_when_cancelled_mid_listing(durable: Durable
     assert time.monotonic() - t0 < 1.0
     # no store thread was started for it (obstore lists in its own runtime)
     assert [t for t in threading.enumerate() if "state" in t.name] == listing
+
+
+# ------------------------------------------------------------------ a large store: a range per round
+
+
+def _record_keys(n: int, seed: int) -> list[str]:
+    """Record keys of ``n`` sandboxes with ids as the API makes them (``sb-`` and 20 hex digits), and a few
+    the tests above use (``sb-other…``), one to three generations each."""
+    rng = random.Random(seed)
+    sids = [f"sb-{rng.getrandbits(80):020x}" for _ in range(n)] + ["sb-other00001", "sb-page00002", "sb-0", "sb-f"]
+    return sorted(record_key(sid, g) for sid in sids for g in range(rng.randint(1, 3)))
+
+
+def test_the_ranges_hold_every_key_once_and_about_as_many_each() -> None:
+    keys = _record_keys(4000, seed=1)
+    counts = [0] * SHARDS
+    for k in keys:
+        inside = [i for i in range(SHARDS) if (lo := key_range(i)[0]) is None or k > lo
+                  if (hi := key_range(i)[1]) is None or k < hi]
+        assert len(inside) == 1, (k, inside)
+        counts[inside[0]] += 1
+    assert min(counts) > 0.6 * len(keys) / SHARDS and max(counts) < 1.4 * len(keys) / SHARDS, counts
+
+
+@pytest.mark.parametrize("kind", ["s3", "local"])
+async def test_a_ranged_listing_lists_exactly_its_range_on_both_stores(kind: str, tmp_path: Path,
+                                                                       seaweed: SeaweedS3) -> None:
+    """S3 (obstore, from StartAfter, stopped at the range's end: past a page of 1,000 keys) and the local
+    store (only the directories that may hold keys of the range) list what the whole listing holds in it."""
+    from rollbox.functions.durable.store import StateStore
+    from rollbox.snapshots.state import LocalObjects
+
+    objects: Any = (S3Objects(store_factory(seaweed)(f"s3://{seaweed.new_bucket()}/ranges")) if kind == "s3"
+                    else LocalObjects(tmp_path / "state"))
+    keys = _record_keys(700, seed=2)  # ~1,400 keys: the S3 ranges' listings cross a page
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        assert all(pool.map(lambda k: objects.put_new(k, b"{}"), keys))
+    assert objects.put_new("sweeps/64/00/1", b"{}")  # (outside sandboxes/: in no range)
+    store = StateStore(objects)
+    whole = [k async for page in store.listing("sandboxes/") for k, _ in page]
+    assert whole == keys
+    ranged = []
+    for i in range(SHARDS):
+        lo, hi = key_range(i)
+        got = [k async for page in store.listing("sandboxes/", lo, hi) for k, _ in page]
+        assert got == [k for k in keys if (lo is None or k > lo) and (hi is None or k < hi)], i
+        ranged += got
+    assert ranged == keys
+
+
+def test_the_plan_lists_the_whole_store_until_that_is_long_then_a_range_per_round() -> None:
+    plan = SweepPlan(60.0, 19.0, random.Random(0))
+    assert plan.bounds() is None and plan.wait_s == 60.0
+    plan.done(0.2, listed=True)  # a short whole listing: the next in 60 s
+    assert plan.bounds() is None and plan.wait_s == 60.0
+    plan.done(8.0, listed=True)  # 8 s: too long for one burst; the pass takes 19 x 8 s, a range each 1/16
+    assert plan.bounds() == key_range(plan.shard) and plan.wait_s == pytest.approx(19 * 8.0 / SHARDS)
+    first = plan.shard
+    plan.done(0.5, listed=True)  # a range in 0.5 s (a pass ~8 s): the next range 19 x 0.5 s later
+    assert plan.shard == (first + 1) % SHARDS and plan.wait_s == pytest.approx(9.5)
+    plan.done(0.0, listed=False)  # another replica had claimed it: the next range, the same pace
+    assert plan.shard == (first + 2) % SHARDS and plan.wait_s == pytest.approx(9.5)
+    # the period: a pass as paced, 19 x the whole listing's estimate (8 s, then 16 x 0.5 s: 8 s), 152 s,
+    # rounded up to 256 s
+    key, before = plan.claim(1000.0)
+    assert (key, before) == (f"sweeps/256/{plan.shard:02d}/3", f"sweeps/256/{plan.shard:02d}/2")
+    for _ in range(40):  # the store shrank: ranges listed in 10 ms, a pass ~0.16 s: the whole again
+        plan.done(0.01, listed=True)
+    assert plan.bounds() is None and plan.wait_s == 60.0
+
+
+async def test_two_replicas_share_the_ranges_each_swept_once_per_period(
+        tmp_path: Path, seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas on one store, their sweeps split into ranges from the start and paced fast (a period
+    of 1 s): in each period every range is swept by one of them, not by both; both do some; the claims
+    of past periods are deleted as the next ones are made."""
+    from rollbox.functions.durable import residency, sweeping
+
+    monkeypatch.setattr(sweeping, "SPLIT_S", 0.0)  # a range per round whatever the store's size
+    monkeypatch.setattr(residency, "SWEEP_REST", 0.0)  # paced by the interval alone: a period of 1 s on both
+    swept: list[tuple[int, tuple[str | None, str | None] | None, float]] = []
+    real_sweep = residency.Residency.sweep
+
+    async def counted(self: Any, bounds: Any = None) -> dict[str, int]:
+        swept.append((id(self), bounds, time.time()))
+        return await real_sweep(self, bounds)
+
+    monkeypatch.setattr(residency.Residency, "sweep", counted)
+    bucket = seaweed.new_bucket()
+    objects = [S3Objects(store_factory(seaweed)(f"s3://{bucket}/fleet")) for _ in range(2)]
+    t0 = time.time()
+    async with durable_runtime(tmp_path / "a", objects[0], "share-a", sweep_interval_s=0.16) as a, \
+            durable_runtime(tmp_path / "b", objects[1], "share-b", sweep_interval_s=0.16) as b:
+        await asyncio.sleep(3.5)
+        replicas = {id(a.residency), id(b.residency)}
+    t1 = time.time()
+    assert {who for who, _, _ in swept} == replicas, "both replicas swept some ranges"
+    assert all(bounds is not None for _, bounds, _ in swept)
+    periods = int(t1) - int(t0) + 1  # whole seconds the run touched: a range's claims at most one each
+    for i in range(SHARDS):
+        n = sum(1 for _, bounds, _ in swept if bounds == key_range(i))
+        assert 1 <= n <= periods, (i, n, periods)
+    claims = objects[0].keys("sweeps/")
+    assert 0 < len(claims) <= 2 * SHARDS, claims  # the current period's, and a few not yet replaced
