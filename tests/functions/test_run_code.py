@@ -29,42 +29,25 @@ import httpx
 import pytest
 from svc_testkit import ServerProc, event, send, start_server
 
+from tests import langhome
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, store_factory
 
-LANG_HOME = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
-TEMPLATES = Path(__file__).resolve().parents[2] / "snapshots" / "templates"
+LANG_HOME = langhome.LANG_HOME
+TEMPLATES = langhome.TEMPLATES
 BUILT = ("python3", "cpp", "java", "nodejs", "go")
 EXPERIMENT = f"run-code-{uuid.uuid4().hex[:8]}"
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="language snapshots are built as root (mmdebstrap --mode=root)"),
     pytest.mark.slow,
+    pytest.mark.timeout(900),  # the first builds the language store (tests/langhome.py), or waits for a build
 ]
 
 
 @pytest.fixture(scope="module")
 def lang_store() -> Path:
     """The language test store with BUILT in it (built on first use, then reused)."""
-    from rollbox.snapshots.build import build
-    from rollbox.snapshots.store_local import LocalStore
-    from rollbox.snapshots.template import load_template
-
-    store = LocalStore(LANG_HOME)
-    missing = [n for n in BUILT if not (LANG_HOME / "names" / n).exists()]
-    if missing and shutil.which("mmdebstrap") is None:
-        pytest.skip("mmdebstrap is not installed (scripts/bootstrap installs it as root)")
-    old = os.environ.get("ROLLBOX_DEBIAN_MAX_AGE_DAYS")
-    os.environ["ROLLBOX_DEBIAN_MAX_AGE_DAYS"] = "3650"  # the cached layers serve every later run
-    try:
-        for name in BUILT:
-            tpl, where = load_template(TEMPLATES / f"{name}.yaml")
-            build(tpl, where, store)
-    finally:
-        if old is None:
-            os.environ.pop("ROLLBOX_DEBIAN_MAX_AGE_DAYS", None)
-        else:
-            os.environ["ROLLBOX_DEBIAN_MAX_AGE_DAYS"] = old
-    return LANG_HOME
+    return langhome.built(BUILT)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ host's hybrid cgroups) and on the host's network, so it reaches a SeaweedFS on 1
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import resource
@@ -63,22 +64,29 @@ def _newest_source() -> float:
 
 
 def image(*, layers: bool = True) -> str:
-    """The image's tag in podman, built (scripts/image) and loaded when needed."""
+    """The image's tag in podman, built (scripts/image) and loaded when needed: by one process at a time
+    (the suite's workers ask for it at once; the others wait, then find it built and loaded)."""
     suffix = "" if layers else "-nolayers"
     archive = REPO / "dist" / f"rollbox-{version()}{suffix}.oci.tar"
     tag = f"localhost/rollbox:{version()}{suffix}"
-    if not archive.exists() or archive.stat().st_mtime < _newest_source():
-        cmd = [str(REPO / "scripts" / "image"), "--out", str(archive)] + ([] if layers else ["--no-layers"])
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            raise RuntimeError(f"scripts/image failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    loaded = subprocess.run(["podman", "image", "exists", tag], capture_output=True)
-    stamp = f"{archive.stat().st_mtime_ns}"
-    marker = REPO / "dist" / f".loaded{suffix}"
-    if loaded.returncode != 0 or not marker.exists() or marker.read_text() != stamp:
-        subprocess.run(["podman", "rmi", "-f", tag], capture_output=True)
-        subprocess.run(["podman", "load", "-q", "-i", str(archive)], check=True, capture_output=True, timeout=600)
-        marker.write_text(stamp)
+    archive.parent.mkdir(exist_ok=True)
+    lock = os.open(archive.parent / f".image{suffix}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not archive.exists() or archive.stat().st_mtime < _newest_source():
+            cmd = [str(REPO / "scripts" / "image"), "--out", str(archive)] + ([] if layers else ["--no-layers"])
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                raise RuntimeError(f"scripts/image failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        loaded = subprocess.run(["podman", "image", "exists", tag], capture_output=True)
+        stamp = f"{archive.stat().st_mtime_ns}"
+        marker = REPO / "dist" / f".loaded{suffix}"
+        if loaded.returncode != 0 or not marker.exists() or marker.read_text() != stamp:
+            subprocess.run(["podman", "rmi", "-f", tag], capture_output=True)
+            subprocess.run(["podman", "load", "-q", "-i", str(archive)], check=True, capture_output=True, timeout=600)
+            marker.write_text(stamp)
+    finally:
+        os.close(lock)  # (releases the lock)
     return tag
 
 

@@ -9,19 +9,18 @@ language is the same script with no --languages (its size: README, docs/language
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests import langhome
 from tests.knative import podkit
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-LANG_HOME = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
+LANG_HOME = langhome.LANG_HOME
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +30,9 @@ def tag() -> str:
     archive = podkit.REPO / "dist" / f"rollbox-{podkit.version()}-languages-test.oci.tar"
     script = podkit.REPO / "scripts" / "image-languages"
     if not archive.exists() or archive.stat().st_mtime < max(base.stat().st_mtime, script.stat().st_mtime):
-        env = {**os.environ, "ROLLBOX_DEBIAN_MAX_AGE_DAYS": "3650"}  # the store's Debian layers serve
-        done = subprocess.run([str(script), "--languages", "bash", "--home", str(LANG_HOME), "--from", str(base),
-                               "--out", str(archive)], capture_output=True, text=True, timeout=1800, env=env)
+        with langhome.building():  # (the store's Debian layers serve)
+            done = subprocess.run([str(script), "--languages", "bash", "--home", str(LANG_HOME), "--from",
+                                   str(base), "--out", str(archive)], capture_output=True, text=True, timeout=1800)
         assert done.returncode == 0, done.stderr[-4000:]
     tag = f"localhost/rollbox:{podkit.version()}-languages"
     subprocess.run(["podman", "rmi", "-f", tag], capture_output=True)

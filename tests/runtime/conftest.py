@@ -6,14 +6,31 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 import pytest_asyncio
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
+
+
+def cgroup_parent(name: str = "test") -> str:
+    """A cgroup parent of this test process's own: rootless, under the subtree delegated to the test
+    user (ROLLBOX_TEST_CGROUP_PARENT, whose own limit files are root's, so the runtime can write caps on
+    the parent it makes); one per process, as the suite's workers share that subtree."""
+    base = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT")
+    return f"{base}/{name}-{os.getpid()}" if base else f"rollbox-{name}-{os.getpid()}"
+
+
+_OWN_TEMP: list[Path] = []  # this process's pytest temp base (each parallel worker has its own)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_temp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _OWN_TEMP[:] = [tmp_path_factory.getbasetemp()]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rt(tmp_path_factory) -> AsyncIterator[Runtime]:  # type: ignore[no-untyped-def]
     state = tmp_path_factory.mktemp("state")
-    parent = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT", f"rollbox-test-{os.getpid()}")
+    parent = cgroup_parent()
     runtime = Runtime(RuntimeConfig(state_dir=state, cgroup_parent=parent))
     await runtime.start()
     try:
@@ -62,8 +79,23 @@ def host_state(rt: Runtime) -> dict[str, object]:
     }
 
 
+# what a sandbox's mount leaking into the host's namespace would cover: the host's own top directories
+# (a sandbox mounts its /proc, /tmp, /dev... inside its own) and this process's temporary files (where
+# its runtimes keep sandboxes' roots). Other mounts come and go with what else runs on the host (the
+# suite's other workers: podman's containers, mmdebstrap's chroots).
+_HOST_TOPS = {"/", "/proc", "/sys", "/dev", "/dev/shm", "/dev/pts", "/dev/mqueue", "/tmp", "/run", "/etc", "/usr",
+              "/var", "/var/tmp", "/home", "/root", "/opt", "/mnt", "/srv"}
+
+
 def host_mounts() -> int:
-    return len(Path("/proc/self/mountinfo").read_text().splitlines())
+    """Mounts in the host's namespace where a sandbox's leaked mount would show (``_HOST_TOPS``)."""
+    own = [f"{p}/" for p in _OWN_TEMP]
+    count = 0
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4]
+        if point in _HOST_TOPS or any(f"{point}/".startswith(p) for p in own):
+            count += 1
+    return count
 
 
 def fd_targets() -> dict[str, str]:

@@ -19,6 +19,8 @@ from rollbox.runtime.isolation.cgroups import mounts_of
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.spec import ExecRequest, Limits
 
+from .conftest import cgroup_parent
+
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
 
@@ -32,7 +34,7 @@ class _Records(logging.Handler):
 
 
 async def test_a_cgroup_that_will_not_go_is_logged_counted_and_exported(tmp_path: Path) -> None:
-    parent = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT", f"rollbox-test-{os.getpid()}")
+    parent = cgroup_parent()
     rt = Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=parent))
     metrics = Metrics(live_count=rt.live_count, pool_sizes=rt.pool_sizes, inflight=lambda: 0)
     metrics.watch_cleanup(lambda: rt.cleanup_failures)
@@ -86,8 +88,7 @@ async def test_a_runtime_closed_right_after_a_fork_bombs_timeout_leaves_no_cgrou
     replied (at its deadline, its sandbox still tearing down): close kills whatever is still in the
     sandbox's cgroup (here also a process that would not end with the sandbox: one of the test's,
     moved into its group), waits for it to go, and removes the group and the parent."""
-    base = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT")
-    parent = f"{base}/closed-{os.getpid()}" if base else f"rollbox-closed-{os.getpid()}"
+    parent = cgroup_parent("closed")
     rt = Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=parent, pool_max=0))
     await rt.start()
     lingering = None

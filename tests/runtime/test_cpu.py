@@ -7,7 +7,6 @@ CPU time is read from the host (cpuacct.usage / cpu.stat of each sandbox's group
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +18,8 @@ from rollbox.runtime.isolation.cgroups_v2 import V2, V2Group
 from rollbox.runtime.isolation.rlimits import FALLBACK_NICE
 from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.spec import ExecRequest, Limits
+
+from .conftest import cgroup_parent
 
 pytestmark = pytest.mark.asyncio
 
@@ -39,13 +40,6 @@ def busy(processes: int, secs: float) -> str:
     )
 
 
-def _parent(name: str) -> str:
-    """A cgroup parent of this test's own: rootless, under the subtree delegated to the test user (whose
-    own limit files are root's), so the runtime can write the cap on the parent it makes."""
-    base = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT")
-    return f"{base}/{name}-{os.getpid()}" if base else f"rollbox-{name}-{os.getpid()}"
-
-
 def _throttled_periods(rt: Runtime) -> int:
     """Periods in which the cap on all sandboxes held them back (their parent group's nr_throttled)."""
     b = rt.cgroup_backend
@@ -57,7 +51,7 @@ def _throttled_periods(rt: Runtime) -> int:
 @pytest_asyncio.fixture
 async def capped(tmp_path: Path) -> AsyncIterator[Runtime]:
     """A runtime whose sandboxes may use 1 CPU together (the rest is reserved)."""
-    rt = Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=_parent("fair"),
+    rt = Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=cgroup_parent("fair"),
                                cpu_reserved_cores=cgroups.host_cores() - 1.0, pool_max=0))
     await rt.start()
     made = rt.cgroup_backend.leftovers() if rt.cgroup_backend else []
@@ -73,6 +67,7 @@ async def capped(tmp_path: Path) -> AsyncIterator[Runtime]:
     assert parents and not any(p.exists() for p in parents)  # the runtime removed its parent group
 
 
+@pytest.mark.quiet  # the cap's level shows only when nothing else on the box takes the CPU
 async def test_sandboxes_get_equal_cpu_whatever_they_run_under_one_cap(capped: Runtime) -> None:
     """One sandbox running 20 busy processes and one running 1, both under a 1-CPU cap on all sandboxes:
     each gets about half (per-process weights would give 20:1), and together no more than the cap."""

@@ -14,6 +14,8 @@ from rollbox.runtime.errors import InvalidRequest, SandboxNotFound
 from rollbox.runtime.runtime import Runtime
 from rollbox.runtime.spec import ExecRequest, Limits
 
+from .conftest import cgroup_parent
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
@@ -435,9 +437,8 @@ async def test_cpu_of_a_step_is_the_programs_own(tmp_path: Path, cgroup: str) ->
     from rollbox.runtime.runtime import RuntimeConfig
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.25:\n    pass"
-    import os
 
-    parent = os.environ.get("ROLLBOX_TEST_CGROUP_PARENT", f"rollbox-test-{os.getpid()}")  # as conftest's
+    parent = cgroup_parent()  # as conftest's
     async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup=cgroup, cgroup_parent=parent, pool_max=0)) as rt2:
         assert (rt2.cgroup_backend is None) == (cgroup == "none")
         # the least of three: the first fork of a fresh zygote pays extra copy-on-write faults (3.2 ms once

@@ -5,9 +5,7 @@ sandbox's cgroup and without one (the RLIMIT_DATA fallback). Without the -XX:Max
 program that outgrows the limit crashes the JVM ("committing reserved memory", an hs_err file) instead of
 an OutOfMemoryError (with G1, javac's collector, a 400 MB program already did on a 24 GiB host).
 
-The java snapshot comes from the language test store, ROLLBOX_TEST_LANGUAGES_HOME (default
-/var/tmp/rollbox-test-languages, shared with tests/functions/test_run_code.py, which builds it): skipped
-when that store has none.
+The java snapshot comes from the language test store (tests/langhome.py), built there on first use.
 """
 
 from __future__ import annotations
@@ -23,7 +21,8 @@ from rollbox.snapshots import languages
 from rollbox.snapshots.resolver import StoreResolver
 from rollbox.snapshots.store_local import LocalStore
 
-LANG_HOME = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
+from tests import langhome
+
 GIB = 1 << 30
 # n MiB in 64 KiB arrays (not humongous objects: the heap holds what it is asked for), every one written
 FILL = ("public class Main{{public static void main(String[] a){{byte[][] k=new byte[{n}*16][];"
@@ -32,16 +31,14 @@ FILL = ("public class Main{{public static void main(String[] a){{byte[][] k=new 
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="function"),
+    pytest.mark.timeout(900),  # the first may build java (tests/langhome.py), or wait for another build
     pytest.mark.skipif(os.geteuid() != 0, reason="the language test store is built as root"),
 ]
 
 
 @pytest.fixture
 def store() -> LocalStore:
-    if not (LANG_HOME / "names" / "java").exists():
-        pytest.skip(f"no java snapshot in {LANG_HOME} (tests/functions/test_run_code.py builds it, or "
-                    f"rollbox languages build java --home {LANG_HOME})")
-    return LocalStore(LANG_HOME)
+    return LocalStore(langhome.built(["java"]))
 
 
 async def _java(rt: Runtime, code: str, memory: int, sized: bool = True) -> tuple[ExecResult, ExecResult]:

@@ -27,6 +27,8 @@ from rollbox.snapshots.resolver import StoreResolver
 from rollbox.snapshots.store_local import LocalStore
 from rollbox.snapshots.template import load_template
 
+from tests import langhome
+
 TEMPLATES = Path(__file__).resolve().parents[2] / "snapshots" / "templates"
 # SandboxFusion's Language literal (sandbox/runners/types.py)
 SANDBOXFUSION = ("python", "cpp", "nodejs", "go", "go_test", "java", "php", "csharp", "bash", "typescript", "sql",
@@ -214,7 +216,7 @@ def test_unpacked_layers_give_every_entry_the_tars_mtime(tmp_path: Path) -> None
     assert set(mtimes.values()) == {0}, mtimes
 
 
-LANG_HOME = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
+LANG_HOME = langhome.LANG_HOME
 IMAGE_ONLY_PYTHON = """
 python: /opt/rollbox-test/python3
 files:
@@ -225,18 +227,16 @@ files:
 @as_root
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-async def test_lua_and_bash_built_from_debian_share_the_base_layer_and_run_in_sandboxes(tmp_path: Path,
-                                                                                       monkeypatch: pytest.MonkeyPatch
-                                                                                       ) -> None:
+async def test_lua_and_bash_built_from_debian_share_the_base_layer_and_run_in_sandboxes(tmp_path: Path) -> None:
     if shutil.which("mmdebstrap") is None:
         pytest.skip("mmdebstrap is not installed (scripts/bootstrap installs it as root)")
-    monkeypatch.setenv("ROLLBOX_DEBIAN_MAX_AGE_DAYS", "3650")  # the cached layers serve every later run
     store = LocalStore(LANG_HOME)
     steps: list[str] = []
-    lua_tpl, lua_dir = load_template(TEMPLATES / "lua.yaml")
-    lua = build(lua_tpl, lua_dir, store, on_step=steps.append)
-    bash_tpl, bash_dir = load_template(TEMPLATES / "bash.yaml")
-    bash = build(bash_tpl, bash_dir, store, on_step=steps.append)
+    with langhome.building():  # (the cached layers serve every later run)
+        lua_tpl, lua_dir = load_template(TEMPLATES / "lua.yaml")
+        lua = build(lua_tpl, lua_dir, store, on_step=steps.append)
+        bash_tpl, bash_dir = load_template(TEMPLATES / "bash.yaml")
+        bash = build(bash_tpl, bash_dir, store, on_step=steps.append)
     assert any("mmdebstrap" in s or "reusing layer" in s for s in steps), steps  # progress was told
     # the shared base: one layer id under both; Lua adds only its own small layer
     assert bash.layers[0].id == lua.layers[0].id and lua.base == f"debian:bookworm:{bash.layers[0].id}"
@@ -250,7 +250,8 @@ async def test_lua_and_bash_built_from_debian_share_the_base_layer_and_run_in_sa
                     .replace("over: debian.yaml", f"over: {TEMPLATES}/debian.yaml") + IMAGE_ONLY_PYTHON)
     assert not Path("/opt/rollbox-test/python3").exists()
     img_tpl, img_dir = load_template(spec)
-    build(img_tpl, img_dir, store)
+    with langhome.building():
+        build(img_tpl, img_dir, store)
 
     state = tmp_path / "state"
     async with Runtime(RuntimeConfig(state_dir=state, layer_root=Path(store.layer_root)),
@@ -321,8 +322,9 @@ def test_the_languages_command_refuses_an_unknown_language_before_building_anyth
 
 
 @as_root
+@pytest.mark.timeout(900)  # the store's Debian layer may be another worker's build to wait for
 def test_the_languages_command_builds_what_the_home_lacks_and_lists_it_ready(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The home's layers and Debian build records are the language test store's (its Debian base layer is
     reused; the build's own steps, manifest and name run here); bash needs nothing else."""
     import json
@@ -331,13 +333,11 @@ def test_the_languages_command_builds_what_the_home_lacks_and_lists_it_ready(
 
     if shutil.which("mmdebstrap") is None:
         pytest.skip("mmdebstrap is not installed (scripts/bootstrap installs it as root)")
-    lang_home = Path(os.environ.get("ROLLBOX_TEST_LANGUAGES_HOME", "/var/tmp/rollbox-test-languages"))
-    lang_home.mkdir(parents=True, exist_ok=True)
-    for sub in ("layers", "layers-meta", "debian"):
-        (lang_home / sub).mkdir(exist_ok=True)
-        (tmp_path / sub).symlink_to(lang_home / sub)
-    monkeypatch.setenv("ROLLBOX_DEBIAN_MAX_AGE_DAYS", "3650")
-    assert main(["languages", "build", "bash", "--home", str(tmp_path), "--json"]) == 0
+    with langhome.building() as lang_home:  # its layers are the store's
+        for sub in ("layers", "layers-meta", "debian"):
+            (lang_home / sub).mkdir(exist_ok=True)
+            (tmp_path / sub).symlink_to(lang_home / sub)
+        assert main(["languages", "build", "bash", "--home", str(tmp_path), "--json"]) == 0
     (built,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert built["state"] == "ready" and (tmp_path / "names" / "bash").read_text().strip() == built["snapshot_id"]
     assert main(["languages", "list", "--home", str(tmp_path), "--json"]) == 0
