@@ -237,8 +237,8 @@ class Residency:
         ``sweeping.key_range``); a sandbox's newest record is read only when it may be due:
         when the record seen here, or the sandbox's limits seen here counted from the newest record's
         write time, say so. Sandboxes nothing is known of here (a replica that just started) are read
-        oldest first, at most ``SWEEP_UNKNOWN_READS`` per sweep (the later ones at later sweeps; a step
-        on one reads it anyway)."""
+        oldest first, at most ``SWEEP_UNKNOWN_READS`` per whole sweep, and 1/SHARDS of that per range (the
+        later ones at later sweeps; a step on one reads it anyway)."""
         by_sid: dict[str, dict[int, str]] = {}
         written: dict[str, float] = {}  # sandbox -> its newest record's write time
         after, before = bounds or (None, None)
@@ -265,12 +265,13 @@ class Residency:
                 e, r = await self._sweep_one(sid, gens, now)
                 expired, removed = expired + e, removed + r
         unknown.sort()
-        for _, sid in unknown[:SWEEP_UNKNOWN_READS]:
+        budget = SWEEP_UNKNOWN_READS if bounds is None else max(1, SWEEP_UNKNOWN_READS // SHARDS)
+        for _, sid in unknown[:budget]:
             if sid in self.live or sid in self.busy:
                 continue
             e, r = await self._sweep_one(sid, by_sid[sid], now)
             expired, removed = expired + e, removed + r
-        unread = max(0, len(unknown) - SWEEP_UNKNOWN_READS)
+        unread = max(0, len(unknown) - budget)
         return {"sandboxes": len(by_sid), "expired": expired, "removed": removed, "unread": unread}
 
     async def _sweep_one(self, sid: str, gens: dict[int, str], now: float) -> tuple[int, int]:

@@ -130,8 +130,8 @@ class DurableRuntime:
         """End every idle live sandbox (on SIGTERM: see ``Residency.hibernate_all``)."""
         return await self.residency.hibernate_all(reason)
 
-    async def sweep(self) -> dict[str, int]:
-        return await self.residency.sweep()
+    async def sweep(self, bounds: tuple[str | None, str | None] | None = None) -> dict[str, int]:
+        return await self.residency.sweep(bounds)
 
     # ------------------------------------------------------------------------- the API (service)
     def live_count(self) -> int:

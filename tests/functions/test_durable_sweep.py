@@ -213,3 +213,21 @@ async def test_two_replicas_share_the_ranges_each_swept_once_per_period(
         assert 1 <= n <= periods, (i, n, periods)
     claims = objects[0].keys("sweeps/")
     assert 0 < len(claims) <= 2 * SHARDS, claims  # the current period's, and a few not yet replaced
+
+
+async def test_a_range_reads_its_share_of_the_unknown(durable: DurableRuntime) -> None:
+    """A sweep round of one range reads at most 1/SHARDS of SWEEP_UNKNOWN_READS of the sandboxes nothing
+    is known of here (a whole pass of ranges then reads as many as one whole sweep did, not SHARDS times)."""
+    d = durable
+    base = await d.store.read((await d.create("python")).sandbox_id, 0)
+    assert base is not None
+    now = time.time()
+    # ids past "sb-f": all in the last range
+    write(d, [base.model_copy(update={"sandbox_id": f"sb-other{i:05d}", "created_at": now - 7200,
+                                      "last_used": now - 7200, "limits": base.limits.model_copy(
+                                          update={"idle_s": 60.0})}) for i in range(100)])
+    before = gets(d)
+    done = await d.sweep(key_range(SHARDS - 1))
+    share = SWEEP_UNKNOWN_READS // SHARDS
+    assert (done["sandboxes"], done["expired"], done["unread"]) == (100, share, 100 - share), done
+    assert gets(d) - before == share
