@@ -99,7 +99,8 @@ class Objects(Protocol):
         for a directory."""
 
 
-def _within(key: str, after: str | None, before: str | None) -> bool:
+def in_key_range(key: str, after: str | None, before: str | None) -> bool:
+    """Whether ``key`` is in the range (after, before) an ``Objects.listing`` is asked for (None: no bound)."""
     return (after is None or key > after) and (before is None or key < before)
 
 
@@ -223,7 +224,8 @@ class LocalObjects:
             under = f"{rel}/" if rel != "." else ""
             if after is not None or before is not None:  # a range: only the directories that may hold some
                 dirs[:] = [d for d in dirs if _may_hold(f"{under}{d}/", after, before)]
-                out.extend(k for f in files if not f.startswith(".") and _within(k := f"{under}{f}", after, before))
+                keys = (f"{under}{f}" for f in files if not f.startswith("."))
+                out.extend(k for k in keys if in_key_range(k, after, before))
             else:
                 out.extend(f"{under}{f}" for f in files if not f.startswith("."))
         return sorted(out)

@@ -57,7 +57,7 @@ from rollbox.runtime.spec import Limits
 from rollbox.snapshots.calls import StoreDeadline
 from rollbox.snapshots.layers import check_layer_id
 from rollbox.snapshots.manifest import Manifest, check_name, check_snapshot_id
-from rollbox.snapshots.state import REFRESH_AFTER_S
+from rollbox.snapshots.state import REFRESH_AFTER_S, in_key_range
 from rollbox.snapshots.store import ByteCallback, parse_s3_url
 
 MiB = 1024 * 1024
@@ -681,7 +681,7 @@ class S3Objects:
         (botocore lists them all and keeps those: the ranged listing is ``listing_pages``'s)."""
         st, base = self.store, self._base()
         keys = [(k[base:], t) for k, t in st._list_modified(st._key(prefix), f"listing {prefix}")]
-        return [(k, t) for k, t in keys if (after is None or k > after) and (before is None or k < before)]
+        return [(k, t) for k, t in keys if in_key_range(k, after, before)]
 
     async def listing_pages(self, prefix: str, page_deadline_s: float, after: str | None = None,
                             before: str | None = None) -> AsyncIterator[list[tuple[str, float]]]:
@@ -715,12 +715,12 @@ class S3Objects:
                 pages += 1
                 st._sent(event_name="ListObjectsV2")
                 keys = [(m["path"][base:], m["last_modified"].timestamp()) for m in page]
-                if after is not None:
-                    keys = [(k, t) for k, t in keys if k > after]
-                if before is not None and keys and keys[-1][0] >= before:  # the range ends in this page
-                    yield [(k, t) for k, t in keys if k < before]
+                if after is None and before is None:
+                    yield keys
+                    continue
+                yield [(k, t) for k, t in keys if in_key_range(k, after, before)]
+                if before is not None and keys and keys[-1][0] >= before:  # the range ended in this page
                     return
-                yield keys
 
     def delete(self, keys: list[str]) -> None:
         st = self.store

@@ -24,16 +24,12 @@ def building() -> Iterator[Path]:
     into it; Debian layers of any age are taken from its cache meanwhile. Yields the store's path."""
     LANG_HOME.mkdir(parents=True, exist_ok=True)
     fd = os.open(LANG_HOME.parent / f"{LANG_HOME.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    old = os.environ.get("ROLLBOX_DEBIAN_MAX_AGE_DAYS")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        os.environ["ROLLBOX_DEBIAN_MAX_AGE_DAYS"] = "3650"
-        yield LANG_HOME
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("ROLLBOX_DEBIAN_MAX_AGE_DAYS", "3650")
+            yield LANG_HOME
     finally:
-        if old is None:
-            os.environ.pop("ROLLBOX_DEBIAN_MAX_AGE_DAYS", None)
-        else:
-            os.environ["ROLLBOX_DEBIAN_MAX_AGE_DAYS"] = old
         os.close(fd)  # (releases the lock)
 
 

@@ -76,7 +76,7 @@ class SweepPlan:
                 self.pass_s = took_s
             self.wait_s = max(self.interval_s, self.rest * took_s)
             if self.split:  # too long now: from the next round on, a range at a time
-                self.wait_s = max(self.interval_s, self.rest * took_s) / SHARDS
+                self.wait_s /= SHARDS
             return
         if listed:
             self.pass_s += 0.25 * (took_s * SHARDS - self.pass_s)
