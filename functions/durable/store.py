@@ -275,14 +275,14 @@ class StateStore:
             return
         yield await self.io(self.objects.listing, prefix, after, before)
 
-    async def claim(self, key: str, previous: str) -> bool:
+    async def claim(self, key: str, stale: str) -> bool:
         """Create ``key`` (create-only) for this process: True if this call made it, False if another
-        writer had (``sweeping``'s claims). The one that makes it deletes ``previous`` (best effort)."""
+        writer had (``sweeping``'s claims). The one that makes it deletes ``stale`` (best effort)."""
         mine = json.dumps({"by": CLAIMANT, "at": time.time()}).encode()
         if not await self.put_record(key, mine):
             return False
         with contextlib.suppress(StoreError, OSError):
-            await self.io(self.objects.delete, [previous])
+            await self.io(self.objects.delete, [stale])
         return True
 
     async def put_record(self, key: str, data: bytes) -> bool:

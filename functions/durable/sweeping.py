@@ -12,8 +12,9 @@ lists: at 150,000 keys ~20 s of its CPU, in one burst, from every replica. So:
                 (create-only) the range's claim for this period, ``sweeps/<period s>/<range>/<n>``; the
                 one that created it sweeps the range, the others skip it until the next period. The
                 period is the pass's, rounded up to a power of two seconds (replicas pacing alike agree
-                on it; two that do not both sweep, which is only work twice). The period before's claim
-                is deleted by the next claimant.
+                on it; two that do not both sweep, which is only work twice). A claimant deletes the
+                claim of two periods back, not the period before's: a replica whose claim of the period
+                before comes late (a busy host) still finds that claim there, and skips the range.
 
 A sandbox due is then found within two periods of a whole pass at most, as by one replica sweeping
 alone; a step on it finds it due at once anyway (an expiry is decided on the record a step reads).
@@ -61,12 +62,12 @@ class SweepPlan:
         return key_range(self.shard) if self.split else None
 
     def claim(self, now: float) -> tuple[str, str]:
-        """The claim of this round's range for the present period, and the period before's. The period
+        """The claim of this round's range for the present period, and the one of two periods back. The period
         is a whole pass's, as paced (``interval_s``, or ``rest`` times a whole listing's time), in whole
         seconds rounded up to a power of two."""
         period = 2 ** max(0, math.ceil(math.log2(max(1.0, self.interval_s, self.rest * self.pass_s))))
         n = int(now // period)
-        return (f"sweeps/{period}/{self.shard:02d}/{n}", f"sweeps/{period}/{self.shard:02d}/{n - 1}")
+        return (f"sweeps/{period}/{self.shard:02d}/{n}", f"sweeps/{period}/{self.shard:02d}/{n - 2}")
 
     def done(self, took_s: float, listed: bool) -> None:
         """A round ended: it listed (its range, or the whole store) in ``took_s``, or (``listed`` False)

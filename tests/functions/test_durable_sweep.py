@@ -173,8 +173,8 @@ def test_the_plan_lists_the_whole_store_until_that_is_long_then_a_range_per_roun
     assert plan.shard == (first + 2) % SHARDS and plan.wait_s == pytest.approx(9.5)
     # the period: a pass as paced, 19 x the whole listing's estimate (8 s, then 16 x 0.5 s: 8 s), 152 s,
     # rounded up to 256 s
-    key, before = plan.claim(1000.0)
-    assert (key, before) == (f"sweeps/256/{plan.shard:02d}/3", f"sweeps/256/{plan.shard:02d}/2")
+    key, stale = plan.claim(1000.0)  # (and the claim of two periods back, to delete)
+    assert (key, stale) == (f"sweeps/256/{plan.shard:02d}/3", f"sweeps/256/{plan.shard:02d}/1")
     for _ in range(40):  # the store shrank: ranges listed in 10 ms, a pass ~0.16 s: the whole again
         plan.done(0.01, listed=True)
     assert plan.bounds() is None and plan.wait_s == 60.0
@@ -212,7 +212,7 @@ async def test_two_replicas_share_the_ranges_each_swept_once_per_period(
         n = sum(1 for _, bounds, _ in swept if bounds == key_range(i))
         assert 1 <= n <= periods, (i, n, periods)
     claims = objects[0].keys("sweeps/")
-    assert 0 < len(claims) <= 2 * SHARDS, claims  # the current period's, and a few not yet replaced
+    assert 0 < len(claims) <= 2 * SHARDS, claims  # the current period's and the one before, per range
 
 
 async def test_a_range_reads_its_share_of_the_unknown(durable: DurableRuntime) -> None:
