@@ -305,12 +305,12 @@ async def test_a_run_replies_at_its_deadline_however_long_its_sandbox_took(tmp_p
         assert wall <= 1.0 + OVERSHOOT_S, f"the run replied {wall - 1.0:.2f} s after its deadline"
 
 
-async def test_a_run_whose_time_was_gone_before_it_started_is_timed_out_however_fast_it_ends(
+async def test_a_run_whose_end_is_first_looked_for_past_its_deadline_is_timed_out_however_fast_it_ended(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A timeout of 0 (SandboxFusion's callers send it; it is clamped to 1 ms) is used up before the
-    program is sent. On a busy host the program's end could be seen before the deadline's check, and a
-    fast program counted as finished in time; here the wait for its end starts late on purpose (as a
-    busy event loop would): it is timed out all the same. A step sent in time is not."""
+    """A timeout of 0 (SandboxFusion's callers send it; it is clamped to 1 ms) is used up by the time the
+    program's end is first looked for. On a busy host that end could be there already, and a fast program
+    counted as finished in time; here the wait for its end starts late on purpose (as a busy event loop
+    would): it is timed out all the same. A run with time left is not."""
     from rollbox.runtime import step
 
     real_wait = step.InlineEnd.wait
