@@ -18,10 +18,11 @@ overloaded machine would multiply the load that made it time out.
 Across replicas sharing the store (S3), a compile is claimed there first: the replica that creates
 ``compiled/<key>.claim`` (a create-only put) compiles; another replica whose cases of that program
 arrive meanwhile polls for the outcome (``compiled/<key>.json``, every 50 ms growing to 0.5 s) instead
-of compiling it too, and compiles on its own only if the claim goes away without one (the compile timed
-out or failed). Its replica beats (rewrites ``compiled/<key>.beat``) every CLAIM_BEAT_S while it holds
-it, so a claim with no beat for CLAIM_DEAD_S is a dead replica's (killed mid-compile): the others take
-over in seconds, not after its whole compile timeout + 30 s, by claiming it again (one of them compiles).
+of compiling it too; if the claim goes away without one (the compile timed out or failed), the waiters
+claim it again and one of them compiles. Its replica beats (rewrites ``compiled/<key>.beat``) every
+CLAIM_BEAT_S while it holds it, so a claim with no beat for CLAIM_DEAD_S is a dead replica's (killed
+mid-compile): the others take over in seconds, not after its whole compile timeout + 30 s, by claiming
+it again (one of them compiles).
 """
 
 from __future__ import annotations
@@ -262,10 +263,10 @@ class CompileCache:
 
     async def _claim_or_wait(self, key: str, timeout_s: float) -> Compiled | tuple[str, bytes] | None:
         """Claim ``key``'s compile in the shared store (returns the claim's key and bytes: compile it here), or wait
-        for the replica that claimed it: its outcome (a Compiled); when that replica died, claim it again
-        (one of the replicas waiting for it compiles, the others wait for that one). None: compile here,
-        unclaimed (the claim went without an outcome: a timeout or a fault; waited too long; a store
-        that fails: the store is optional)."""
+        for the replica that claimed it: its outcome (a Compiled); when that replica died or its claim went
+        without an outcome (a timeout, a fault, or another waiter taking a dead replica's claim over), claim
+        it again (one of the replicas waiting for it compiles, the others wait for that one). None: compile
+        here, unclaimed (waited too long; a store that fails: the store is optional)."""
         assert self.objects is not None
         objects = self.objects
         claim = KEY_PREFIX + key + ".claim"
@@ -282,7 +283,7 @@ class CompileCache:
                     await asyncio.to_thread(objects.delete_own, claim, body)
                     return found
                 outcome = await self._wait_for_claim(key, claim, t0, limit)
-                if outcome != "dead" or time.monotonic() - t0 > limit + CLAIM_GRACE_S:
+                if outcome not in ("dead", "gone") or time.monotonic() - t0 > limit + CLAIM_GRACE_S:
                     return outcome if isinstance(outcome, Compiled) else None
         except (RollboxError, OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("compile cache: claiming %s failed: %s", key, exc)
@@ -290,8 +291,9 @@ class CompileCache:
 
     async def _wait_for_claim(self, key: str, claim: str, t0: float, limit: float) -> Compiled | str | None:
         """Poll another replica's ``claim``: its outcome; "dead" once its replica stopped beating (the claim
-        removed then); None once the claim is gone without an outcome or this replica waited its
-        ``limit`` + grace."""
+        removed then); "gone" once the claim went without an outcome (it may be claimed again at once: a
+        waiter that took a dead replica's claim over deletes it, then claims); None once this replica
+        waited its ``limit`` + grace."""
         assert self.objects is not None
         objects = self.objects
         pause = POLL_FIRST_S
@@ -299,8 +301,10 @@ class CompileCache:
         while True:
             raw = await asyncio.to_thread(objects.get, claim)  # (the claim first: its outcome is put before
             found = await self.get(key)                       # it goes)
-            if found is not None or raw is None:
-                return found  # (None: it went without an outcome, a timeout or a fault)
+            if found is not None:
+                return found
+            if raw is None:
+                return "gone"
             other = json.loads(raw)
             beat_raw = await asyncio.to_thread(objects.get, _beat_key(claim))
             newest = max(newest, float(json.loads(beat_raw)["beat"]) if beat_raw else 0.0)

@@ -131,7 +131,7 @@ async def test_replicas_sharing_s3_compile_a_program_once(seaweed: SeaweedS3) ->
     """Two replicas (two caches on one SeaweedFS bucket) get cases of one program at once: one claims the
     compile in the store and makes it, the other waits for its outcome there instead of compiling too. A
     claim that goes without an outcome (a timeout) or that is stale (its replica died) lets the other
-    compile on its own."""
+    claim it and compile."""
     import json
     import time
 
@@ -154,7 +154,7 @@ async def test_replicas_sharing_s3_compile_a_program_once(seaweed: SeaweedS3) ->
     assert all(value == OK for value, _ in got) and a.from_replicas + b.from_replicas == 1
     assert a.objects is not None and a.objects.keys("compiled/") == ["compiled/k.json"]  # the claim is gone
 
-    compiles.clear()  # the claimer's compile times out: it leaves no outcome, the other compiles itself
+    compiles.clear()  # the claimer's compile times out: it leaves no outcome, the other compiles it
     late = TimedOut("timed out", 10.0)
     got = await asyncio.wait_for(asyncio.gather(a.once("t", compiler("a", late), 10.0),
                                                 b.once("t", compiler("b", late), 10.0)), 20)
@@ -320,6 +320,40 @@ async def test_replicas_waiting_for_a_dead_replicas_claim_compile_once_between_t
     got = await asyncio.wait_for(asyncio.gather(*(c.once("k", compiler(i), 10.0) for i, c in enumerate(caches))), 20)
     assert len(compiles) == 1 and sorted(cached for _, cached in got) == [False, True, True], (compiles, got)
     assert caches[0].objects.keys("compiled/") == ["compiled/k.json"]
+
+
+async def test_replicas_waiting_for_a_claim_gone_without_an_outcome_compile_once_between_them(
+        seaweed: SeaweedS3) -> None:
+    """Two replicas wait for another's claimed compile, which goes without an outcome (it timed out, or a
+    waiter took a dead replica's claim over: deleted, then claimed again): one of them claims it and
+    compiles, the other waits for that one (they each compiled, unclaimed, at once)."""
+    import json
+    import time
+
+    from rollbox.snapshots.store_s3 import S3Objects
+
+    url = f"s3://{seaweed.new_bucket()}/p"
+    caches = [CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(2)]
+    objects = caches[0].objects
+    assert objects is not None
+    objects.put_new("compiled/k.claim", json.dumps({"replica": "other:1", "since": time.time(),
+                                                    "timeout_s": 10.0}).encode())
+    compiles: list[int] = []
+
+    def compiler(i: int):  # type: ignore[no-untyped-def]
+        async def compile_(done):  # type: ignore[no-untyped-def]
+            compiles.append(i)
+            await asyncio.sleep(0.5)
+            await done(OK)
+        return compile_
+
+    waiting = asyncio.gather(*(c.once("k", compiler(i), 10.0) for i, c in enumerate(caches)))
+    await asyncio.sleep(0.5)
+    assert compiles == []  # both wait for the claim
+    objects.delete(["compiled/k.claim"])
+    got = await asyncio.wait_for(waiting, 20)
+    assert len(compiles) == 1 and sorted(cached for _, cached in got) == [False, True], (compiles, got)
+    assert objects.keys("compiled/") == ["compiled/k.json"]
 
 
 async def test_a_replica_whose_compile_claim_was_taken_over_leaves_the_new_owners_claim(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 from svc_testkit import Reply, ServerProc, event, metric, send, start_server
 
 CREATE, EXEC = "dev.rollbox.sandbox.create", "dev.rollbox.sandbox.exec"
-DEADLINE_S, STEP_TIMEOUT_S, SLEEP_S = 2.0, 2.0, 1.5
+DEADLINE_S, STEP_TIMEOUT_S, SLEEP_S = 2.0, 3.0, 1.5  # (a step ends in time on a loaded box: 1.5 s to spare)
 BUDGET_S = DEADLINE_S + STEP_TIMEOUT_S  # what an exec may take before its reply
 SLACK_S = 2.0  # a loaded box's scheduling, HTTP and the reply's own work
 STEPS, QUEUE = 8, 6  # 8 at once, 6 admitted (one runs, five wait), 2 refused at once
@@ -49,7 +49,7 @@ async def test_every_request_is_answered_within_its_deadline(server: ServerProc)
 
         answers = await asyncio.gather(*(step(i) for i in range(STEPS)))
         took = [round(t, 2) for t, _ in answers]
-        # every one answered in time (without the deadline the last admitted one waits ~5 x 1.5 s)
+        # every one answered in time (without the deadline the last admitted one waits 5 x 1.5 s, then runs 1.5 s)
         assert max(took) <= BUDGET_S + SLACK_S, took
         by_status: dict[int, list[Reply]] = {}
         for _, rep in answers:
