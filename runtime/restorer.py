@@ -135,6 +135,10 @@ class Restorer:
             self._unmounter.shutdown(wait=True)  # (its closes were awaited by the runtime, as tasks)
             self._unmounter = None
 
+    async def stop_slots(self) -> None:
+        if self.user_slots is not None:
+            await self.user_slots.stop_making()
+
     def close_slots(self) -> None:
         if self.user_slots is not None:
             self.user_slots.close()
@@ -190,7 +194,11 @@ class Restorer:
                 await z.close()
             skel = await asyncio.to_thread(self.skel, view)
             z = self.warm_source(view, skel)
-            await z.start()
+            try:
+                await z.start()
+            except BaseException:  # (cancelled too: a zygote half started is stopped and reaped, not left)
+                await asyncio.shield(z.close())
+                raise
             self.zygotes[key] = z
             return z
 

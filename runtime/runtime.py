@@ -211,6 +211,7 @@ class Runtime:
         await asyncio.gather(*(self.destroy(sid, reason="shutdown") for sid in list(self.sandboxes)),
                              return_exceptions=True)
         await self.restorer.stop_zygotes()
+        await self.restorer.stop_slots()
         self.started = False
         self.cgroups.stop_reuse()
         awaited: set[asyncio.Task[None]] = set()

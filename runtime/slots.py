@@ -191,6 +191,14 @@ class UserSlots:
         if not self._all:
             await self._make()
 
+    async def stop_making(self) -> None:
+        """A batch being made ahead of demand is cancelled, and its helper reaped before this returns
+        (not left to the event loop's end, where closing its transport would reap it behind asyncio's
+        child watcher)."""
+        if self._making is not None and not self._making.done():
+            self._making.cancel()
+            await asyncio.gather(self._making, return_exceptions=True)
+
     def close(self) -> None:
         if self._making is not None:
             self._making.cancel()

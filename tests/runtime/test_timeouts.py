@@ -23,7 +23,7 @@ from rollbox.runtime.runtime import Runtime, RuntimeConfig
 from rollbox.runtime.spec import ExecRequest, Limits
 from rollbox.runtime.step import descendants
 
-from .conftest import cgroup_parent
+from .conftest import _children, cgroup_parent
 
 pytestmark = pytest.mark.asyncio
 
@@ -326,3 +326,42 @@ async def test_a_run_whose_end_is_first_looked_for_past_its_deadline_is_timed_ou
         assert r.timed_out, r
         r = await rt.run(ExecRequest(code="print(1)", timeout_s=5.0))
         assert not r.timed_out and (r.exit_code, r.stdout) == (0, "1\n"), r
+
+
+async def test_a_zygote_whose_start_is_cancelled_is_stopped_and_reaped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request cancelled while its snapshot's zygote starts (a client gone, the server's grace over)
+    took the zygote's process with it untracked: alive until the process ended, then reaped behind
+    asyncio's child watcher ("Unknown child process pid"). Now the half-started zygote is stopped and
+    reaped before the cancellation goes on, and the next request starts a zygote of its own."""
+    from rollbox.runtime import restore
+
+    held = asyncio.Event()
+
+    class Stalled(restore.Channel):  # the zygote is up and configured; its WARM reply never read
+        async def recv(self) -> Any:
+            held.set()
+            await asyncio.Event().wait()
+
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=cgroup_parent("cancel"), pool_max=0)) as rt:
+        view = await rt.resolve("python")
+        with monkeypatch.context() as m:
+            m.setattr(restore, "Channel", Stalled)
+            starting = asyncio.create_task(rt.restorer.zygote(view))
+            await asyncio.wait_for(held.wait(), 60)
+        mine = {pid for pid in _children(zombies=True).get(os.getpid(), []) if _cmdline(pid).endswith(b"\0zygote\0")}
+        assert len(mine) == 1, "the zygote being started is a child of this process"
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+        assert not (mine & set(_children(zombies=True).get(os.getpid(), []))), "the zygote was left running"
+        assert view.zygote_key not in rt.restorer.zygotes
+        r = await rt.run(ExecRequest(code="print(2)"))
+        assert (r.exit_code, r.stdout) == (0, "2\n"), r
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
