@@ -368,6 +368,17 @@ async def measure(args: argparse.Namespace, urls: list[str], servers: list[int],
                  requests={op: k - r0.get(op, 0) for op, k in r1.items() if k > r0.get(op, 0)}, weed_idle=weed_idle)
 
 
+PROFILED_MAIN = """
+import cProfile, sys
+from rollbox.functions.cli.main import main
+out = sys.argv.pop(1)
+profile = cProfile.Profile()
+rc = profile.runcall(main)
+profile.dump_stats(out)
+sys.exit(rc)
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--episodes", type=int, default=40)
@@ -409,9 +420,11 @@ def main() -> int:
         logs = [base / f"serve-{i}.log" for i in range(args.replicas)]
         for i, port in enumerate(ports):
             log = open(logs[i], "wb")  # noqa: SIM115 - handed to the child
-            profiler = [] if args.no_cprofile else ["-m", "cProfile", "-o", str(profs[i])]
+            # (serve ends with os._exit, past where `python -m cProfile -o` writes its file: the profile is
+            # of main() and written when it returns)
+            run = ["-m", "rollbox.functions.cli"] if args.no_cprofile else ["-c", PROFILED_MAIN, str(profs[i])]
             procs.append(subprocess.Popen(
-                [sys.executable, *profiler, "-m", "rollbox.functions.cli", "serve", "--port", str(port),
+                [sys.executable, *run, "serve", "--port", str(port),
                  "--home", str(base / f"home-{i}"), "--log-level", "warning", "--hibernate-after-s", "0.02",
                  *args.serve_arg], stdout=log, stderr=subprocess.STDOUT, env=env))
             log.close()

@@ -58,3 +58,18 @@ def test_profile_replica_hands_its_extra_flags_to_weed_and_to_serve(flag: str, s
     p = subprocess.run([sys.executable, str(ROOT / "loadtest" / "profile_replica.py"), "--episodes", "1", "--steps", "1",
                         "--no-cprofile", "--base", str(tmp_path / "run"), flag], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and says in p.stderr, (p.stdout + p.stderr)[-3000:]
+
+
+def test_profile_replica_under_cprofile_prints_the_replicas_profile(tmp_path: Path) -> None:
+    """Without --no-cprofile each replica runs under cProfile and the script prints their profiles added
+    up (serve ends with os._exit, which `python -m cProfile -o` never got to write its file past)."""
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "loadtest" / "profile_replica.py"), "--replicas", "2", "--episodes", "4",
+         "--steps", "2", "--warm-episodes", "0", "--top", "40", "--base", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=110)
+    out = p.stdout
+    assert p.returncode == 0, (out + p.stderr)[-4000:]
+    assert "under cProfile, so slower than without it" in out, out
+    assert len(re.findall(r"function calls \(\d+ primitive calls\) in [\d.]+ seconds", out)) == 2, out  # both sorts
+    assert re.search(r"^\s+ncalls\s+tottime\s+percall\s+cumtime\s+percall filename:lineno\(function\)", out, re.M), out
+    assert re.search(r"/functions/(service|durable|handlers)/\w+\.py:\d+\(", out), out  # the service's own frames
