@@ -1,5 +1,5 @@
 """Where a replica's own CPU goes on durable steps on S3: `rollbox serve` replicas (--replicas, one
-SeaweedFS) each run under cProfile (its event loop's thread; the store calls' threads are not profiled:
+SeaweedFS) each run under cProfile (its event loop's thread, by its CPU time; the store calls' threads are not profiled:
 see profile_s3_step.py), driven by episodes as the fleet run plays them with long think times: create,
 then steps that each find their sandbox hibernated (--hibernate-after-s 0.02; 0 would be never) and
 resume it from S3, then destroy. Every request goes to the next replica in turn, as a load balancer
@@ -369,10 +369,10 @@ async def measure(args: argparse.Namespace, urls: list[str], servers: list[int],
 
 
 PROFILED_MAIN = """
-import cProfile, sys
+import cProfile, sys, time
 from rollbox.functions.cli.main import main
 out = sys.argv.pop(1)
-profile = cProfile.Profile()
+profile = cProfile.Profile(time.thread_time)  # the event loop's thread's CPU, not the wall clock
 rc = profile.runcall(main)
 profile.dump_stats(out)
 sys.exit(rc)
