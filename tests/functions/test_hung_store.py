@@ -20,6 +20,7 @@ from svc_testkit import ServerProc, event, send, start_server
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
 
 CREATE, EXEC, RUN, FORK, SNAPSHOT = (f"dev.rollbox.sandbox.{t}" for t in ("create", "exec", "run", "fork", "snapshot"))
+QUICK_S = 3.0  # a request that needs no store: well under the store's 8 s deadline it would wait if it did
 
 
 @pytest.fixture
@@ -103,9 +104,9 @@ async def test_a_hung_store_is_a_fast_503_for_what_needs_it_and_nothing_else_wai
             creates = [asyncio.create_task(_timed(http, b.url, CREATE, {"snapshot": "hung-t"})) for _ in range(8)]
             await asyncio.sleep(0.5)  # the creates are waiting on the store now
             took, status, data = await _timed(http, b.url, RUN, {"code": "print(6 * 7)"})
-            assert (status, data.get("stdout")) == (200, "42\n") and took < 1.0, (took, status, data)
+            assert (status, data.get("stdout")) == (200, "42\n") and took < QUICK_S, (took, status, data)
             took, status, data = await _timed(http, b.url, FORK, {"sandbox_id": live, "count": 1})
-            assert status == 200 and took < 1.0, (took, status, data)
+            assert status == 200 and took < QUICK_S, (took, status, data)
             for took, status, data in await asyncio.gather(*creates):
                 assert (status, data["code"]) == (503, "store_unavailable") and took < 10.0, (took, status, data)
                 assert "did not answer within" in data["message"], data
@@ -131,7 +132,7 @@ async def test_a_durable_step_on_a_hung_store_is_a_fast_503_and_a_run_still_answ
             step = asyncio.create_task(_timed(http, srv.url, EXEC, {"sandbox_id": sid, "code": "print(1)"}))
             await asyncio.sleep(0.3)
             took, status, data = await _timed(http, srv.url, RUN, {"code": "print(2)"})
-            assert (status, data.get("stdout")) == (200, "2\n") and took < 1.0, (took, status, data)
+            assert (status, data.get("stdout")) == (200, "2\n") and took < QUICK_S, (took, status, data)
             took, status, data = await step
             assert (status, data["code"]) == (503, "store_unavailable") and took < 10.0, (took, status, data)
         # the step was not acknowledged: retried, it runs (once) from the last durable state
