@@ -292,51 +292,19 @@ async def test_a_beat_absent_for_a_moment_while_rewritten_is_not_taken_for_a_dea
     assert await asyncio.wait_for(waiting, 10) == (OK, True) and compiles == []
 
 
-async def test_replicas_waiting_for_a_dead_replicas_claim_compile_once_between_them(
-        seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three replicas wait for the compile a killed replica claimed: the one that finds it dead claims it
-    again and compiles, the others wait for that one (they each compiled, at once, unclaimed)."""
-    import json
-    import time
-
-    from rollbox.functions.handlers import compile_cache
-    from rollbox.snapshots.store_s3 import S3Objects
-
-    monkeypatch.setattr(compile_cache, "CLAIM_DEAD_S", 1.0)
-    url = f"s3://{seaweed.new_bucket()}/p"
-    caches = [CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(3)]
-    assert caches[0].objects is not None
-    caches[0].objects.put_new("compiled/k.claim", json.dumps({"replica": "killed:1", "since": time.time(),
-                                                               "timeout_s": 10.0}).encode())
-    compiles: list[int] = []
-
-    def compiler(i: int):  # type: ignore[no-untyped-def]
-        async def compile_(done):  # type: ignore[no-untyped-def]
-            compiles.append(i)
-            await asyncio.sleep(0.5)
-            await done(OK)
-        return compile_
-
-    got = await asyncio.wait_for(asyncio.gather(*(c.once("k", compiler(i), 10.0) for i, c in enumerate(caches))), 20)
-    assert len(compiles) == 1 and sorted(cached for _, cached in got) == [False, True, True], (compiles, got)
-    assert caches[0].objects.keys("compiled/") == ["compiled/k.json"]
-
-
-async def test_replicas_waiting_for_a_claim_gone_without_an_outcome_compile_once_between_them(
-        seaweed: SeaweedS3) -> None:
-    """Two replicas wait for another's claimed compile, which goes without an outcome (it timed out, or a
-    waiter took a dead replica's claim over: deleted, then claimed again): one of them claims it and
-    compiles, the other waits for that one (they each compiled, unclaimed, at once)."""
+def _waiting_on_a_claim(seaweed: SeaweedS3, replicas: int, holder: str):  # type: ignore[no-untyped-def]
+    """``replicas`` caches on one SeaweedFS bucket, a claim of key ``k`` by ``holder`` made just now, and a
+    compiler per cache (0.5 s, then OK) that notes its index in ``compiles``."""
     import json
     import time
 
     from rollbox.snapshots.store_s3 import S3Objects
 
     url = f"s3://{seaweed.new_bucket()}/p"
-    caches = [CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(2)]
+    caches = [CompileCache(S3Objects(store_factory(seaweed)(url))) for _ in range(replicas)]
     objects = caches[0].objects
     assert objects is not None
-    objects.put_new("compiled/k.claim", json.dumps({"replica": "other:1", "since": time.time(),
+    objects.put_new("compiled/k.claim", json.dumps({"replica": holder, "since": time.time(),
                                                     "timeout_s": 10.0}).encode())
     compiles: list[int] = []
 
@@ -347,6 +315,28 @@ async def test_replicas_waiting_for_a_claim_gone_without_an_outcome_compile_once
             await done(OK)
         return compile_
 
+    return caches, objects, compiles, compiler
+
+
+async def test_replicas_waiting_for_a_dead_replicas_claim_compile_once_between_them(
+        seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three replicas wait for the compile a killed replica claimed: the one that finds it dead claims it
+    again and compiles, the others wait for that one (they each compiled, at once, unclaimed)."""
+    from rollbox.functions.handlers import compile_cache
+
+    monkeypatch.setattr(compile_cache, "CLAIM_DEAD_S", 1.0)
+    caches, objects, compiles, compiler = _waiting_on_a_claim(seaweed, 3, "killed:1")
+    got = await asyncio.wait_for(asyncio.gather(*(c.once("k", compiler(i), 10.0) for i, c in enumerate(caches))), 20)
+    assert len(compiles) == 1 and sorted(cached for _, cached in got) == [False, True, True], (compiles, got)
+    assert objects.keys("compiled/") == ["compiled/k.json"]
+
+
+async def test_replicas_waiting_for_a_claim_gone_without_an_outcome_compile_once_between_them(
+        seaweed: SeaweedS3) -> None:
+    """Two replicas wait for another's claimed compile, which goes without an outcome (it timed out, or a
+    waiter took a dead replica's claim over: deleted, then claimed again): one of them claims it and
+    compiles, the other waits for that one (they each compiled, unclaimed, at once)."""
+    caches, objects, compiles, compiler = _waiting_on_a_claim(seaweed, 2, "other:1")
     waiting = asyncio.gather(*(c.once("k", compiler(i), 10.0) for i, c in enumerate(caches)))
     await asyncio.sleep(0.5)
     assert compiles == []  # both wait for the claim
