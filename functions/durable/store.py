@@ -285,6 +285,11 @@ class StateStore:
             await self.io(self.objects.delete, [stale])
         return True
 
+    async def drop(self, keys: list[str]) -> None:
+        """Delete ``keys`` (absent ones are no error)."""
+        if keys:
+            await self.io(self.objects.delete, keys)
+
     async def put_record(self, key: str, data: bytes) -> bool:
         """The create-only write of a record. On the local store it runs on the event loop and its two
         disk syncs go through Linux AIO: a thread's round trip per commit cost the loop more (GIL

@@ -14,7 +14,10 @@ lists: at 150,000 keys ~20 s of its CPU, in one burst, from every replica. So:
                 period is the pass's, rounded up to a power of two seconds (replicas pacing alike agree
                 on it; two that do not both sweep, which is only work twice). A claimant deletes the
                 claim of two periods back, not the period before's: a replica whose claim of the period
-                before comes late (a busy host) still finds that claim there, and skips the range.
+                before comes late (a busy host) still finds that claim there, and skips the range. Once a
+                pass (at range 0) a replica lists ``sweeps/`` and deletes every claim two or more of its
+                own periods old (``stale_claims``): those a skipped period (replicas stopped, a busy host)
+                or a change of period left behind, which no later claimant names.
 
 A sandbox due is then found within two periods of a whole pass at most, as by one replica sweeping
 alone; a step on it finds it due at once anyway (an expiry is decided on the record a step reads).
@@ -25,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 
-__all__ = ["SHARDS", "SPLIT_S", "SweepPlan", "key_range"]
+__all__ = ["SHARDS", "SPLIT_S", "SweepPlan", "key_range", "stale_claims"]
 
 SHARDS = 16
 SPLIT_S = 1.0  # a whole listing that took this long or longer is listed a range per round from then on
@@ -40,6 +43,19 @@ def key_range(shard: int) -> tuple[str | None, str | None]:
     lo = None if shard == 0 else f"{PREFIX}sb-{digits[shard * step]}"
     hi = None if shard == SHARDS - 1 else f"{PREFIX}sb-{digits[(shard + 1) * step]}"
     return lo, hi
+
+
+def stale_claims(keys: list[str], now: float) -> list[str]:
+    """The claims (``sweeps/<period>/<range>/<n>``) among ``keys`` two or more of their own periods old at
+    ``now``: no replica skips a range for them any more. Keys of any other shape are left alone."""
+    stale = []
+    for key in keys:
+        parts = key.split("/")
+        if len(parts) == 4 and parts[0] == "sweeps" and parts[1].isdigit() and parts[3].isdigit():
+            period = int(parts[1])
+            if period > 0 and int(parts[3]) <= int(now // period) - 2:
+                stale.append(key)
+    return stale
 
 
 class SweepPlan:

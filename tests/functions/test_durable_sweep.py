@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from rollbox.functions.durable.residency import SWEEP_UNKNOWN_READS
 from rollbox.functions.durable.runtime import DurableRuntime
-from rollbox.functions.durable.sweeping import SHARDS, SweepPlan, key_range
+from rollbox.functions.durable.sweeping import SHARDS, SweepPlan, key_range, stale_claims
 from rollbox.snapshots.state import SandboxRecord, record_key
 from rollbox.snapshots.store_s3 import S3Objects
 from svc_testkit import durable_runtime
@@ -180,11 +180,20 @@ def test_the_plan_lists_the_whole_store_until_that_is_long_then_a_range_per_roun
     assert plan.bounds() is None and plan.wait_s == 60.0
 
 
+def test_stale_claims_are_those_two_or_more_of_their_own_periods_old() -> None:
+    now = 1000.5  # period 1: n = 1000; period 8: n = 125; period 64: n = 15
+    keys = ["sweeps/1/00/1000", "sweeps/1/00/999", "sweeps/1/00/998", "sweeps/1/07/12",
+            "sweeps/8/03/125", "sweeps/8/03/124", "sweeps/8/03/123", "sweeps/64/15/14", "sweeps/64/15/13",
+            "sweeps/1/00/x", "sweeps/0/00/1", "sweeps/other", "sandboxes/sb-1/0"]
+    assert stale_claims(keys, now) == ["sweeps/1/00/998", "sweeps/1/07/12", "sweeps/8/03/123", "sweeps/64/15/13"]
+
+
 async def test_two_replicas_share_the_ranges_each_swept_once_per_period(
         tmp_path: Path, seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two replicas on one store, their sweeps split into ranges from the start and paced fast (a period
     of 1 s): in each period every range is swept by one of them, not by both; both do some; the claims
-    of past periods are deleted as the next ones are made."""
+    of past periods are deleted as the next ones are made, and so are those no claimant names (left by a
+    period nobody swept, or by another period length)."""
     from rollbox.functions.durable import residency, sweeping
 
     monkeypatch.setattr(sweeping, "SPLIT_S", 0.0)  # a range per round whatever the store's size
@@ -200,6 +209,9 @@ async def test_two_replicas_share_the_ranges_each_swept_once_per_period(
     bucket = seaweed.new_bucket()
     objects = [S3Objects(store_factory(seaweed)(f"s3://{bucket}/fleet")) for _ in range(2)]
     t0 = time.time()
+    left = [f"sweeps/1/03/{int(t0) - 60}", f"sweeps/1/09/{int(t0) - 7}", f"sweeps/64/03/{int(t0) // 64 - 3}"]
+    for key in left:  # a period skipped (replicas stopped a while), a period length no longer in use
+        assert objects[0].put_new(key, b"{}")
     async with durable_runtime(tmp_path / "a", objects[0], "share-a", sweep_interval_s=0.16) as a, \
             durable_runtime(tmp_path / "b", objects[1], "share-b", sweep_interval_s=0.16) as b:
         await asyncio.sleep(3.5)
@@ -213,6 +225,7 @@ async def test_two_replicas_share_the_ranges_each_swept_once_per_period(
         assert 1 <= n <= periods, (i, n, periods)
     claims = objects[0].keys("sweeps/")
     assert 0 < len(claims) <= 2 * SHARDS, claims  # the current period's and the one before, per range
+    assert not set(left) & set(claims), claims
 
 
 async def test_a_range_reads_its_share_of_the_unknown(durable: DurableRuntime) -> None:
