@@ -909,7 +909,9 @@ def test_verls_check_correctness_gives_the_right_verdicts(srv: ServerProc, langu
             want = EXPECTED[kind]
         nonce = "#" if language == "python" else "//"
         code = f"{code}\n{nonce} {uuid.uuid4()}"
-        timeout = 2 if kind == "tle" else 10  # (verl's default: one value for the compile and for the run)
+        # (verl's default: one value for the compile and for the run; a JVM or node writing 1 GiB on a
+        # loaded box once took over 10 s, a timeout then and not the memory verdict)
+        timeout = 2 if kind == "tle" else 30 if kind == "mle" else 10
         if kind == "tle" and language in ("cpp", "java", "go"):  # compiled first (cached: the request's compile
             # timeout is then moot), so a loaded machine's slow javac cannot make the 2 s a compile timeout
             first = httpx.post(url, json={"code": code + "\n\n", "language": language, "compile_timeout": 60,
