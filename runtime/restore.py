@@ -19,6 +19,7 @@ import base64
 import itertools
 import os
 import shutil
+import signal
 import socket
 import uuid
 from pathlib import Path
@@ -240,8 +241,12 @@ class Zygote:
         if self.chan:
             self.chan.close()
         if self.proc and self.proc.returncode is None:
+            # os.kill, not Process.kill: Popen.send_signal polls first (waitpid WNOHANG), which reaps a
+            # zygote that has just exited on its own (its channel closed above) before asyncio's child
+            # watcher does; the watcher then logs "Unknown child process pid" on stderr (a rootless
+            # `rollbox run` on a loaded box). Unreaped, the pid is still this zygote's.
             try:
-                self.proc.kill()
+                os.kill(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         if self.proc:

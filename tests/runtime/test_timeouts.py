@@ -365,3 +365,28 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+async def test_stopping_a_zygote_leaves_its_reaping_to_asyncio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zygote is stopped without Popen's poll: Process.kill polls first (waitpid WNOHANG), which reaps a
+    zygote that has just exited on its own (its channel closed first) ahead of asyncio's child watcher,
+    and the watcher then prints "Unknown child process pid N, will report returncode 255" on stderr (a
+    rootless `rollbox run` on a loaded box showed it)."""
+    import subprocess
+
+    polled: list[int] = []
+    real_poll = subprocess.Popen.poll
+
+    def poll(self: subprocess.Popen[bytes]) -> int | None:
+        polled.append(self.pid)
+        return real_poll(self)
+
+    async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=cgroup_parent("stop"), pool_max=0)) as rt:
+        r = await rt.run(ExecRequest(code="print(3)"))  # its zygote is up
+        assert (r.exit_code, r.stdout) == (0, "3\n"), r
+        zygotes = list(rt.restorer.zygotes.values())
+        assert zygotes
+        monkeypatch.setattr(subprocess.Popen, "poll", poll)
+        await rt.restorer.stop_zygotes()
+    assert polled == [], "a zygote was polled (reaped behind asyncio's child watcher) as it was stopped"
+    assert all(z.proc is not None and z.proc.returncode is not None for z in zygotes)  # type: ignore[attr-defined]
