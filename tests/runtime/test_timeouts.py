@@ -271,8 +271,11 @@ async def test_the_pids_limit_is_reported_once_reached_and_only_then(tmp_path: P
     async with Runtime(RuntimeConfig(state_dir=tmp_path, cgroup_parent=cgroup_parent("pids"), pool_max=0)) as rt:
         lim = Limits(pids_max=16)
         forks = "for i in 1 2 3; do sleep 0.1 & done; wait; echo done"
+        await rt.run(ExecRequest(code="pass"))  # its zygote is up
         for _ in range(2):  # the second time in the group the first one released, if it was kept
-            bomb = await rt.run(ExecRequest(code=WILD_FORK_BOMB, timeout_s=1.0), limits=lim)
+            # (a run's timeout counts from its start, its sandbox's restore included: ~1 s of it once, on
+            # the loaded suite box, and the bomb never ran long enough to reach the limit)
+            bomb = await rt.run(ExecRequest(code=WILD_FORK_BOMB, timeout_s=3.0), limits=lim)
             assert bomb.timed_out and bomb.pids_limit_hit, bomb
             for _ in range(200):  # the bomb's group is released once its processes are gone
                 if not rt.sandboxes and not rt.cgroups.releasing:
