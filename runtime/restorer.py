@@ -135,12 +135,9 @@ class Restorer:
             self._unmounter.shutdown(wait=True)  # (its closes were awaited by the runtime, as tasks)
             self._unmounter = None
 
-    async def stop_slots(self) -> None:
+    async def close_slots(self) -> None:
         if self.user_slots is not None:
-            await self.user_slots.stop_making()
-
-    def close_slots(self) -> None:
-        if self.user_slots is not None:
+            await self.user_slots.stop_making()  # (a batch under way: its helper reaped before the loop ends)
             self.user_slots.close()
         if self.netns is not None:
             self.netns.close()

@@ -211,7 +211,6 @@ class Runtime:
         await asyncio.gather(*(self.destroy(sid, reason="shutdown") for sid in list(self.sandboxes)),
                              return_exceptions=True)
         await self.restorer.stop_zygotes()
-        await self.restorer.stop_slots()
         self.started = False
         self.cgroups.stop_reuse()
         awaited: set[asyncio.Task[None]] = set()
@@ -221,7 +220,7 @@ class Runtime:
                 await task
         self.restorer.close_unmounter()  # (its closes were awaited above, as tasks)
         await self.cgroups.close()
-        self.restorer.close_slots()
+        await self.restorer.close_slots()
         self.started = False
 
     async def __aenter__(self) -> Runtime:

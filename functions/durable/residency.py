@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from rollbox.functions.durable.capacity import LiveCap
 from rollbox.functions.durable.metrics import DurableMetrics
 from rollbox.functions.durable.store import StateStore
-from rollbox.functions.durable.sweeping import SHARDS, SweepPlan, stale_claims
+from rollbox.functions.durable.sweeping import CLAIMS, SHARDS, SweepPlan, stale_claims
 from rollbox.runtime.errors import Overloaded, StoreError
 from rollbox.runtime.runtime import Runtime
 from rollbox.snapshots.state import FileHashes, SandboxRecord, generation_of
@@ -220,7 +220,7 @@ class Residency:
             listed = False
             try:
                 if bounds is not None and plan.shard == 0:  # once a pass: claims no claimant will delete
-                    await self.store.drop(stale_claims(await self.store.keys("sweeps/"), time.time()))
+                    await self.store.drop(stale_claims(await self.store.keys(CLAIMS), time.time()))
                 if bounds is None or await self.store.claim(*plan.claim(time.time())):
                     listed = True
                     done = await self.sweep(bounds)

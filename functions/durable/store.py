@@ -282,7 +282,7 @@ class StateStore:
         if not await self.put_record(key, mine):
             return False
         with contextlib.suppress(StoreError, OSError):
-            await self.io(self.objects.delete, [stale])
+            await self.drop([stale])
         return True
 
     async def drop(self, keys: list[str]) -> None:

@@ -28,11 +28,12 @@ from __future__ import annotations
 import math
 import random
 
-__all__ = ["SHARDS", "SPLIT_S", "SweepPlan", "key_range", "stale_claims"]
+__all__ = ["CLAIMS", "SHARDS", "SPLIT_S", "SweepPlan", "key_range", "stale_claims"]
 
 SHARDS = 16
 SPLIT_S = 1.0  # a whole listing that took this long or longer is listed a range per round from then on
 PREFIX = "sandboxes/"
+CLAIMS = "sweeps/"  # the ranges' claims: sweeps/<period s>/<range>/<n>
 
 
 def key_range(shard: int) -> tuple[str | None, str | None]:
@@ -50,10 +51,10 @@ def stale_claims(keys: list[str], now: float) -> list[str]:
     ``now``: no replica skips a range for them any more. Keys of any other shape are left alone."""
     stale = []
     for key in keys:
-        parts = key.split("/")
-        if len(parts) == 4 and parts[0] == "sweeps" and parts[1].isdigit() and parts[3].isdigit():
-            period = int(parts[1])
-            if period > 0 and int(parts[3]) <= int(now // period) - 2:
+        parts = key.removeprefix(CLAIMS).split("/")
+        if key.startswith(CLAIMS) and len(parts) == 3 and parts[0].isdigit() and parts[2].isdigit():
+            period = int(parts[0])
+            if period > 0 and int(parts[2]) <= int(now // period) - 2:
                 stale.append(key)
     return stale
 
@@ -83,7 +84,7 @@ class SweepPlan:
         seconds rounded up to a power of two."""
         period = 2 ** max(0, math.ceil(math.log2(max(1.0, self.interval_s, self.rest * self.pass_s))))
         n = int(now // period)
-        return (f"sweeps/{period}/{self.shard:02d}/{n}", f"sweeps/{period}/{self.shard:02d}/{n - 2}")
+        return (f"{CLAIMS}{period}/{self.shard:02d}/{n}", f"{CLAIMS}{period}/{self.shard:02d}/{n - 2}")
 
     def done(self, took_s: float, listed: bool) -> None:
         """A round ended: it listed (its range, or the whole store) in ``took_s``, or (``listed`` False)
