@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleet_local import Fleet, format_drain, locust_master_args
+from fleet_local import WEED_PROCS, Fleet, format_drain, locust_master_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -259,12 +259,13 @@ def main() -> int:
     ap.add_argument("--down-s", type=float, default=10, help="how long the fleet stays at zero")
     ap.add_argument("--wave-s", type=float, default=60, help="the wave's step p99 is taken over this long")
     ap.add_argument("--base", type=Path, default=None)
+    ap.add_argument("--weed-procs", type=int, default=WEED_PROCS, help="SeaweedFS's GOMAXPROCS (0: Go's default)")
     ap.add_argument("serve_args", nargs="*", help="after --: flags for every rollbox serve")
     args = ap.parse_args()
     base = args.base or Path(tempfile.mkdtemp(prefix="rollbox-capacity-"))
     serve_args = args.serve_args or ["--hibernate-after-s", "30"]
     prefix = base / "locust"
-    fleet = Fleet(base / "fleet", args.replicas, serve_args=serve_args)
+    fleet = Fleet(base / "fleet", args.replicas, serve_args=serve_args, weed_procs=args.weed_procs)
     fleet.start()
     locust: subprocess.Popen[bytes] | None = None
     sampler: Sampler | None = None

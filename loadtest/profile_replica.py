@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "loadtest"))
 from bench_capacity import _children, _tree, tree_cpu_split_s  # noqa: E402
+from fleet_local import WEED_PROCS  # noqa: E402
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, free_ports  # noqa: E402
 
@@ -394,6 +395,8 @@ def main() -> int:
                     help="record `perf record -g` of the servers over the measured phase into FILE (needs perf)")
     ap.add_argument("--weed-arg", action="append", default=[], metavar="ARG",
                     help="one more flag for `weed mini` (repeatable), e.g. --weed-arg=-volume.max=0")
+    ap.add_argument("--weed-procs", type=int, default=WEED_PROCS,
+                    help="SeaweedFS's GOMAXPROCS, as the local fleet sets it (0: Go's default)")
     ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                     help="one more flag for every `rollbox serve` (repeatable; write --serve-arg=--flag=value)")
     ap.add_argument("--base", type=Path, default=None,
@@ -405,7 +408,7 @@ def main() -> int:
         ap.error("--replicas, --episodes and --steps must be at least 1")
     base = args.base or Path(tempfile.mkdtemp(prefix="rollbox-profile-replica-"))
     base.mkdir(parents=True, exist_ok=True)
-    s3 = SeaweedS3(base / "s3", extra_args=args.weed_arg)
+    s3 = SeaweedS3(base / "s3", extra_args=args.weed_arg, procs=args.weed_procs or None)
     procs: list[subprocess.Popen[bytes]] = []
     perf = Perf(args.perf, [])
     ok = False

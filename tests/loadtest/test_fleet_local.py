@@ -174,3 +174,18 @@ def test_distributed_locust_shares_connections_and_sums_workers(fleet: Any, tmp_
     # 24 users, 2 processes x 2 shared connections (+1: the summary reads /metrics through it at the end):
     # HAProxy never had more than 5 client connections at once (a pool per user: up to 24)
     assert 1 <= haproxy_stat(fleet, "rollbox", "FRONTEND", "smax") <= 5, out[-2000:]
+
+
+def test_the_fleets_seaweedfs_runs_with_the_go_threads_it_is_given(tmp_path: Path) -> None:
+    fl = load_fleet_local()
+    assert fl.Fleet(tmp_path / "a", 1).s3.procs == fl.WEED_PROCS == 1  # (not started)
+    assert fl.Fleet(tmp_path / "b", 1, weed_procs=0).s3.procs is None  # Go's default
+    s3 = SeaweedS3(tmp_path / "s3", procs=1)
+    s3.start()
+    try:
+        assert s3.proc is not None
+        environ = Path(f"/proc/{s3.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"GOMAXPROCS=1" in environ
+        s3.client().create_bucket(Bucket="procs")  # and it serves
+    finally:
+        s3.stop()

@@ -73,11 +73,13 @@ def _ephemeral_low() -> int:
 
 class SeaweedS3:
     """One ``weed mini`` process; ``stop()``/``start()`` again keeps its data (an outage). ``extra_args``:
-    more flags for ``weed mini`` (``-volume.max=0``, ...), after the ones set here, so they can override them."""
+    more flags for ``weed mini`` (``-volume.max=0``, ...), after the ones set here, so they can override them.
+    ``procs``: Go's GOMAXPROCS for it (None: Go's default, one per core)."""
 
-    def __init__(self, base: Path, extra_args: Sequence[str] = ()):
+    def __init__(self, base: Path, extra_args: Sequence[str] = (), procs: int | None = None):
         self.base = base
         self.extra_args = tuple(extra_args)
+        self.procs = procs
         self.data = base / "data"
         self.logs = base / "logs"
         for d in (self.data, self.logs):
@@ -109,8 +111,9 @@ class SeaweedS3:
             *(f"-{flag}={port}" for flag, port in self.ports.items()), *self.extra_args,
         ]
         log = open(self.base / "weed.out", "ab")  # noqa: SIM115 - handed to the child
+        env = None if self.procs is None else {**os.environ, "GOMAXPROCS": str(self.procs)}
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=self.base, start_new_session=True)
+                                     cwd=self.base, start_new_session=True, env=env)
         log.close()
         deadline = time.monotonic() + timeout_s
         probe = self.client()
