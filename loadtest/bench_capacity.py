@@ -164,7 +164,9 @@ class Sampler:
         out = open(self.cpu_csv, "w", newline="") if self.cpu_csv is not None else None  # noqa: SIM115
         writer = csv.writer(out) if out is not None else None
         try:
-            while not self.stop.wait(5.0):
+            first = True  # sampled at once: the first 5 s have their row (a short run's wave leaves few)
+            while first or not self.stop.wait(5.0):
+                first = False
                 ch, roots = _children(), self.components.roots()
                 for name, pids in roots.items():
                     self.peaks[name] = max(self.peaks.get(name, 0), sum(tree_pss(r, ch) for r in pids))

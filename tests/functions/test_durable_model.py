@@ -72,6 +72,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from svc_testkit import SERVE, Reply, ServerProc, encode, event, parse
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
@@ -1203,6 +1204,13 @@ def test_a_fork_at_the_live_cap_hibernates_an_idle_sandbox(model: DurableModel) 
     model.step(a, 1, [["append", "a", " still"]])
 
 
+def resumes(w: Cluster, r: int) -> float:
+    """Replica ``r``'s count of sandboxes resumed from the store (its /metrics)."""
+    text = w.http.get(w.replicas[r].url + "metrics").text
+    return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+               if smp.name == "rollbox_resumes_total")
+
+
 def test_a_fork_that_lost_its_race_can_be_retried(model: DurableModel) -> None:
     """A fork whose parent's commit lost the race (409: "nothing of this request was kept, retry it")
     had committed its children already, under ids derived from the event alone: the retry made the same
@@ -1212,9 +1220,19 @@ def test_a_fork_that_lost_its_race_can_be_retried(model: DurableModel) -> None:
     model.step(sb, a, [["big", "a", "x", 40 << 20]])
     model.step(sb, a, [["write", "b", "1"]])  # A holds it live; B must resume it (its 40 MB file) to fork
     fork = event(FORK, {"sandbox_id": sb.sid, "count": 1}, source=SOURCE)
+    resumed = resumes(model.w, b)
     slow = model.w.submit(b, fork)
-    time.sleep(0.15)
-    model.step(sb, a, [["append", "b", "2"]])  # commits first: the fork's commit of the parent loses
+    deadline = time.monotonic() + 60
+    while resumes(model.w, b) == resumed:  # B has read the sandbox's newest record and resumed it
+        assert not slow.done() and time.monotonic() < deadline, "the fork on B never resumed its sandbox"
+        time.sleep(0.005)
+    srv = model.w.replicas[b].srv
+    assert srv is not None
+    os.kill(srv.pid, signal.SIGSTOP)  # B, mid-fork, waits (a sleep would race on a loaded box) ...
+    try:
+        model.step(sb, a, [["append", "b", "2"]])  # ... while A commits first: the fork's commit of the parent loses
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
     lost = model.expect(slow.result(), 409, "sandbox_busy")
     assert lost.headers["retry-after"]
     (child,) = model.fork_done(sb, fork, 1, b, model.call(b, fork))  # the retry its 409 asks for
