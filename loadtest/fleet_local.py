@@ -62,7 +62,8 @@ from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, free_por
 # SeaweedFS's Go scheduler threads (GOMAXPROCS) when it shares the box with the replicas: one. With Go's
 # default, one per core, its idle threads spin and switch beside the replicas' work; with one, it spent
 # ~15 % less CPU per step (3.1-4.1 ms against 4.0-4.6 in three pairs of profile_replica.py runs,
-# `--weed-procs 1` against `--weed-procs 0`) and answered as fast. A store on a box of its own keeps Go's default.
+# `--weed-procs 1` against `--weed-procs 0`), serving as many steps per second. A store on a box of its own
+# keeps Go's default.
 WEED_PROCS = 1
 
 HAPROXY_TIMEOUT_SERVER_S = 600  # longer than any reply: the replicas' own deadline answers first

@@ -236,6 +236,7 @@ class Service:
             size_of=lambda r: _approx_bytes(r.event.data),
         )
         self.ready = False
+        self.last_request_at = 0.0  # time.monotonic() of the last request but health checks and /metrics
         self.store_ok = True  # kept current by rollbox serve when the store is remote
         self.aborting = False
         self._working: set[asyncio.Task[Any]] = set()
@@ -267,6 +268,7 @@ class Service:
                         "disk_ok": full is None}
                 return JSONResponse(body, status_code=200 if ok else 503)
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        self.last_request_at = time.monotonic()
         if path in ("/run_code", "/v1/ping", "/languages"):  # SandboxFusion's API (functions/service/run_code.py)
             from rollbox.functions.service import run_code
             return await run_code.handle(self, request)

@@ -160,6 +160,16 @@ OPTIONS: tuple[Option, ...] = (
         "on SIGTERM, how long in-flight events may take to finish",
     ),
     Option(
+        "drain_linger_s",
+        "--drain-linger-s",
+        "ROLLBOX_DRAIN_LINGER_S",
+        seconds_or_never,
+        2.0,
+        "on SIGTERM, after the drain: how long the listener may stay open while requests still come (each "
+        "answered 503 shutting_down with Retry-After), as a load balancer sends them until its health check "
+        "sees /readyz answer 503; it closes once none came for 0.5 s (at once when none was coming; 0: never lingers)",
+    ),
+    Option(
         "keep_alive_s",
         "--keep-alive-s",
         "ROLLBOX_KEEP_ALIVE_S",
@@ -311,6 +321,7 @@ class ServeConfig:
     keep_alive_s: float
     log_level: str
     service: ServiceConfig
+    drain_linger_s: float = 2.0
     durability: str = "step"
     hibernate_after_s: float = 30.0
     sweep_interval_s: float = 60.0
@@ -621,8 +632,9 @@ async def _serve(cfg: ServeConfig, replica: _Replica, sock: socket.socket, stop:
             "store": replica.snapshots.store_url, "home": str(home), "durability": cfg.durability}})
         await stop.wait()
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        t0, linger_until = loop.time(), time.monotonic() + cfg.drain_linger_s
         await _drain(cfg, replica)
+        await _linger(service, linger_until)
         server.config.timeout_graceful_shutdown = max(1, math.ceil(cfg.grace_s - (loop.time() - t0)))
         server.should_exit = True
         await serving
@@ -630,6 +642,24 @@ async def _serve(cfg: ServeConfig, replica: _Replica, sock: socket.socket, stop:
         if watch is not None:
             watch.cancel()
     return 0
+
+
+async def _linger(service: Service, until: float) -> None:
+    """Keep the listener open after the drain while requests still come: until none came for
+    LINGER_QUIET_S, or ``until`` (time.monotonic). A load balancer sends a replica requests until its
+    next health check finds /readyz answering 503 (HAProxy's every 0.5 s in the local fleet); a replica
+    whose drain took less (nothing running, nothing live) had closed its port by then, and those requests
+    met a refused connection: the balancer's own 503, without Retry-After. Lingering, each gets the
+    replica's 503 shutting_down with Retry-After. A replica nobody was sending to closes at once."""
+    t0 = time.monotonic()
+    while True:
+        now = time.monotonic()
+        quiet, left = now - service.last_request_at, until - now
+        if quiet >= LINGER_QUIET_S or left <= 0:
+            break
+        await asyncio.sleep(min(LINGER_QUIET_S - quiet, left))
+    if (lingered := time.monotonic() - t0) > 0.001:
+        lifecycle.info("lingered", extra={"fields": {"s": round(lingered, 3)}})
 
 
 async def _drain(cfg: ServeConfig, replica: _Replica) -> None:
@@ -686,6 +716,7 @@ async def _watch_store(store: S3Store, service: Service, every_s: float = 5.0) -
         service.store_ok = ok
 
 
+LINGER_QUIET_S = 0.5  # after the drain, the listener closes once no request came for this long (_linger)
 EXIT_STALL_S = 10.0  # after "stopped", joining what is left of the threads; longer is a stall
 
 GC_THRESHOLD0 = 20_000  # container allocations (net) between young collections; CPython's default is 700

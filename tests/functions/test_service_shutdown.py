@@ -114,3 +114,42 @@ def test_a_stalled_exit_is_bounded_and_shows_its_stacks(tmp_path: Path) -> None:
     assert out.returncode == 1 and took < 20, (out.returncode, took, out.stderr[-2000:])
     assert "Timeout (0:00:01)!" in out.stderr and "threading.py" in out.stderr  # the stacks: the stall's thread
     assert "exiting" in out.stderr  # the loop closed first; the stall was after it
+
+
+async def test_after_the_drain_the_listener_stays_open_while_requests_still_come(tmp_path: Path) -> None:
+    """A load balancer keeps sending a replica requests until its health check sees /readyz answer 503.
+    A replica with nothing to drain closed its port at once, so those requests met a refused connection
+    (the balancer's own 503, without Retry-After). It now answers each 503 shutting_down with
+    Retry-After until none came for 0.5 s (at most --drain-linger-s), then exits; an idle one at once."""
+    srv = start_server(tmp_path / "busy", "--drain-linger-s", "10")  # (closed by the quiet, long before)
+    idle = start_server(tmp_path / "idle")
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10)) as http:
+            probe = ce("dev.rollbox.sandbox.exec", {"sandbox_id": "sb-nothere", "command": "true"})
+            assert (await send(http, srv.url, probe)).status == 404  # up: an answer, not a connection error
+            os.kill(srv.pid, signal.SIGTERM)
+            t0 = time.monotonic()
+            answers: list[tuple[int, str, str]] = []
+            while time.monotonic() - t0 < 1.2:  # past the drain (nothing to drain: a few ms)
+                r = await send(http, srv.url, ce("dev.rollbox.sandbox.exec",
+                                                 {"sandbox_id": "sb-nothere", "command": "true"}))
+                answers.append((r.status, r.data.get("code", ""), r.headers.get("retry-after", "")))
+                await asyncio.sleep(0.05)
+            stopped_sending = time.monotonic()
+            rc = await asyncio.to_thread(srv.proc.wait, 30)
+            closed_after = time.monotonic() - stopped_sending
+            t1 = time.monotonic()
+            os.kill(idle.pid, signal.SIGTERM)
+            idle_rc = await asyncio.to_thread(idle.proc.wait, 30)
+            idle_took = time.monotonic() - t1
+    finally:
+        srv.stop()
+        idle.stop()
+    assert len(answers) >= 15, answers
+    refused = [a for a in answers if a[:2] != (503, "shutting_down")]
+    assert refused == [], answers  # every one after SIGTERM: the replica's refusal, none dropped
+    assert all(int(a[2]) >= 1 for a in answers), answers
+    # it closed once the requests stopped (0.5 s of quiet), not at the end of its 10 s linger
+    assert rc == 0 and 0.3 < closed_after < 4.0, (rc, closed_after)
+    assert "lingered" in [x.get("msg") for x in srv.log_records()]
+    assert idle_rc == 0 and "lingered" not in [x.get("msg") for x in idle.log_records()], idle_took
