@@ -260,7 +260,8 @@ async def test_not_json_and_wrong_method_and_ping(http: httpx.AsyncClient, srv: 
     assert resp.status_code == 405
     resp = await http.get(srv.url + "v1/ping")
     assert (resp.status_code, resp.json()) == (200, "pong")
-    r = await run_code(http, srv, code="print(1)", language="python", run_timeout=0)  # SandboxFusion takes 0
+    # SandboxFusion takes 0 (a run that ends within the 1 ms it stands for, as print(1) from a warm sandbox can, finished)
+    r = await run_code(http, srv, code="import time; time.sleep(0.5)", language="python", run_timeout=0)
     assert r["run_result"]["status"] == "TimeLimitExceeded"
 
 
