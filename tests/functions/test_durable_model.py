@@ -72,8 +72,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from prometheus_client.parser import text_string_to_metric_families
-from svc_testkit import SERVE, Reply, ServerProc, encode, event, parse
+from svc_testkit import SERVE, Reply, ServerProc, encode, event, metric, parse
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
 
@@ -1206,9 +1205,7 @@ def test_a_fork_at_the_live_cap_hibernates_an_idle_sandbox(model: DurableModel) 
 
 def resumes(w: Cluster, r: int) -> float:
     """Replica ``r``'s count of sandboxes resumed from the store (its /metrics)."""
-    text = w.http.get(w.replicas[r].url + "metrics").text
-    return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
-               if smp.name == "rollbox_resumes_total")
+    return metric(w.http.get(w.replicas[r].url + "metrics").text, "rollbox_resumes_total")
 
 
 def test_a_fork_that_lost_its_race_can_be_retried(model: DurableModel) -> None:
