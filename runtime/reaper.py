@@ -10,7 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from rollbox.runtime import owners
+from rollbox.runtime import owners, tasks
 from rollbox.runtime.execution import SandboxState
 from rollbox.runtime.inside import proto
 
@@ -38,9 +38,7 @@ class Reaper:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await tasks.stop([self._task])
 
     def sweep(self) -> int:
         """Remove what runtimes that died left behind (``owners``: found by who made them, not by a

@@ -29,6 +29,7 @@ from rollbox.functions.durable.capacity import LiveCap
 from rollbox.functions.durable.metrics import DurableMetrics
 from rollbox.functions.durable.store import StateStore
 from rollbox.functions.durable.sweeping import CLAIMS, SHARDS, SweepPlan, stale_claims
+from rollbox.runtime import tasks
 from rollbox.runtime.errors import Overloaded, StoreError
 from rollbox.runtime.runtime import Runtime
 from rollbox.snapshots.state import FileHashes, SandboxRecord, generation_of
@@ -93,11 +94,7 @@ class Residency:
         self._tasks = [asyncio.create_task(self._hibernate_loop()), asyncio.create_task(self._sweep_loop())]
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await tasks.stop(self._tasks)
 
     def running_count(self) -> int:
         """Sandboxes running a step or being created here: what admission's live cap limits (idle

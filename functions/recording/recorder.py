@@ -32,7 +32,6 @@ record in the store was written by that process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from rollbox.functions.contract.records import DEFAULT_EXPERIMENT, SCHEMA_VERSIO
 from rollbox.functions.recording.flush import SETTLE_WAIT_S, Flusher, partition_key
 from rollbox.functions.recording.prices import Prices, billed_seconds
 from rollbox.functions.recording.spool import KINDS, Metrics, Spool, Token, spool_line
+from rollbox.runtime import tasks
 from rollbox.runtime.spec import Limits, Usage
 from rollbox.snapshots.calls import StoreCalls
 from rollbox.snapshots.state import Objects
@@ -143,11 +143,7 @@ class Recorder:
         commits now: rows still marked pending after ``settle_wait_s`` (a lost settle) stay in their
         segment for the next start, which asks the store."""
         await self.spool.drain()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await tasks.stop(self._tasks)
         rows = await self.flusher.flush(settle_wait_s=settle_wait_s)
         await self.spool.drain()
         await self.spool.stop_writing()
