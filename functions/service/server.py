@@ -58,6 +58,7 @@ from rollbox.functions.recording.prices import Prices
 from rollbox.functions.service import logs
 from rollbox.functions.service.admission import ServiceConfig
 from rollbox.functions.service.logs import lifecycle, logger
+from rollbox.runtime import tasks
 from rollbox.runtime.errors import RollboxError, SnapshotNotFound, StoreUnavailable
 from rollbox.runtime.runtime import RuntimeConfig
 from rollbox.snapshots.calls import StoreCalls
@@ -639,8 +640,9 @@ async def _serve(cfg: ServeConfig, replica: _Replica, sock: socket.socket, stop:
         server.should_exit = True
         await serving
     finally:
-        if watch is not None:
-            watch.cancel()
+        if watch is not None:  # (not left to asyncio.run's end, which waits for ever on a lost cancel)
+            with contextlib.suppress(Exception):
+                await tasks.stop([watch])
     return 0
 
 
