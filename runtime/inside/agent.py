@@ -8,6 +8,7 @@ only init). Stdlib only.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # (the C module under signal: no stubs)
 import atexit
 import binascii
 import builtins
@@ -58,14 +59,35 @@ def _uncaught(exc: BaseException) -> None:
         traceback.print_exception(type(exc), exc, tb)
 
 
+# Made by the zygote once warm (``warmed``), so that a sandbox's program finds them ready: each
+# of these steps in a fresh copy-on-write fork writes pages all over the warm heap (copying each), ~150
+# page faults per sandbox together. WARM_ENV: os.environ as the warm-up left it; STD_STREAMS: the
+# program's sys.stdin, sys.stdout and sys.stderr, unused until then (the zygote's fds 0, 1 and 2 are
+# /dev/null and a pipe, as the program's are: the same buffering as if they were opened there).
+WARM_ENV: dict[str, str] | None = None
+STD_STREAMS: tuple[Any, Any, Any] | None = None
+
+
+def _std_streams() -> tuple[Any, Any, Any]:
+    return (open(0, closefd=False),
+            open(1, "w", closefd=False),
+            open(2, "w", closefd=False, errors="backslashreplace", buffering=1))
+
+
+def warmed() -> None:
+    """(In the zygote, after its warm-up) make what every sandbox's program starts with."""
+    global WARM_ENV, STD_STREAMS
+    WARM_ENV = dict(os.environ)
+    STD_STREAMS = _std_streams()
+
+
 def _run_code(src: str, env: dict[str, str]) -> int:
-    os.environ.clear()
-    os.environ.update(env)
+    if env != WARM_ENV:
+        os.environ.clear()
+        os.environ.update(env)
     sys.argv = ["-c"]
     sys.path.insert(0, "")
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", closefd=False, errors="backslashreplace", buffering=1)  # noqa: SIM115
+    sys.stdin, sys.stdout, sys.stderr = STD_STREAMS or _std_streams()
     np_random = sys.modules.get("numpy.random")
     if np_random is not None:  # forks share the zygote's legacy numpy RNG state: give each run its own
         np_random.seed()
@@ -106,13 +128,17 @@ def _run_code(src: str, env: dict[str, str]) -> int:
 # handles them, so a one-shot program (run as init) that sends itself one would never stop: it gets a
 # handler that ends it as the signal would have (exit status 128 + signal; a forked child, which may
 # die by the signal itself, is killed by it).
-_ENDING_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM,
-                   signal.SIGVTALRM, signal.SIGPROF, signal.SIGQUIT, signal.SIGIO, signal.SIGPWR)
+_ENDING_SIGNALS = tuple(int(s) for s in (
+    signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF,
+    signal.SIGQUIT, signal.SIGIO, signal.SIGPWR))
+# In a sandbox's processes, signal handlers are set through _signal (ints), not signal.signal, whose
+# enum conversions write pages all over the warm heap (each a copy-on-write fault in a fresh fork).
+_SIG_DFL, _SIGCHLD, _SIGPIPE = int(signal.SIG_DFL), int(signal.SIGCHLD), int(signal.SIGPIPE)
 
 
 def _end_like_default(sig: int, _frame: Any) -> None:
     if os.getpid() != 1:
-        signal.signal(sig, signal.SIG_DFL)
+        _signal.signal(sig, _SIG_DFL)
         os.kill(os.getpid(), sig)
         return
     os._exit(128 + sig)
@@ -133,11 +159,14 @@ def _worker(msg: dict[str, Any], fds: list[int], env: dict[str, str]) -> None:
     """In the forked worker: wire the pipes, then become the user's program. Never returns."""
     try:
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _signal.signal(_SIGCHLD, _SIG_DFL)
         os.setsid()
-        try:
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("1000")  # the OOM killer takes the user's program, not init
+        try:  # the OOM killer takes the user's program, not init (os.open: no io objects made)
+            oom = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            try:
+                os.write(oom, b"1000")
+            finally:
+                os.close(oom)
         except OSError:
             pass
         for target, fd in enumerate(fds[:3]):
@@ -147,14 +176,14 @@ def _worker(msg: dict[str, Any], fds: list[int], env: dict[str, str]) -> None:
         run_env = dict(env)
         run_env.update(msg.get("env") or {})
         if msg.get("command") is not None:
-            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            _signal.signal(_SIGPIPE, _SIG_DFL)
             os.execve("/bin/sh", ["sh", "-c", msg["command"]], run_env)
         from rollbox.runtime.isolation import libc
 
         libc.prctl(libc.PR_SET_DUMPABLE, 1)
         if os.getpid() == 1:
             for sig in _ENDING_SIGNALS:
-                signal.signal(sig, _end_like_default)
+                _signal.signal(sig, _end_like_default)
         os._exit(_run_code(msg["code"], run_env))
     except BaseException as exc:
         try:
@@ -306,7 +335,7 @@ def _prime() -> None:
 def _spare_main(chan: socket.socket, env: dict[str, str]) -> None:
     """A worker forked ahead of demand: it waits for its exec, so the fork is off the critical path."""
     signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _signal.signal(_SIGCHLD, _SIG_DFL)
     keep = chan.fileno()
     os.closerange(3, keep)
     os.closerange(keep + 1, 1 << 16)
@@ -330,7 +359,7 @@ def serve(sock: socket.socket, upper_fd: int, env: dict[str, str], probed: dict[
         os.dup2(devnull, fd)
     os.close(devnull)
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.signal(signal.SIGCHLD, _noop)
+    _signal.signal(_SIGCHLD, _noop)
     signal.set_wakeup_fd(wake_w)
     ready = proto.ReadyMsg(op=Op.READY) if probed is None else proto.ReadyMsg(op=Op.READY, probe=probed)
     proto.send(sock, ready, [upper_fd])

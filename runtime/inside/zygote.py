@@ -189,6 +189,7 @@ def _warm_up(cfg: ZygoteConfig) -> dict[str, str]:
     compile("pass", "<warm>", "exec")
     sys.stdout.flush()
     sys.stderr.flush()
+    agent.warmed()
     gc.collect()
     gc.freeze()  # keep the warm heap's pages shared between sandboxes
     return versions

@@ -23,6 +23,11 @@ def _load_libc(kind: type[ctypes.CDLL] = ctypes.CDLL) -> ctypes.CDLL:
 _libc = _load_libc()
 # The same library called with the GIL held (for fork_bare: nothing else may run across the fork)
 _libc_gil = _load_libc(ctypes.PyDLL)
+# Looked up now, in the zygote: a CDLL makes each function's object on its first use and stores it in its
+# own dict, which in a fresh fork costs copy-on-write faults on every page that touches (~35 per sandbox
+# for sethostname alone).
+for _name in ("fork", "unshare", "setns", "mount", "umount2", "syscall", "prctl", "sethostname"):
+    getattr(_libc_gil if _name == "fork" else _libc, _name)
 ctypes.pythonapi.PyOS_AfterFork_Child.restype = None
 
 # namespaces (linux/sched.h)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rollbox.runtime.errors import InvalidRequest, SandboxNotFound
@@ -117,6 +119,35 @@ async def test_stdin_and_env(rt: Runtime) -> None:
     for empty in (None, ""):  # no input: end of file at once, not a read that waits for the timeout
         r = await rt.run(ExecRequest(code="import sys\nprint(repr(sys.stdin.read()))", stdin=empty, timeout_s=5))
         assert (r.stdout, r.timed_out) == ("''\n", False), r
+
+
+async def test_a_programs_environment_and_streams_are_its_own(rt: Runtime) -> None:
+    """A Python program's os.environ (and the C environment its subprocesses get) is the snapshot's
+    environment plus its request's env, whether it has one or not; nothing of one step stays for the next
+    (its variables, its output left in sys.stdout's buffer at exit, which is written then)."""
+    show = ("import json, os, subprocess, sys\n"
+            "c = dict(l.split('=', 1) for l in subprocess.run(['env'], capture_output=True, text=True).stdout.splitlines())\n"
+            "print(json.dumps([dict(os.environ), c]))\n"
+            "print('to stderr', file=sys.stderr)\n"
+            "sys.stdout.write('unflushed')")
+
+    def seen(r: Any) -> dict[str, str]:
+        assert (r.exit_code, r.stderr) == (0, "to stderr\n"), r
+        line, rest = r.stdout.split("\n", 1)
+        assert rest == "unflushed", r.stdout
+        py, c = json.loads(line)
+        assert py == c, (py, c)
+        return dict(py)
+
+    base = seen(await rt.run(ExecRequest(code=show)))
+    assert "ROLLBOX_T_A" not in base and base
+    assert seen(await rt.run(ExecRequest(code=show, env={"ROLLBOX_T_A": "1"}))) == {**base, "ROLLBOX_T_A": "1"}
+    info = await rt.create()
+    try:
+        for env in ({"ROLLBOX_T_A": "1"}, {}, {"ROLLBOX_T_B": "2"}, {}):
+            assert seen(await rt.exec(info.sandbox_id, ExecRequest(code=show, env=env))) == {**base, **env}
+    finally:
+        await rt.destroy(info.sandbox_id)
 
 
 async def test_binary_files_are_written_as_bytes_with_their_mode(rt: Runtime) -> None:
