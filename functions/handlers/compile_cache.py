@@ -22,7 +22,10 @@ of compiling it too; if the claim goes away without one (the compile timed out o
 claim it again and one of them compiles. Its replica beats (rewrites ``compiled/<key>.beat``) every
 CLAIM_BEAT_S while it holds it, so a claim with no beat for CLAIM_DEAD_S is a dead replica's (killed
 mid-compile): the others take over in seconds, not after its whole compile timeout + 30 s, by claiming
-it again (one of them compiles).
+it again (one of them compiles). A compile that timed out leaves its verdict there too
+(``compiled/<key>.timedout``, written before its claim goes): the replicas that were waiting for it
+answer that timeout, as its own replica's waiters do, when their compile timeout is no longer; a
+verdict older than a waiter's wait is not its compile's, and later requests compile again.
 """
 
 from __future__ import annotations
@@ -108,8 +111,11 @@ def cache_key(language: str, snapshot_id: str, command: str, files: dict[str, by
 class CompileCache:
     """See the module docstring. ``objects``: the shared store (None: this process only)."""
 
-    def __init__(self, objects: Objects | None = None, max_bytes: int = 256 << 20):
+    def __init__(self, objects: Objects | None = None, max_bytes: int = 256 << 20, *,
+                 verdicts: tuple[Callable[[Any], Any], Callable[[Any], Any]] = (lambda r: r, lambda r: r)):
         self.objects = objects
+        # a TimedOut's result to JSON and back (the verdict other replicas' waiters answer)
+        self.encode_result, self.decode_result = verdicts
         self.max_bytes = max_bytes
         self._lru: OrderedDict[str, Compiled] = OrderedDict()
         self._bytes = 0
@@ -197,11 +203,14 @@ class CompileCache:
                 self._inflight.pop(key, None)
                 fut.set_result(None)
                 raise
-            if isinstance(other, Compiled):
+            if isinstance(other, Compiled | TimedOut):
                 self._inflight.pop(key, None)
-                fut.set_result(other)
+                fut.set_result(other)  # (this replica's waiters judge a timeout by their own compile timeout)
                 self.from_replicas += 1
-                self.hits += 1
+                if isinstance(other, TimedOut):
+                    self.shared_timeouts += 1
+                else:
+                    self.hits += 1
                 return other, True
             claim = other
         beat: tuple[asyncio.Event, asyncio.Task[None], list[bytes]] | None = None
@@ -217,6 +226,8 @@ class CompileCache:
             got.append(value)
             if isinstance(value, Compiled):
                 await self.put(key, value)
+            elif isinstance(value, TimedOut) and claim is not None:  # (before the claim goes, as an outcome)
+                await self._put_verdict(key, value)
             if beat is not None:  # (its last write over before the claim goes: no beat outlives it)
                 beat[0].set()
                 await beat[1]
@@ -261,9 +272,31 @@ class CompileCache:
             except (RollboxError, OSError) as exc:
                 log.debug("compile cache: the beat of %s: %s", claim, exc)
 
-    async def _claim_or_wait(self, key: str, timeout_s: float) -> Compiled | tuple[str, bytes] | None:
+    async def _put_verdict(self, key: str, value: TimedOut) -> None:
+        """The timeout of this replica's claimed compile, for the other replicas waiting for it."""
+        assert self.objects is not None
+        try:
+            body = json.dumps({"replica": self.replica, "at": time.time(), "timeout_s": value.timeout_s,
+                               "result": self.encode_result(value.result)}).encode()
+            await asyncio.to_thread(self.objects.put_content, KEY_PREFIX + key + ".timedout", body)
+        except (RollboxError, OSError, TypeError, ValueError) as exc:  # its waiters then compile, as before
+            log.warning("compile cache: writing the timeout of %s failed: %s", key, exc)
+
+    async def _verdict(self, key: str, since: float) -> TimedOut | None:
+        """The timeout verdict of ``key``'s compile, if one ended after ``since`` (time.time())."""
+        assert self.objects is not None
+        raw = await asyncio.to_thread(self.objects.get, KEY_PREFIX + key + ".timedout")
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        if float(d["at"]) < since:
+            return None
+        return TimedOut(self.decode_result(d["result"]), float(d["timeout_s"]))
+
+    async def _claim_or_wait(self, key: str, timeout_s: float) -> Compiled | TimedOut | tuple[str, bytes] | None:
         """Claim ``key``'s compile in the shared store (returns the claim's key and bytes: compile it here), or wait
-        for the replica that claimed it: its outcome (a Compiled); when that replica died or its claim went
+        for the replica that claimed it: its outcome (a Compiled, or a TimedOut when that compile timed out and
+        ``timeout_s`` is no longer than its own: it would time out again); when that replica died or its claim went
         without an outcome (a timeout, a fault, or another waiter taking a dead replica's claim over), claim
         it again (one of the replicas waiting for it compiles, the others wait for that one). None: compile
         here, unclaimed (waited too long; a store that fails: the store is optional)."""
@@ -272,6 +305,7 @@ class CompileCache:
         claim = KEY_PREFIX + key + ".claim"
         limit = min(timeout_s, 3600.0)
         t0 = time.monotonic()
+        waiting_since = time.time()
         try:
             while True:
                 body = json.dumps({"replica": self.replica, "token": uuid.uuid4().hex, "since": time.time(),
@@ -282,18 +316,23 @@ class CompileCache:
                         return claim, body
                     await asyncio.to_thread(objects.delete_own, claim, body)
                     return found
-                outcome = await self._wait_for_claim(key, claim, t0, limit)
+                outcome = await self._wait_for_claim(key, claim, t0, limit, waiting_since)
+                if isinstance(outcome, TimedOut):
+                    if timeout_s <= outcome.timeout_s:
+                        return outcome
+                    continue  # more time than that compile had: claim it, compile here
                 if outcome not in ("dead", "gone") or time.monotonic() - t0 > limit + CLAIM_GRACE_S:
                     return outcome if isinstance(outcome, Compiled) else None
         except (RollboxError, OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("compile cache: claiming %s failed: %s", key, exc)
             return None
 
-    async def _wait_for_claim(self, key: str, claim: str, t0: float, limit: float) -> Compiled | str | None:
-        """Poll another replica's ``claim``: its outcome; "dead" once its replica stopped beating (the claim
-        removed then); "gone" once the claim went without an outcome (it may be claimed again at once: a
-        waiter that took a dead replica's claim over deletes it, then claims); None once this replica
-        waited its ``limit`` + grace."""
+    async def _wait_for_claim(self, key: str, claim: str, t0: float, limit: float,
+                              since: float) -> Compiled | TimedOut | str | None:
+        """Poll another replica's ``claim``: its outcome (its timeout, when it timed out after ``since``);
+        "dead" once its replica stopped beating (the claim removed then); "gone" once the claim went without
+        an outcome (it may be claimed again at once: a waiter that took a dead replica's claim over deletes
+        it, then claims); None once this replica waited its ``limit`` + grace."""
         assert self.objects is not None
         objects = self.objects
         pause = POLL_FIRST_S
@@ -304,7 +343,7 @@ class CompileCache:
             if found is not None:
                 return found
             if raw is None:
-                return "gone"
+                return await self._verdict(key, since) or "gone"
             other = json.loads(raw)
             beat_raw = await asyncio.to_thread(objects.get, _beat_key(claim))
             newest = max(newest, float(json.loads(beat_raw)["beat"]) if beat_raw else 0.0)

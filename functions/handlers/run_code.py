@@ -122,6 +122,11 @@ class SandboxFault(RollboxError):
     """A step the runner added (not the program) failed: the sandbox's fault, SandboxFusion's SandboxError."""
 
 
+def _result_json(r: ExecResult) -> Any:
+    """A timed-out compile step as JSON, for the replicas waiting for that compile (compile_cache)."""
+    return r.model_dump(mode="json")
+
+
 def _clamp(t: float) -> float:
     return min(max(t, MIN_TIMEOUT_S), MAX_TIMEOUT_S)
 
@@ -392,7 +397,8 @@ def runner_for(rt: Any, *, compile_slots: int | None = None) -> Runner:
     if runner is None:
         objects = rt.store.objects if isinstance(rt, DurableRuntime) else None
         plain = rt.rt if isinstance(rt, DurableRuntime | InProcess) else rt
-        runner = _RUNNERS[rt] = Runner(plain, CompileCache(objects), rt, compile_slots=compile_slots)
+        cache = CompileCache(objects, verdicts=(_result_json, ExecResult.model_validate))
+        runner = _RUNNERS[rt] = Runner(plain, cache, rt, compile_slots=compile_slots)
     return runner
 
 

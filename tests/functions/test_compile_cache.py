@@ -154,11 +154,21 @@ async def test_replicas_sharing_s3_compile_a_program_once(seaweed: SeaweedS3) ->
     assert all(value == OK for value, _ in got) and a.from_replicas + b.from_replicas == 1
     assert a.objects is not None and a.objects.keys("compiled/") == ["compiled/k.json"]  # the claim is gone
 
-    compiles.clear()  # the claimer's compile times out: it leaves no outcome, the other compiles it
-    late = TimedOut("timed out", 10.0)
+    compiles.clear()  # the claimer's compile times out: the other, waiting, answers its timeout
+    late = TimedOut({"stderr": "timed out"}, 10.0)
     got = await asyncio.wait_for(asyncio.gather(a.once("t", compiler("a", late), 10.0),
                                                 b.once("t", compiler("b", late), 10.0)), 20)
-    assert len(compiles) == 2 and [cached for _, cached in got] == [False, False]
+    assert len(compiles) == 1 and sorted(cached for _, cached in got) == [False, True], (compiles, got)
+    assert all(value == late for value, _ in got) and a.shared_timeouts + b.shared_timeouts == 1
+    assert "compiled/t.timedout" in a.objects.keys("compiled/") and "compiled/t.json" not in a.objects.keys("compiled/")
+    compiles.clear()  # a later request compiles again (a timeout depends on the load), and so does a
+    first = asyncio.create_task(a.once("t", compiler("a", late), 10.0))  # waiter with more time than that
+    for _ in range(200):                                                  # compile had
+        if a.objects.get("compiled/t.claim") is not None:
+            break
+        await asyncio.sleep(0.02)
+    got = [await asyncio.wait_for(b.once("t", compiler("b", OK), 30.0), 20), await first]
+    assert compiles == ["a", "b"] and got == [(OK, False), (late, False)], (compiles, got)
 
     compiles.clear()  # a claim left by a replica that died an hour ago
     a.objects.put_new("compiled/s.claim", json.dumps({"replica": "dead:1", "since": time.time() - 3600,

@@ -322,6 +322,26 @@ async def test_cases_waiting_for_a_compile_that_timed_out_get_its_timeout_withou
     assert (r["compile_result"]["status"], r["compile_result"].get("cached")) == ("TimeLimitExceeded", None)
 
 
+async def test_replicas_sharing_a_store_answer_the_timeout_of_the_one_compile_of_a_program(
+        http: httpx.AsyncClient, srv: ServerProc, tmp_path: Path) -> None:
+    """Two replicas on one store (two processes on one host, the same home) each get two cases of a program
+    whose compile runs out of its 2 s: the program is compiled once; the cases that waited for it, here and on
+    the other replica, answer its timeout (cached) instead of compiling it again."""
+    slow = ("constexpr long f(){long s=0; for(long i=0;i<200000;i++) for(long j=0;j<200000;j++) s+=(i^j)%7;"
+            " return s;}\n"
+            f"static_assert(f() > 0);\nint main(){{}}\n// {uuid.uuid4()}\n")
+    other = start_server(tmp_path / "log", "--home", str(srv.home), "--prewarm", "",  # type: ignore[attr-defined]
+                         "--language-builds", "off")
+    try:
+        rs = await asyncio.gather(*(run_code(http, replica, code=slow, language="cpp", compile_timeout=2, stdin=str(i))
+                                    for i, replica in enumerate((srv, other, srv, other))))
+        assert [(r["status"], r["compile_result"]["status"], r["run_result"]) for r in rs] == [
+            ("Failed", "TimeLimitExceeded", None)] * 4
+        assert sorted(bool(r["compile_result"].get("cached")) for r in rs) == [False, True, True, True], rs
+    finally:
+        assert other.stop() == 0, other.log_path.read_text()[-4000:]
+
+
 async def test_runs_are_steps_of_the_experiment_and_lives_are_billed(http: httpx.AsyncClient, srv: ServerProc) -> None:
     from rollbox.functions.analysis.trajectories import steps, usage
 
