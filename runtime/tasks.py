@@ -3,8 +3,8 @@
 In 3.11, a task cancelled while ``wait_for`` waits, in the same turn of the event loop as the future it
 waits on finishes, gets that future's result instead of ``CancelledError`` (gh-86296; 3.12 rewrote
 ``wait_for`` on ``asyncio.timeout``). A ``while True`` loop task then goes on, and ``task.cancel();
-await task`` waits for ever: a replica's drain hung so in ``Recorder.close`` once. ``stop`` cancels
-again until every task has ended."""
+await task`` waits for ever (the likely cause of a replica's drain that hung once in ``Recorder.close``,
+awaiting the flusher's loop, every thread idle). ``stop`` cancels again until every task has ended."""
 
 from __future__ import annotations
 
