@@ -40,9 +40,11 @@ def test_bench_capacity_short_run_with_a_wave(tmp_path: Path) -> None:
     series = list(csv.DictReader((tmp_path / "run" / "locust_cpu.csv").read_text().splitlines()))
     assert len(series) >= 2, series  # a row every 5 s of the 24 s run, but none across the wave's restart
     assert all(float(r["machine_busy_cores"]) > 0 and float(r["servers_cores"]) >= 0 for r in series), series
-    # (a 5 s window may hold no request to a replica: on a box shared with other tests, Locust's users waited)
+    # (a 5 s window may hold no request to a replica, and Locust's own CPU under a 10 ms tick: on a box shared
+    # with other tests, Locust's users waited)
     assert sum(float(r["servers_cores"]) for r in series) > 0.01, series
-    assert all(float(r["machine_steal_cores"]) >= 0 and float(r["locust_cores"]) > 0 for r in series), series
+    assert all(float(r["machine_steal_cores"]) >= 0 and float(r["locust_cores"]) >= 0 for r in series), series
+    assert sum(float(r["locust_cores"]) for r in series) > 0, series
 
 
 def test_bench_capacity_sweep_quick_writes_the_curve(tmp_path: Path) -> None:
