@@ -176,7 +176,9 @@ class Sampler:
                 if last is None:
                     writer.writerow(["unix_time", *(f"{k}_cores" for k in cpu), "machine_busy_cores",
                                      "machine_steal_cores"])
-                elif last[1] == roots:  # (the same processes: not across the wave's restart)
+                # the same processes: not across the wave's restart, nor over a window in which a tree lost
+                # a process that no parent inside it reaped (its total went back: what it spent is not known)
+                elif last[1] == roots and all(cpu[k] >= last[2][k] for k in cpu):
                     span = now - last[0]
                     writer.writerow([f"{now:.0f}", *(f"{(cpu[k] - last[2][k]) / span:.3f}" for k in cpu),
                                      f"{(busy - last[3]) / span:.3f}", f"{(steal - last[4]) / span:.3f}"])
