@@ -98,7 +98,8 @@ class Generations:
             if steps is not None:  # spooled beside the write; the reply waits for both
                 token = await steps.before_commit(record, reply, ev is not None)
             writing = True
-            ok = await self.store.put_record(record_key(sid, gen), record.to_bytes())
+            data = record.to_bytes()
+            ok = await self.store.put_record(record_key(sid, gen), data)
         except BaseException as exc:
             if steps is not None:  # a write past its deadline may still land: the flush asks the store
                 steps.settle(token, None if writing and isinstance(exc, StoreDeadline) else False)
@@ -123,7 +124,7 @@ class Generations:
             raise SandboxBusy(f"sandbox {sid}: another replica committed step {gen} first; nothing of this "
                               "request was kept, retry it", sandbox_id=sid)
         live.record = record
-        self.store.remember(record)
+        self.store.remember(record, data)
 
     async def scan(self, sandbox_id: str, live: Live, gen: int) -> tuple[Files, dict[str, bytes]]:
         """The sandbox's files, read while it is held still (or, once it died, through its upper

@@ -222,7 +222,7 @@ class DurableRuntime:
         record, else (``trust``) what this replica saw last, unread, else the newest read (``ahead``:
         the first newer one found, unconfirmed)."""
         live = await self._fresh_live(sandbox_id, trust)
-        seen = self.store.seen.get(sandbox_id) if trust and live is None else None
+        seen = self.store.seen_record(sandbox_id) if trust and live is None else None
         confirmed = True
         if live is not None:
             head = live.record

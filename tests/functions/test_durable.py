@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rollbox.functions.durable.store import BEHIND_WEIGHT, FRESH_ABOVE, TRUST_BELOW
 from svc_testkit import Reply, ServerProc, event, send, start_server
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
@@ -583,6 +585,36 @@ async def test_s3_requests_per_step_kind(s3_replicas: Replicas, http: httpx.Asyn
     assert r.status == 200 and r.data["sandbox_id"] == sid, r.data
 
 
+async def test_a_replica_whose_lookups_find_fresh_sandboxes_reads_their_first_two_generations_not_a_listing(
+        s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
+    """Behind a balancer without affinity, an episode's first step lands on the replica that did not
+    create its sandbox half the time. Once such lookups have kept finding the sandbox at its create's
+    generation, the replica reads generations 0 and 1 at once instead of listing: generation 0 alone
+    found is the newest (two GETs, no listing). A sandbox that moved on costs the listing as well (its
+    generation 1, already read, is not read again), and one or two of those bring the listing back."""
+    quiet = ("--record", "off", "--sweep-interval-s", "3600")
+    a, b = s3_replicas.start(*quiet), s3_replicas.start(*quiet)
+    listed, guessed, first = {"ListObjectsV2": 1, "GetObject": 1, "PutObject": 1}, {"GetObject": 2, "PutObject": 1}, []
+
+    async def first_step_on_b(sid: str, lines: str = "") -> dict[str, int]:
+        before = await store_requests(http, b)
+        r = await step(http, b, sid, code=APPEND.format("b"))
+        assert (r.status, r.data["stdout"]) == (200, lines + "b\n"), r.data
+        after = await store_requests(http, b)
+        return {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
+
+    for _ in range(12):  # fresh sandboxes (a's creates): listed, until b has seen enough of them
+        first.append(await first_step_on_b(await create(http, a)))
+    n = math.ceil(math.log(1 - FRESH_ABOVE) / math.log(0.8)) + 1  # the moving average's 0.2 per lookup, from 0
+    assert first == [listed] * (n - 1) + [guessed] * (12 - n + 1), first
+    moved: list[dict[str, int]] = []
+    for _ in range(3):  # sandboxes a created and stepped: b reads 0 and 1, finds 1, lists; then lists first
+        sid = await create(http, a)
+        assert (await step(http, a, sid, code=APPEND.format("a"))).status == 200
+        moved.append(await first_step_on_b(sid, "a\n"))
+    assert moved[0] == {"GetObject": 2, "ListObjectsV2": 1, "PutObject": 1} and moved[-1] == listed, moved
+
+
 async def test_a_replica_whose_sandboxes_stay_put_commits_with_the_put_alone_and_runs_again_when_behind(
         s3_replicas: Replicas, http: httpx.AsyncClient) -> None:
     """Once a replica's steps have kept finding their sandbox where they left it (one replica, or a load
@@ -594,7 +626,8 @@ async def test_a_replica_whose_sandboxes_stay_put_commits_with_the_put_alone_and
     a, b = s3_replicas.start(*quiet), s3_replicas.start(*quiet)
     sid = await create(http, a)
     lines = ""
-    for i in range(9):  # each reads the next generation first and finds none: a's estimate falls
+    # each reads the next generation first and finds none: a's estimate falls from 0.5 below TRUST_BELOW
+    for i in range(math.ceil(math.log(TRUST_BELOW / 0.5) / math.log(1 - BEHIND_WEIGHT))):
         r = await step(http, a, sid, code=APPEND.format(f"a{i}"))
         lines += f"a{i}\n"
         assert (r.status, r.data["stdout"]) == (200, lines), r.data
@@ -662,13 +695,15 @@ async def test_a_destroy_on_what_was_seen_is_the_put_alone_and_runs_again_when_b
     quiet = ("--record", "off", "--sweep-interval-s", "3600")
     a, b = s3_replicas.start(*quiet), s3_replicas.start(*quiet)
     sid = await create(http, a)
-    for i in range(9):  # each reads the next generation first and finds none: a's estimate falls
+    # each reads the next generation first and finds none: a's estimate falls from 0.5 below TRUST_BELOW
+    steps = math.ceil(math.log(TRUST_BELOW / 0.5) / math.log(1 - BEHIND_WEIGHT))
+    for i in range(steps):
         assert (await step(http, a, sid, code=f"print({i})")).status == 200
     moved = await create(http, a)
     before = await store_requests(http, a)
     r = await send(http, a.url, event(DESTROY, {"sandbox_id": sid}))
     after = await store_requests(http, a)
-    assert r.status == 200 and r.data["execs"] == 9, r.data
+    assert r.status == 200 and r.data["execs"] == steps, r.data
     assert {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)} == {"PutObject": 1}
     assert (await step(http, b, moved, code="print('on b')")).status == 200  # behind a's back
     r = await send(http, a.url, event(DESTROY, {"sandbox_id": moved}))
