@@ -209,6 +209,23 @@ def requests_at(prefix: Path, t: float) -> int:
     return int(rows[-1]["Total Request Count"]) if rows else 0
 
 
+def store_requests(http: httpx.Client, fleet: Fleet) -> tuple[dict[str, int], int]:
+    """The replicas' S3 requests so far by operation (rollbox_store_requests_total, but the bucket
+    checks), and the CloudEvents they answered (rollbox_requests_total), summed over the replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ops: dict[str, int] = {}
+    events = 0
+    for port in fleet.replica_ports:
+        for fam in text_string_to_metric_families(http.get(f"http://127.0.0.1:{port}/metrics").text):
+            for smp in fam.samples:
+                if smp.name == "rollbox_store_requests_total" and smp.labels["operation"] != "HeadBucket":
+                    ops[smp.labels["operation"]] = ops.get(smp.labels["operation"], 0) + int(smp.value)
+                elif smp.name == "rollbox_requests_total":
+                    events += int(smp.value)
+    return ops, events
+
+
 def step_log(prefix: Path) -> list[tuple[float, float, int]]:
     """Every exec step the Locust workers logged (--step-log): (Unix time first sent, ms, final status)."""
     out = []
@@ -296,6 +313,7 @@ def main() -> int:
             if args.wave_at_s:
                 time.sleep(max(0.0, t_start + args.wave_at_s - time.time()))
                 cpu1, busy1, t1 = comps.cpu(), machine_busy_s(), time.time()
+                s3_ops, s3_events = store_requests(http, fleet)
                 # an episode of the probe's own, opened now (one made at the start would have passed
                 # its idle limit): its step after the start is the first reply we wait for
                 probe = send(http, fleet.url, "create", {"snapshot": "python"})
@@ -318,6 +336,7 @@ def main() -> int:
             locust.wait()
             if not args.wave_at_s:
                 cpu1, busy1, t1 = comps.cpu(), machine_busy_s(), time.time()
+                s3_ops, s3_events = store_requests(http, fleet)
         sampler.stop.set()
         summary = json.loads(Path(f"{prefix}.json").read_text())
     finally:
@@ -343,6 +362,9 @@ def main() -> int:
           f"{summary['requests']}, failures {summary['failures']}, retries {summary['retries']} "
           f"{summary['retries_by_code']}; episodes {summary['episodes_done']} complete")
     print(f"open episodes: peak {summary['open_peak']}")
+    print(f"S3 requests per CloudEvent answered while the fleet was up ({s3_events} events): "
+          f"{sum(s3_ops.values()) / max(s3_events, 1):.2f} (" + ", ".join(
+              f"{op} {n / max(s3_events, 1):.2f}" for op, n in sorted(s3_ops.items())) + ")")
     print("peak memory (PSS): " + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in sampler.peaks.items())
           + f"; Locust's processes (RSS, summed) {summary['locust_rss_peak_bytes'] / MIB:.0f} MiB")
     print(f"CPU by component every 5 s, in cores, with the machine's busy and stolen time: {prefix}_cpu.csv")

@@ -9,12 +9,20 @@ operation requires them (``request_checksum_calculation`` / ``response_checksum_
 for these two calls when it is installed: a Rust client, its own threads counted in this process's
 CPU); then a cProfile of botocore's client side by package and the top functions.
 
+With --lookups, instead: what each way a replica looks up a sandbox's newest record costs, per lookup
+(the client's CPU, SeaweedFS's, the wall time), through the event loop's obstore calls as a replica
+makes them, on sandboxes that hold one record (fresh: created, no step yet): a GET that finds the record,
+a GET that finds nothing, a listing of the sandbox's records; then the two ways to look up a sandbox
+unknown to the replica, a listing and a GET of the newest against GETs of generations 0 and 1 at once.
+
     .venv/bin/python loadtest/profile_s3_step.py -n 400
+    .venv/bin/python loadtest/profile_s3_step.py --lookups -n 1000
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import os
 import pstats
@@ -52,14 +60,54 @@ def steps(objects: S3Objects, n: int) -> None:
         assert objects.put_new(f"sandboxes/{sid}/{gen:012d}.json", RECORD)
 
 
+async def lookups(objects: S3Objects, weed_pid: int, n: int) -> None:
+    """Per lookup, each way of looking up a fresh sandbox's newest record (see the module docstring)."""
+    sids = [f"sb-{uuid.uuid4().hex[:20]}" for _ in range(n)]
+    for sid in sids:
+        assert await objects.put_new_async(f"sandboxes/{sid}/{0:010d}.json", RECORD)
+
+    async def listed(sid: str) -> None:
+        async for _ in objects.listing_pages(f"sandboxes/{sid}/", 8.0):
+            pass
+
+    async def listed_then_read(sid: str) -> None:
+        await listed(sid)
+        assert await objects.get_async(f"sandboxes/{sid}/{0:010d}.json") is not None
+
+    async def first_two(sid: str) -> None:
+        got = await asyncio.gather(*(objects.get_async(f"sandboxes/{sid}/{g:010d}.json") for g in (0, 1)))
+        assert got[0] is not None and got[1] is None
+
+    ways = {"GET, found": lambda sid: objects.get_async(f"sandboxes/{sid}/{0:010d}.json"),
+            "GET, nothing (404)": lambda sid: objects.get_async(f"sandboxes/{sid}/{1:010d}.json"),
+            "LIST its records": listed,
+            "unknown: LIST + GET newest": listed_then_read,
+            "unknown: GET gen 0 + gen 1": first_two}
+    print(f"{'lookup':<28} {'n':>6} {'client ms':>10} {'SeaweedFS ms':>13} {'wall ms':>8}")
+    for name, way in ways.items():
+        await asyncio.sleep(0.5)
+        c0, w0, t0 = time.process_time(), proc_cpu_s(weed_pid), time.perf_counter()
+        for sid in sids:
+            await way(sid)
+        c1, w1, t1 = time.process_time(), proc_cpu_s(weed_pid), time.perf_counter()
+        print(f"{name:<28} {n:>6} {(c1 - c0) * 1000 / n:>10.2f} {(w1 - w0) * 1000 / n:>13.2f} {(t1 - t0) * 1000 / n:>8.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-n", type=int, default=400, help="steps per variant")
+    ap.add_argument("-n", type=int, default=400, help="steps per variant (with --lookups: sandboxes, each looked up once per way)")
+    ap.add_argument("--lookups", action="store_true", help="measure the ways to look up a sandbox's newest record instead")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="rollbox-profile-s3-"))
     s3 = SeaweedS3(base / "s3")
     s3.start()
     try:
+        if args.lookups:
+            assert s3.proc is not None
+            objects = S3Objects(store_factory(s3)(f"s3://{s3.new_bucket()}/p"))
+            assert objects.awaitable, "obstore is not installed"
+            asyncio.run(lookups(objects, s3.proc.pid, args.n))
+            return 0
         bucket = s3.new_bucket()
         make = store_factory(s3)
         checksums = {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"}

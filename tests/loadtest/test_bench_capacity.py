@@ -36,6 +36,11 @@ def test_bench_capacity_short_run_with_a_wave(tmp_path: Path) -> None:
     window = re.search(r"steps sent in the wave .*: (\d+) steps \((\d+) 200\), p50 (\d+) ms, p99 (\d+) ms", p.stdout)
     assert window and int(window.group(1)) > 0 and int(window.group(4)) >= int(window.group(3)) > 0, p.stdout
     assert re.search(r"peak memory \(PSS\): replicas \d+ MiB, seaweedfs \d+ MiB, haproxy \d+ MiB", p.stdout)
+    # every event answered wrote its record (a create-only PUT), and steps read (GETs)
+    s3 = re.search(r"S3 requests per CloudEvent answered .*\((\d+) events\): [\d.]+ \((.*)\)", p.stdout)
+    assert s3 and int(s3.group(1)) > 0, p.stdout
+    ops = {op: float(n) for op, n in (kv.rsplit(" ", 1) for kv in s3.group(2).split(", "))}
+    assert ops.get("PutObject", 0) >= 0.9 and ops.get("GetObject", 0) > 0, ops
     import csv
     series = list(csv.DictReader((tmp_path / "run" / "locust_cpu.csv").read_text().splitlines()))
     assert len(series) >= 2, series  # a row every 5 s of the 24 s run, but none across the wave's restart
