@@ -64,9 +64,10 @@ BEHIND_WEIGHT = 0.05
 # a sandbox nothing is known of here (another replica's create, a replica that just started) is looked up
 # by reading its generations 0 and 1 at once, not by listing its records, while more than this share of
 # recent such lookups found it at generation 0 (``fresh``: its create's, no step yet, as a first step
-# behind a balancer without affinity finds it). Two GETs save a listing then (~0.8 ms of CPU, client and
-# store); when the sandbox has moved on they cost two GETs more (~2.5 ms). loadtest/profile_replica.py
+# behind a balancer without affinity finds it). Two GETs save a listing then (~1.3 ms of CPU, client and
+# store); when the sandbox has moved on they cost two GETs more (~2.5 ms) (profile_s3_step.py --lookups)
 FRESH_ABOVE = 0.75
+FRESH_WEIGHT = 0.2  # (a moving average over ~5 lookups: a scale from zero turns the reads off within one or two)
 
 
 def recorded(model: type[M], record: SandboxRecord) -> M:
@@ -199,9 +200,9 @@ class StateStore:
         From a generation seen here before (a record read or written; the record itself is kept for
         the most recent, ``SEEN_BYTES`` of them, its generation for many more), reading forward costs a
         GET per generation and one that finds nothing (and, when only its generation was kept, a GET of
-        that record too); else the sandbox's records are listed and the newest
-        read (while such lookups keep finding their sandbox at generation 0, ``FRESH_ABOVE``, its
-        generations 0 and 1 are read at once first: 0 alone found is the newest, no listing)."""
+        that record too); else the sandbox's records are listed and the newest read (while such lookups
+        keep finding their sandbox at generation 0, ``FRESH_ABOVE``, its generations 0 and 1 are read at
+        once first: 0 alone found is the newest, no listing)."""
         return (await self.newest(sandbox_id, confirm=True))[0]
 
     async def newest(self, sandbox_id: str, *, confirm: bool) -> tuple[SandboxRecord, bool]:
@@ -264,7 +265,7 @@ class StateStore:
 
     def note_fresh(self, fresh: bool) -> None:
         """A lookup of a sandbox unknown here found it at generation 0 (True), or further on."""
-        self.fresh += 0.2 * (fresh - self.fresh)
+        self.fresh += FRESH_WEIGHT * (fresh - self.fresh)
 
     def remember(self, record: SandboxRecord, data: bytes | None = None) -> None:
         """Keep the newest record seen of a sandbox (``data``: its bytes as stored, if at hand), the oldest

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from rollbox.functions.durable.store import BEHIND_WEIGHT, FRESH_ABOVE, TRUST_BELOW
+from rollbox.functions.durable.store import BEHIND_WEIGHT, FRESH_ABOVE, FRESH_WEIGHT, TRUST_BELOW
 from svc_testkit import Reply, ServerProc, event, send, start_server
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3
@@ -605,7 +605,7 @@ async def test_a_replica_whose_lookups_find_fresh_sandboxes_reads_their_first_tw
 
     for _ in range(12):  # fresh sandboxes (a's creates): listed, until b has seen enough of them
         first.append(await first_step_on_b(await create(http, a)))
-    n = math.ceil(math.log(1 - FRESH_ABOVE) / math.log(0.8)) + 1  # the moving average's 0.2 per lookup, from 0
+    n = math.ceil(math.log(1 - FRESH_ABOVE) / math.log(1 - FRESH_WEIGHT)) + 1  # (the moving average from 0)
     assert first == [listed] * (n - 1) + [guessed] * (12 - n + 1), first
     moved: list[dict[str, int]] = []
     for _ in range(3):  # sandboxes a created and stepped: b reads 0 and 1, finds 1, lists; then lists first
