@@ -26,6 +26,7 @@ import asyncio
 import cProfile
 import os
 import pstats
+import shutil
 import sys
 import tempfile
 import time
@@ -155,6 +156,7 @@ def main() -> int:
         st.sort_stats("cumulative").print_stats(25)
     finally:
         s3.stop()
+        shutil.rmtree(base, ignore_errors=True)
     return 0
 
 
