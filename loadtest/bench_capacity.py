@@ -209,20 +209,28 @@ def requests_at(prefix: Path, t: float) -> int:
     return int(rows[-1]["Total Request Count"]) if rows else 0
 
 
+def store_ops(metrics: str) -> dict[str, int]:
+    """A replica's S3 requests so far by operation, from its /metrics text (rollbox_store_requests_total),
+    but its bucket checks (HeadBucket)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {smp.labels["operation"]: int(smp.value) for fam in text_string_to_metric_families(metrics)
+            for smp in fam.samples if smp.name == "rollbox_store_requests_total" and smp.labels["operation"] != "HeadBucket"}
+
+
 def store_requests(http: httpx.Client, fleet: Fleet) -> tuple[dict[str, int], int]:
-    """The replicas' S3 requests so far by operation (rollbox_store_requests_total, but the bucket
-    checks), and the CloudEvents they answered (rollbox_requests_total), summed over the replicas."""
+    """The replicas' S3 requests so far by operation (``store_ops``), and the CloudEvents they answered
+    (rollbox_requests_total), summed over the replicas."""
     from prometheus_client.parser import text_string_to_metric_families
 
     ops: dict[str, int] = {}
     events = 0
     for port in fleet.replica_ports:
-        for fam in text_string_to_metric_families(http.get(f"http://127.0.0.1:{port}/metrics").text):
-            for smp in fam.samples:
-                if smp.name == "rollbox_store_requests_total" and smp.labels["operation"] != "HeadBucket":
-                    ops[smp.labels["operation"]] = ops.get(smp.labels["operation"], 0) + int(smp.value)
-                elif smp.name == "rollbox_requests_total":
-                    events += int(smp.value)
+        text = http.get(f"http://127.0.0.1:{port}/metrics").text
+        for op, n in store_ops(text).items():
+            ops[op] = ops.get(op, 0) + n
+        events += int(sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+                          if smp.name == "rollbox_requests_total"))
     return ops, events
 
 

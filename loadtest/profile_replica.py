@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "loadtest"))
-from bench_capacity import _children, _tree, tree_cpu_split_s  # noqa: E402
+from bench_capacity import _children, _tree, store_ops, tree_cpu_split_s  # noqa: E402
 from fleet_local import WEED_PROCS  # noqa: E402
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, free_ports  # noqa: E402
@@ -137,8 +137,7 @@ def store_requests(url: str) -> dict[str, int]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "metrics", timeout=10).text
-    out = {smp.labels["operation"]: int(smp.value) for fam in text_string_to_metric_families(text)
-           for smp in fam.samples if smp.name == "rollbox_store_requests_total" and smp.labels["operation"] != "HeadBucket"}
+    out = store_ops(text)
     out["(resumes)"] = int(sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
                                if smp.name == "rollbox_resumes_total"))
     out["(hibernated creates)"] = int(sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
