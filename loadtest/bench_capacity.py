@@ -189,6 +189,87 @@ class Sampler:
                 out.close()
 
 
+# What the replicas did, every 5 s (``Activity``): counters as (metric, the label that splits it or None)
+ACTIVITY_COUNTERS = (("rollbox_requests_total", "type"), ("rollbox_resumes_total", None),
+                     ("rollbox_hibernations_total", "reason"), ("rollbox_store_requests_total", "operation"),
+                     ("rollbox_state_conflicts_total", None), ("rollbox_stale_copies_total", None),
+                     ("rollbox_admission_rejects_total", "reason"), ("rollbox_spool_flushes_total", None),
+                     ("rollbox_spool_syncs_total", None))
+ACTIVITY_GAUGES = ("rollbox_inflight_requests", "rollbox_waiting_requests", "rollbox_live_sandboxes",
+                   "rollbox_pool_size")
+
+
+def replica_counters(metrics: str) -> dict[str, float]:
+    """One replica's /metrics text as {column: value}: each of ``ACTIVITY_COUNTERS`` summed by its label's
+    value (``rollbox_requests_total`` by event type, its statuses together), and ``ACTIVITY_GAUGES``
+    summed over their labels. A column is "name" or "name:label value", the ``rollbox_`` and
+    ``_total`` left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    split = dict(ACTIVITY_COUNTERS)
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics):
+        for smp in fam.samples:
+            if smp.name in split:
+                label = split[smp.name]
+                if smp.name == "rollbox_store_requests_total" and smp.labels.get("operation") == "HeadBucket":
+                    continue
+                name = smp.name.removeprefix("rollbox_").removesuffix("_total")
+                if label is not None:
+                    name += ":" + smp.labels.get(label, "").rpartition(".")[2]  # (a type's last word)
+            elif smp.name in ACTIVITY_GAUGES:
+                name = smp.name.removeprefix("rollbox_")
+            else:
+                continue
+            out[name] = out.get(name, 0.0) + smp.value
+    return out
+
+
+@dataclass
+class Activity:
+    """Every 5 s, beside ``Sampler``'s CPU: what the replicas did in those 5 s (requests by type, resumes,
+    hibernations, S3 requests by operation: a sweep shows as listings, conflicts, spool flushes) and their
+    gauges then (in flight, waiting, live, pool), summed over the replicas, as a JSON line: what a stretch
+    of extra CPU was spent on. A replica's counters count from its start: over the wave's restart, a
+    window counts the new processes' from theirs."""
+
+    fleet: Fleet
+    path: Path
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def scrape(self, http: httpx.Client) -> dict[int, dict[str, float]]:
+        out: dict[int, dict[str, float]] = {}
+        for srv, port in zip(self.fleet.replicas, self.fleet.replica_ports, strict=True):
+            if srv is None:
+                continue
+            try:
+                out[srv.pid] = replica_counters(http.get(f"http://127.0.0.1:{port}/metrics").text)
+            except httpx.HTTPError:
+                continue  # (draining, down, starting: the window counts the others)
+        return out
+
+    def run(self) -> None:
+        gauges = {name.removeprefix("rollbox_") for name in ACTIVITY_GAUGES}
+        last: dict[int, dict[str, float]] = {}
+        with httpx.Client(timeout=5) as http, open(self.path, "w") as out:
+            while True:
+                now, seen = time.time(), self.scrape(http)
+                if seen:
+                    names = sorted({k for v in seen.values() for k in v})
+                    # counters: new since the last scrape (a replica not seen then: since its start)
+                    counts = {c: sum(v.get(c, 0.0) - last.get(pid, {}).get(c, 0.0) for pid, v in seen.items())
+                              for c in names if c.partition(":")[0] not in gauges}
+                    now_at = {g: sum(v.get(g, 0.0) for v in seen.values())
+                              for g in names if g.partition(":")[0] in gauges}
+                    out.write(json.dumps({"t": round(now, 1), "replicas": len(seen),
+                                          "counts": {k: v for k, v in counts.items() if v},
+                                          "gauges": now_at}) + "\n")
+                    out.flush()
+                last.update(seen)  # (one that did not answer: its next window counts from the last it did)
+                if self.stop.wait(5.0):
+                    return
+
+
 def send(http: httpx.Client, url: str, etype: str, data: dict[str, Any]) -> httpx.Response:
     headers = {"ce-specversion": "1.0", "ce-type": f"dev.rollbox.sandbox.{etype}", "ce-source": "/bench/capacity",
                "ce-id": uuid.uuid4().hex, "content-type": "application/json"}
@@ -212,25 +293,19 @@ def requests_at(prefix: Path, t: float) -> int:
 def store_ops(metrics: str) -> dict[str, int]:
     """A replica's S3 requests so far by operation, from its /metrics text (rollbox_store_requests_total),
     but its bucket checks (HeadBucket)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {smp.labels["operation"]: int(smp.value) for fam in text_string_to_metric_families(metrics)
-            for smp in fam.samples if smp.name == "rollbox_store_requests_total" and smp.labels["operation"] != "HeadBucket"}
+    return {k.partition(":")[2]: int(v) for k, v in replica_counters(metrics).items() if k.startswith("store_requests:")}
 
 
 def store_requests(http: httpx.Client, fleet: Fleet) -> tuple[dict[str, int], int]:
     """The replicas' S3 requests so far by operation (``store_ops``), and the CloudEvents they answered
     (rollbox_requests_total), summed over the replicas."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     ops: dict[str, int] = {}
     events = 0
     for port in fleet.replica_ports:
         text = http.get(f"http://127.0.0.1:{port}/metrics").text
         for op, n in store_ops(text).items():
             ops[op] = ops.get(op, 0) + n
-        events += int(sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
-                          if smp.name == "rollbox_requests_total"))
+        events += int(sum(v for k, v in replica_counters(text).items() if k.startswith("requests:")))
     return ops, events
 
 
@@ -298,6 +373,7 @@ def main() -> int:
     fleet.start()
     locust: subprocess.Popen[bytes] | None = None
     sampler: Sampler | None = None
+    activity: Activity | None = None
     try:
         with httpx.Client(timeout=120) as http:
             clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOX_")}
@@ -316,6 +392,8 @@ def main() -> int:
             comps = Components(fleet, locust.pid)
             sampler = Sampler(comps, cpu_csv=Path(f"{prefix}_cpu.csv"))
             threading.Thread(target=sampler.run, daemon=True).start()
+            activity = Activity(fleet, Path(f"{prefix}_replicas.jsonl"))
+            threading.Thread(target=activity.run, daemon=True).start()
             cpu0, busy0 = comps.cpu(), machine_busy_s()
             wave: dict[str, Any] = {}
             if args.wave_at_s:
@@ -353,6 +431,8 @@ def main() -> int:
             locust.wait(60)
         if sampler is not None:
             sampler.stop.set()
+        if activity is not None:
+            activity.stop.set()
         fleet.stop()
 
     reqs = requests_at(prefix, t1) or summary["requests"]
@@ -376,6 +456,7 @@ def main() -> int:
     print("peak memory (PSS): " + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in sampler.peaks.items())
           + f"; Locust's processes (RSS, summed) {summary['locust_rss_peak_bytes'] / MIB:.0f} MiB")
     print(f"CPU by component every 5 s, in cores, with the machine's busy and stolen time: {prefix}_cpu.csv")
+    print(f"what the replicas did every 5 s (requests, resumes, S3 requests by operation, ...): {prefix}_replicas.jsonl")
     if wave:
         steps, t_up = step_log(prefix), wave["t_up"]
         ends = t_start + args.run_s

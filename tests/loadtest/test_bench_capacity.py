@@ -50,6 +50,17 @@ def test_bench_capacity_short_run_with_a_wave(tmp_path: Path) -> None:
     assert sum(float(r["servers_cores"]) for r in series) > 0.01, series
     assert all(float(r["machine_steal_cores"]) >= 0 and float(r["locust_cores"]) >= 0 for r in series), series
     assert sum(float(r["locust_cores"]) for r in series) > 0, series
+    # what the replicas did every 5 s: their counters' increments, summed over the replicas (the wave's new
+    # processes counting from their start), so a run's windows add up to what they answered
+    import json
+    rows = [json.loads(line) for line in (tmp_path / "run" / "locust_replicas.jsonl").read_text().splitlines()]
+    assert len(rows) >= 3 and all(r["replicas"] in (1, 2) for r in rows), rows
+    assert all(v >= 0 for r in rows for v in r["counts"].values()), rows
+    total = {k: sum(r["counts"].get(k, 0) for r in rows) for r in rows for k in r["counts"]}
+    events = sum(v for k, v in total.items() if k.startswith("requests:"))
+    assert total.get("requests:exec", 0) > 0 and total.get("resumes", 0) > 0, total
+    assert total.get("store_requests:PutObject", 0) >= 0.9 * events > 0, total
+    assert all({"inflight_requests", "live_sandboxes", "pool_size"} <= set(r["gauges"]) for r in rows), rows
 
 
 def test_bench_capacity_sweep_quick_writes_the_curve(tmp_path: Path) -> None:
