@@ -194,7 +194,8 @@ ACTIVITY_COUNTERS = (("rollbox_requests_total", "type"), ("rollbox_resumes_total
                      ("rollbox_hibernations_total", "reason"), ("rollbox_store_requests_total", "operation"),
                      ("rollbox_state_conflicts_total", None), ("rollbox_stale_copies_total", None),
                      ("rollbox_admission_rejects_total", "reason"), ("rollbox_spool_flushes_total", None),
-                     ("rollbox_spool_syncs_total", None))
+                     ("rollbox_spool_syncs_total", None), ("rollbox_gc_pause_seconds_total", "generation"),
+                     ("rollbox_gc_collections_total", "generation"))
 ACTIVITY_GAUGES = ("rollbox_inflight_requests", "rollbox_waiting_requests", "rollbox_live_sandboxes",
                    "rollbox_pool_size")
 
@@ -228,7 +229,8 @@ def replica_counters(metrics: str) -> dict[str, float]:
 @dataclass
 class Activity:
     """Every 5 s, beside ``Sampler``'s CPU: what the replicas did in those 5 s (requests by type, resumes,
-    hibernations, S3 requests by operation: a sweep shows as listings, conflicts, spool flushes) and their
+    hibernations, S3 requests by operation: a sweep shows as listings, conflicts, spool flushes, the
+    garbage collector's pauses by generation) and their
     gauges then (in flight, waiting, live, pool), summed over the replicas, as a JSON line: what a stretch
     of extra CPU was spent on. A replica's counters count from its start: over the wave's restart, a
     window counts the new processes' from theirs."""

@@ -43,8 +43,9 @@ __all__ = ["AIO_COMMITS", "StateStore", "recorded"]
 
 log = logging.getLogger("rollbox.durable")
 # what a store call of this layer is doing, for the 503 a hung store gets
-_DOING = {"get": "reading a sandbox's state", "get_blob": "reading a sandbox's files",
-          "put_blob": "writing a sandbox's files", "put_new": "committing a sandbox's step",
+_DOING = {"get": "reading a sandbox's state", "_stored": "reading a sandbox's state",
+          "get_blob": "reading a sandbox's files", "put_blob": "writing a sandbox's files",
+          "put_new": "committing a sandbox's step",
           "keys": "listing sandbox state", "listing": "listing sandbox state", "delete": "deleting sandbox state"}
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -162,13 +163,18 @@ class StateStore:
         """A sandbox's record of one generation. The local store's is a small local file, read and
         parsed on the event loop: less work than a thread's round trip, whose hand-offs of the GIL
         cost the loop more than the read (measured); S3's off the loop, with a deadline."""
+        got = await self._fetch(sandbox_id, generation)
+        return None if got is None else got[0]
+
+    async def _fetch(self, sandbox_id: str, generation: int) -> tuple[SandboxRecord, bytes] | None:
+        """``read``, with the record's bytes as stored: what ``remember`` keeps (not serialized again)."""
         if self.local:
-            return self.get(sandbox_id, generation)
+            return self._stored(sandbox_id, generation)
         if self._awaitable is not None:  # S3 through obstore: awaited on the loop, no thread (put_record)
             key = record_key(sandbox_id, generation)
             data = await self._within(self._awaitable.get_async(key), _DOING["get"])
-            return None if data is None else SandboxRecord.from_bytes(data, key)
-        result: SandboxRecord | None = await self.io(self.get, sandbox_id, generation)
+            return None if data is None else (SandboxRecord.from_bytes(data, key), data)
+        result: tuple[SandboxRecord, bytes] | None = await self.io(self._stored, sandbox_id, generation)
         return result
 
     async def _within(self, call: Awaitable[T], doing: str) -> T:
@@ -179,10 +185,10 @@ class StateStore:
         except TimeoutError:
             raise StoreDeadline(f"the store did not answer within {self.calls.deadline_s:g} s while {doing}") from None
 
-    def get(self, sandbox_id: str, generation: int) -> SandboxRecord | None:
+    def _stored(self, sandbox_id: str, generation: int) -> tuple[SandboxRecord, bytes] | None:
         key = record_key(sandbox_id, generation)
         data = self.objects.get(key)
-        return None if data is None else SandboxRecord.from_bytes(data, key)
+        return None if data is None else (SandboxRecord.from_bytes(data, key), data)
 
     def note_behind(self, behind: bool) -> None:
         """A step on a sandbox seen here found it moved on by another replica (True), or not."""
@@ -211,57 +217,60 @@ class StateStore:
         after it is not sent (behind a round-robin load balancer, a step finds the one its sandbox's
         previous step committed on another replica: one GET, not two or three); a step that runs on it
         learns from its create-only commit whether another came first (``DurableRuntime.step``)."""
-        head = self.seen_record(sandbox_id)
+        kept = self.seen.get(sandbox_id)  # (its bytes: kept again as they are when nothing newer is found)
+        head = None if kept is None else self._parse_seen(sandbox_id, kept)
         if head is None and (due := self.due.get(sandbox_id)) is not None:
             if not confirm:  # the one after the generation seen here last, first
-                newer = await self.read(sandbox_id, due[0] + 1)
-                if newer is not None:
+                got = await self._fetch(sandbox_id, due[0] + 1)
+                if got is not None:
                     self.note_behind(True)
-                    self.remember(newer)
-                    return newer, False
-            head = await self.read(sandbox_id, due[0])  # the generation seen here last
-            if head is not None and not confirm:  # and none after it, just read
+                    self.remember(*got)
+                    return got[0], False
+            got = await self._fetch(sandbox_id, due[0])  # the generation seen here last
+            if got is not None and not confirm:  # and none after it, just read
                 self.note_behind(False)
-                self.remember(head)
-                return head, True
+                self.remember(*got)
+                return got[0], True
+            if got is not None:
+                head, kept = got
         if head is None:
-            read: dict[int, SandboxRecord] = {}
+            read: dict[int, tuple[SandboxRecord, bytes]] = {}
             if self.fresh > FRESH_ABOVE:  # its create's generation, and none after it?
                 read = await self._first_two(sandbox_id)
                 if 0 in read and 1 not in read:
                     self.note_fresh(True)
-                    self.remember(read[0])
-                    return read[0], True
+                    self.remember(*read[0])
+                    return read[0][0], True
             keys = await self.keys(f"sandboxes/{sandbox_id}/")
             gens = sorted(g for k in keys if (g := generation_of(k)) is not None)
             if not gens:
                 raise SandboxNotFound(f"no sandbox {sandbox_id!r}", sandbox_id=sandbox_id)
             self.note_fresh(gens[-1] == 0)
-            head = read.get(gens[-1]) or await self.read(sandbox_id, gens[-1])
-            if head is None:  # removed between the listing and the read (the sweeper)
+            got = read.get(gens[-1]) or await self._fetch(sandbox_id, gens[-1])
+            if got is None:  # removed between the listing and the read (the sweeper)
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed", sandbox_id=sandbox_id)
             # the listing said it is the newest, as a read of the next one would: a commit since is caught
             # by the step's create-only write, as one after such a read is
-            self.remember(head)
-            return head, True
+            self.remember(*got)
+            return got[0], True
         seen_generation = head.generation
         confirmed = True
-        while (newer := await self.read(sandbox_id, head.generation + 1)) is not None:
-            head = newer  # committed elsewhere since
+        while (got := await self._fetch(sandbox_id, head.generation + 1)) is not None:
+            head, kept = got  # committed elsewhere since
             if not confirm:
                 confirmed = False
                 break
         self.note_behind(head.generation > seen_generation)
-        self.remember(head)
+        self.remember(head, kept)
         return head, confirmed
 
-    async def _first_two(self, sandbox_id: str) -> dict[int, SandboxRecord]:
-        """A sandbox's records of generations 0 and 1, those found, read at once."""
-        got = await asyncio.gather(self.read(sandbox_id, 0), self.read(sandbox_id, 1), return_exceptions=True)
+    async def _first_two(self, sandbox_id: str) -> dict[int, tuple[SandboxRecord, bytes]]:
+        """A sandbox's records of generations 0 and 1 (with their bytes), those found, read at once."""
+        got = await asyncio.gather(self._fetch(sandbox_id, 0), self._fetch(sandbox_id, 1), return_exceptions=True)
         for r in got:
             if isinstance(r, BaseException):
                 raise r
-        return {g: r for g, r in enumerate(got) if isinstance(r, SandboxRecord)}
+        return {g: r for g, r in enumerate(got) if isinstance(r, tuple)}
 
     def note_fresh(self, fresh: bool) -> None:
         """A lookup of a sandbox unknown here found it at generation 0 (True), or further on."""
@@ -282,7 +291,11 @@ class StateStore:
     def seen_record(self, sandbox_id: str) -> SandboxRecord | None:
         """The newest record of the sandbox seen here (a copy of its own), if still kept."""
         data = self.seen.get(sandbox_id)
-        return None if data is None else SandboxRecord.from_bytes(data, f"sandboxes/{sandbox_id} (seen here)")
+        return None if data is None else self._parse_seen(sandbox_id, data)
+
+    @staticmethod
+    def _parse_seen(sandbox_id: str, data: bytes) -> SandboxRecord:
+        return SandboxRecord.from_bytes(data, f"sandboxes/{sandbox_id} (seen here)")
 
     def _unsee(self, sandbox_id: str) -> None:
         data = self.seen.pop(sandbox_id, None)

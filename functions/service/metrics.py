@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -68,6 +71,54 @@ class _CleanupFailuresCollector(Collector):
         yield fam
 
 
+class _GcPauses:
+    """The time this process spent in Python's cyclic garbage collector, and its collections, by
+    generation (``gc.callbacks``): a collection stops every thread, the event loop's too, and a full one
+    (generation 2) walks every container object the process holds, so its length grows with what a
+    replica keeps. One per process (``gc_pauses``), whatever thread collects."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self._started: float | None = None
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:  # (a collection holds the GIL from its start to its stop)
+            g = info["generation"]
+            self.seconds[g] += time.perf_counter() - self._started
+            self.collections[g] += 1
+            self._started = None
+
+
+_GC_PAUSES = _GcPauses()
+
+
+def gc_pauses() -> _GcPauses:
+    """The process's ``_GcPauses``, counting from the first call."""
+    if _GC_PAUSES not in gc.callbacks:
+        gc.callbacks.append(_GC_PAUSES)
+    return _GC_PAUSES
+
+
+class _GcCollector(Collector):
+    def __init__(self, pauses: _GcPauses):
+        self._pauses = pauses
+
+    def collect(self) -> Iterator[Metric]:
+        seconds = CounterMetricFamily("rollbox_gc_pause_seconds",
+                                      "Time in Python's cyclic garbage collector (every thread stopped), by generation",
+                                      labels=["generation"])
+        runs = CounterMetricFamily("rollbox_gc_collections", "Python's cyclic garbage collections, by generation",
+                                   labels=["generation"])
+        for g in range(3):
+            seconds.add_metric([str(g)], self._pauses.seconds[g])
+            runs.add_metric([str(g)], self._pauses.collections[g])
+        yield seconds
+        yield runs
+
+
 class Metrics:
     def __init__(
         self,
@@ -122,6 +173,7 @@ class Metrics:
                          "not started", registry=r)
             wait.set_function(lambda: float(waiting()))
         r.register(_PoolCollector(pool_sizes))
+        r.register(_GcCollector(gc_pauses()))
         if pools is not None:
             r.register(_PoolFailuresCollector(pools))
         if cleanup_failures is not None:

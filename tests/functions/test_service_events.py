@@ -54,6 +54,8 @@ async def test_health_endpoints(server: ServerProc, http: httpx.AsyncClient) -> 
         "rollbox_sandbox_create_seconds",
         "rollbox_pool_size",
         "rollbox_cleanup_failures",
+        "rollbox_gc_pause_seconds",
+        "rollbox_gc_collections",
     ):
         assert f"# TYPE {name.removesuffix('_total')}" in r.text, name
 
