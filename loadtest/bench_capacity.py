@@ -11,7 +11,9 @@ start and be routed, the time from their start to the first reply (an exec of an
 before, resumed from S3), and the wave's steps as Locust's users saw them (each worker logs every step:
 when it was first sent and its round trip, retries included): step p50/p99 of the steps sent from the
 replicas' start until --wave-s later, and apart those sent while the fleet was down or draining (their
-retries waited through the outage).
+retries waited through the outage). Every 5 s it records each component's CPU (``<base>/locust_cpu.csv``)
+and what the replicas did (``<base>/locust_replicas.jsonl``, from their /metrics: requests by type,
+resumes, S3 requests by operation, the garbage collector's pauses, ...).
 
     .venv/bin/python loadtest/bench_capacity.py --users 6000 --spawn-rate 30 --think-min-s 120 \\
         --think-max-s 240 --wave-at-s 330 --run-s 450        # ~8 min; as root
