@@ -121,6 +121,9 @@ def lifecycle_rules(prefix: str, *, state_days: int = STATE_DAYS, cold_days: int
         rule("sandboxes", "sandboxes/", {"Expiration": {"Days": state_days}}),
         # a blob lives a lifetime past its last (re)write: reused ones older than a day are rewritten
         rule("blobs", "blobs/", {"Expiration": {"Days": state_days + MAX_LIFETIME_DAYS + 1}}),
+        # the compile cache (outcomes and artifacts, claims, timeout verdicts): one entry per program
+        # compiled, which an RL run makes anew at every sample; an expired one is compiled again when used
+        rule("compiled", "compiled/", {"Expiration": {"Days": state_days}}),
     ]
     if cold_class is not None:
         rules.append(rule("trajectories", "trajectories/",

@@ -32,12 +32,14 @@ def test_every_rule_is_under_the_store_prefix_and_usage_and_snapshots_have_none(
     assert prefixes(rules) == {
         "rollbox-sandboxes:team/run1": "team/run1/sandboxes/",
         "rollbox-blobs:team/run1": "team/run1/blobs/",
+        "rollbox-compiled:team/run1": "team/run1/compiled/",
         "rollbox-trajectories:team/run1": "team/run1/trajectories/",
         "rollbox-multipart:team/run1": "team/run1/",
     }
     rules_ = by_id(rules)
     assert rules_["rollbox-sandboxes:team/run1"]["Expiration"] == {"Days": 10}
     assert rules_["rollbox-blobs:team/run1"]["Expiration"] == {"Days": 10 + MAX_LIFETIME_DAYS + 1} == {"Days": 18}
+    assert rules_["rollbox-compiled:team/run1"]["Expiration"] == {"Days": 10}  # (a compile cache: made again)
     assert rules_["rollbox-trajectories:team/run1"]["Transitions"] == [{"Days": 45, "StorageClass": "DEEP_ARCHIVE"}]
     assert "Expiration" not in rules_["rollbox-trajectories:team/run1"]
     assert rules_["rollbox-multipart:team/run1"]["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 1}
@@ -52,7 +54,8 @@ def test_every_rule_is_under_the_store_prefix_and_usage_and_snapshots_have_none(
 def test_defaults_and_a_store_at_the_bucket_root() -> None:
     rules = by_id(lifecycle_rules(""))
     assert prefixes(list(rules.values())) == {"rollbox-sandboxes": "sandboxes/", "rollbox-blobs": "blobs/",
-                                              "rollbox-trajectories": "trajectories/", "rollbox-multipart": ""}
+                                              "rollbox-compiled": "compiled/", "rollbox-trajectories": "trajectories/",
+                                              "rollbox-multipart": ""}
     assert rules["rollbox-sandboxes"]["Expiration"] == {"Days": 8}
     assert rules["rollbox-blobs"]["Expiration"] == {"Days": 16}
     assert rules["rollbox-trajectories"]["Transitions"] == [{"Days": 30, "StorageClass": "GLACIER_IR"}]
@@ -140,6 +143,7 @@ def test_init_sets_the_rules_then_show_reads_them_back(cli: Any, s3_url: str, se
     for rule_id, prefix, action in (
             ("rollbox-sandboxes:snapshots", "snapshots/sandboxes/", "expire after 9 days"),
             ("rollbox-blobs:snapshots", "snapshots/blobs/", "expire after 17 days"),
+            ("rollbox-compiled:snapshots", "snapshots/compiled/", "expire after 9 days"),
             ("rollbox-multipart:snapshots", "snapshots/", "abort incomplete uploads after 1 day")):
         line = next(x for x in out.splitlines() if rule_id in x)
         assert f"'{prefix}'" in line and action in line and "this store" in line, line
