@@ -43,9 +43,8 @@ __all__ = ["AIO_COMMITS", "StateStore", "recorded"]
 
 log = logging.getLogger("rollbox.durable")
 # what a store call of this layer is doing, for the 503 a hung store gets
-_DOING = {"get": "reading a sandbox's state", "_stored": "reading a sandbox's state",
-          "get_blob": "reading a sandbox's files", "put_blob": "writing a sandbox's files",
-          "put_new": "committing a sandbox's step",
+_DOING = {"get": "reading a sandbox's state", "get_blob": "reading a sandbox's files",
+          "put_blob": "writing a sandbox's files", "put_new": "committing a sandbox's step",
           "keys": "listing sandbox state", "listing": "listing sandbox state", "delete": "deleting sandbox state"}
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -168,14 +167,14 @@ class StateStore:
 
     async def _fetch(self, sandbox_id: str, generation: int) -> tuple[SandboxRecord, bytes] | None:
         """``read``, with the record's bytes as stored: what ``remember`` keeps (not serialized again)."""
+        key = record_key(sandbox_id, generation)
         if self.local:
-            return self._stored(sandbox_id, generation)
-        if self._awaitable is not None:  # S3 through obstore: awaited on the loop, no thread (put_record)
-            key = record_key(sandbox_id, generation)
+            data = self.objects.get(key)
+        elif self._awaitable is not None:  # S3 through obstore: awaited on the loop, no thread (put_record)
             data = await self._within(self._awaitable.get_async(key), _DOING["get"])
-            return None if data is None else (SandboxRecord.from_bytes(data, key), data)
-        result: tuple[SandboxRecord, bytes] | None = await self.io(self._stored, sandbox_id, generation)
-        return result
+        else:
+            data = await self.io(self.objects.get, key)
+        return None if data is None else (SandboxRecord.from_bytes(data, key), data)
 
     async def _within(self, call: Awaitable[T], doing: str) -> T:
         """``call`` with the store's deadline, as ``io`` gives a call in a thread (``StoreDeadline``)."""
@@ -184,11 +183,6 @@ class StateStore:
                 return await call
         except TimeoutError:
             raise StoreDeadline(f"the store did not answer within {self.calls.deadline_s:g} s while {doing}") from None
-
-    def _stored(self, sandbox_id: str, generation: int) -> tuple[SandboxRecord, bytes] | None:
-        key = record_key(sandbox_id, generation)
-        data = self.objects.get(key)
-        return None if data is None else (SandboxRecord.from_bytes(data, key), data)
 
     def note_behind(self, behind: bool) -> None:
         """A step on a sandbox seen here found it moved on by another replica (True), or not."""

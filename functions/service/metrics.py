@@ -72,23 +72,20 @@ class _CleanupFailuresCollector(Collector):
 
 
 class _GcPauses:
-    """The time this process spent in Python's cyclic garbage collector, and its collections, by
-    generation (``gc.callbacks``): a collection stops every thread, the event loop's too, and a full one
-    (generation 2) walks every container object the process holds, so its length grows with what a
-    replica keeps. One per process (``gc_pauses``), whatever thread collects."""
+    """The time this process spent in Python's cyclic garbage collector, by generation (``gc.callbacks``):
+    a collection stops every thread, the event loop's too, and a full one (generation 2) walks every
+    container object the process holds, so its length grows with what a replica keeps. One per process
+    (``gc_pauses``), whatever thread collects. (How many collections: ``gc.get_stats()``.)"""
 
     def __init__(self) -> None:
         self.seconds = [0.0, 0.0, 0.0]
-        self.collections = [0, 0, 0]
         self._started: float | None = None
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
         elif self._started is not None:  # (a collection holds the GIL from its start to its stop)
-            g = info["generation"]
-            self.seconds[g] += time.perf_counter() - self._started
-            self.collections[g] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
             self._started = None
 
 
@@ -110,11 +107,12 @@ class _GcCollector(Collector):
         seconds = CounterMetricFamily("rollbox_gc_pause_seconds",
                                       "Time in Python's cyclic garbage collector (every thread stopped), by generation",
                                       labels=["generation"])
-        runs = CounterMetricFamily("rollbox_gc_collections", "Python's cyclic garbage collections, by generation",
+        runs = CounterMetricFamily("rollbox_gc_collections",
+                                   "Python's cyclic garbage collections since the process started, by generation",
                                    labels=["generation"])
-        for g in range(3):
+        for g, stats in enumerate(gc.get_stats()):
             seconds.add_metric([str(g)], self._pauses.seconds[g])
-            runs.add_metric([str(g)], self._pauses.collections[g])
+            runs.add_metric([str(g)], stats["collections"])
         yield seconds
         yield runs
 
