@@ -33,9 +33,11 @@ with other work it is higher than the sum of the components.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,7 +51,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleet_local import WEED_PROCS, Fleet, format_drain, locust_master_args
+from fleet_local import CONTAINER_CONCURRENCY, WEED_PROCS, Fleet, format_drain, locust_master_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -127,6 +129,45 @@ def machine_cpu_s() -> tuple[float, float]:
 
 def machine_busy_s() -> float:
     return machine_cpu_s()[0]
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM ``proc``'s process group (``proc`` started a session of its own), SIGKILL what is left of
+    it after ``grace_s``; ``proc`` is reaped."""
+    def alive() -> bool:  # (a zombie nobody reaps is not)
+        return any(_state(pid) not in ("Z", "") for pid in _group(proc.pid))
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while alive() and time.monotonic() < deadline:
+        proc.poll()
+        time.sleep(0.1)
+    if alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _group(pgid: int) -> list[int]:
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[3]) == pgid:
+                        out.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 @dataclass
@@ -368,12 +409,15 @@ def main() -> int:
     ap.add_argument("--wave-s", type=float, default=60, help="the wave's step p99 is taken over this long")
     ap.add_argument("--base", type=Path, default=None)
     ap.add_argument("--weed-procs", type=int, default=WEED_PROCS, help="SeaweedFS's GOMAXPROCS (0: Go's default)")
+    ap.add_argument("--container-concurrency", type=int, default=CONTAINER_CONCURRENCY,
+                    help="requests HAProxy sends one replica at once, the rest wait there (0: no limit)")
     ap.add_argument("serve_args", nargs="*", help="after --: flags for every rollbox serve")
     args = ap.parse_args()
     base = args.base or Path(tempfile.mkdtemp(prefix="rollbox-capacity-"))
     serve_args = args.serve_args or ["--hibernate-after-s", "30"]
     prefix = base / "locust"
-    fleet = Fleet(base / "fleet", args.replicas, serve_args=serve_args, weed_procs=args.weed_procs)
+    fleet = Fleet(base / "fleet", args.replicas, serve_args=serve_args, weed_procs=args.weed_procs,
+                  container_concurrency=args.container_concurrency)
     fleet.start()
     locust: subprocess.Popen[bytes] | None = None
     sampler: Sampler | None = None
@@ -391,7 +435,10 @@ def main() -> int:
                    "--step-log", f"{prefix}_steps.csv"]
             log = open(f"{prefix}.out", "wb")  # noqa: SIM115 - handed to the child
             t_start = time.time()
-            locust = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**clean, "ROLLBOX_LOCUST_SHAPE": "none"})
+            # its own process group: the workers it forks are stopped with it (an overloaded run's master
+            # can exit while its workers still wait on requests; they were left running)
+            locust = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**clean, "ROLLBOX_LOCUST_SHAPE": "none"})
             log.close()
             comps = Components(fleet, locust.pid)
             sampler = Sampler(comps, cpu_csv=Path(f"{prefix}_cpu.csv"))
@@ -430,9 +477,8 @@ def main() -> int:
         sampler.stop.set()
         summary = json.loads(Path(f"{prefix}.json").read_text())
     finally:
-        if locust is not None and locust.poll() is None:
-            locust.terminate()
-            locust.wait(60)
+        if locust is not None:
+            stop_group(locust)
         if sampler is not None:
             sampler.stop.set()
         if activity is not None:

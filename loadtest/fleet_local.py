@@ -66,6 +66,13 @@ from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, free_por
 # keeps Go's default.
 WEED_PROCS = 1
 
+# Requests one replica is sent at once: knative/base/service.yaml's containerConcurrency (and `rollbox
+# serve`'s --max-running). Knative's activator sends a pod no more than that and holds the rest, and
+# when a revision comes back from zero it sends each pod its share as it becomes ready. Without the
+# cap, HAProxy handed every buffered request to the first replica routed (the 100k run's wave: ~129 on
+# one replica while the second, routed 0.1 s later, got only the new ones).
+CONTAINER_CONCURRENCY = 64
+
 HAPROXY_TIMEOUT_SERVER_S = 600  # longer than any reply: the replicas' own deadline answers first
 
 
@@ -95,10 +102,14 @@ end, 1)
 
 
 def haproxy_config(port: int, backends: Sequence[int], stats_socket: Path, maxconn: int | None = None,
-                   activator: Path | None = None, activator_wait_s: float = 0.0) -> str:
+                   activator: Path | None = None, activator_wait_s: float = 0.0,
+                   container_concurrency: int = CONTAINER_CONCURRENCY) -> str:
     """Round-robin over ``backends``, checked on /readyz; ``maxconn`` fits the open-files limit (each
     proxied connection holds two descriptors). ``activator``: a file holding ``ACTIVATOR_LUA``, so that
-    a request finding no replica routed waits up to ``activator_wait_s`` for one."""
+    a request finding no replica routed waits up to ``activator_wait_s`` for one. At most
+    ``container_concurrency`` requests are sent to one replica at once (Knative's containerConcurrency:
+    its activator and queue-proxy hold the rest); the others wait in HAProxy's queue, first come first
+    served, for whichever replica has room (0: no limit)."""
     if maxconn is None:
         maxconn = max(256, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200) // 2)
     # downinter: a replica that is down (scaled to zero, starting) is checked every 0.1 s, so the first
@@ -106,7 +117,8 @@ def haproxy_config(port: int, backends: Sequence[int], stats_socket: Path, maxco
     # check may take 2 s to be answered (without it, the check's interval: a replica whose loop was busy
     # for 0.5 s at the 100k run's peak was taken out of the rotation); a draining replica answers its
     # check with 503 at once, and is out within 0.5 s
-    servers = "\n".join(f"    server r{i + 1} 127.0.0.1:{p} check inter 500ms downinter 100ms fall 1 rise 1 maxconn 2048"
+    per = f" maxconn {container_concurrency}" if container_concurrency > 0 else ""
+    servers = "\n".join(f"    server r{i + 1} 127.0.0.1:{p} check inter 500ms downinter 100ms fall 1 rise 1{per}"
                         for i, p in enumerate(backends))
     # (the wait is a process variable: Fleet.set_activator_wait_s changes it through the stats socket;
     # Lua's session timeout counts the Lua code's run time, not its sleeps)
@@ -159,12 +171,13 @@ class Fleet:
     def __init__(self, base: Path, replicas: int = 2, *, serve_args: Sequence[str] = (), port: int = 0,
                  start_timeout_s: float = 120.0, s3: SeaweedS3 | None = None,
                  on_store: Callable[[Fleet], None] | None = None, activator_wait_s: float = 30.0,
-                 weed_procs: int = WEED_PROCS):
+                 weed_procs: int = WEED_PROCS, container_concurrency: int = CONTAINER_CONCURRENCY):
         """``s3``: a running SeaweedFS to use (a new bucket in it; left running), else one of its own.
         ``on_store``: called once the bucket exists, before the replicas start (to fill the store: push
         the snapshots they will use; ``store_env`` has its URL and credentials). ``activator_wait_s``:
         how long a request that finds every replica down waits at HAProxy for one (0: 503 at once).
-        ``weed_procs``: its own SeaweedFS's GOMAXPROCS (0: Go's default)."""
+        ``weed_procs``: its own SeaweedFS's GOMAXPROCS (0: Go's default). ``container_concurrency``:
+        requests sent to one replica at once, the rest wait at HAProxy (0: no limit)."""
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         self.base = base
@@ -184,6 +197,7 @@ class Fleet:
         self.haproxy: subprocess.Popen[bytes] | None = None
         self.on_store = on_store
         self.activator_wait_s = activator_wait_s
+        self.container_concurrency = container_concurrency
 
     @property
     def url(self) -> str:
@@ -206,7 +220,8 @@ class Fleet:
             activator = self.base / "activator.lua"
             activator.write_text(ACTIVATOR_LUA)
             cfg.write_text(haproxy_config(self.port, self.replica_ports, self.base / "haproxy.sock",
-                                          activator=activator, activator_wait_s=self.activator_wait_s))
+                                          activator=activator, activator_wait_s=self.activator_wait_s,
+                                          container_concurrency=self.container_concurrency))
             log = open(self.base / "haproxy.log", "ab")  # noqa: SIM115 - handed to the child
             self.haproxy = subprocess.Popen([haproxy_binary(), "-db", "-f", str(cfg)], stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -417,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--activator-wait-s", type=float, default=30.0,
                     help="how long a request that finds every replica down waits at HAProxy for one (0: 503 at once)")
     ap.add_argument("--weed-procs", type=int, default=WEED_PROCS, help="SeaweedFS's GOMAXPROCS (0: Go's default)")
+    ap.add_argument("--container-concurrency", type=int, default=CONTAINER_CONCURRENCY,
+                    help="requests sent to one replica at once; the rest wait at HAProxy (0: no limit)")
     ap.add_argument("serve_args", nargs="*", help="after --: flags for every rollbox serve")
     args = ap.parse_args(argv)
     stop = False
@@ -429,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     base = args.base or Path(tempfile.mkdtemp(prefix="rollbox-fleet-"))
     f = Fleet(base, args.replicas, serve_args=args.serve_args, port=args.port, activator_wait_s=args.activator_wait_s,
-              weed_procs=args.weed_procs)
+              weed_procs=args.weed_procs, container_concurrency=args.container_concurrency)
     try:
         f.start()
         print(json.dumps({"url": f.url, "base": str(base), "pids": f.pids()}), flush=True)

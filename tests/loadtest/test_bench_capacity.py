@@ -91,3 +91,31 @@ def test_bench_capacity_sweep_quick_writes_the_curve(tmp_path: Path) -> None:
     assert 0 < float(rows[0]["cold_start_s"]) < 60
     png = tmp_path / "capacity.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stop_group_stops_the_workers_a_master_left(tmp_path: Path) -> None:
+    """Locust's master can exit while the workers it forked still wait on requests (an overloaded run):
+    the bench stops its whole process group, SIGKILL for what ignores SIGTERM."""
+    import importlib.util
+    import time
+
+    spec = importlib.util.spec_from_file_location("bench_capacity", ROOT / "loadtest" / "bench_capacity.py")
+    assert spec is not None and spec.loader is not None
+    bc = importlib.util.module_from_spec(spec)
+    sys.modules["bench_capacity"] = bc  # (its dataclasses look their module up there)
+    spec.loader.exec_module(bc)
+    pidfile = tmp_path / "worker.pid"
+    # a "master" that leaves a "worker" behind it, one that ignores SIGTERM
+    # (the worker writes its pid once it ignores SIGTERM; an ignored signal stays ignored across exec)
+    worker_sh = f"trap '' TERM; echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 300"
+    master = subprocess.Popen(["sh", "-c", f'sh -c "{worker_sh}" & exec sleep 300'], start_new_session=True)
+    while not pidfile.exists():
+        time.sleep(0.05)
+    worker = int(pidfile.read_text())
+    assert bc._state(worker) not in ("", "Z")
+    t0 = time.monotonic()
+    bc.stop_group(master, grace_s=1.0)
+    assert master.returncode is not None
+    assert bc._state(worker) in ("", "Z"), bc._state(worker)  # gone (or a zombie nobody reaps here)
+    assert 1.0 <= time.monotonic() - t0 < 10  # it outlived SIGTERM, so SIGKILL after the grace
+    assert not [pid for pid in bc._group(master.pid) if bc._state(pid) not in ("", "Z")]

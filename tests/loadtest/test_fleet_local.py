@@ -189,3 +189,43 @@ def test_the_fleets_seaweedfs_runs_with_the_go_threads_it_is_given(tmp_path: Pat
         s3.client().create_bucket(Bucket="procs")  # and it serves
     finally:
         s3.stop()
+
+
+def test_requests_held_at_zero_are_shared_by_the_replicas_as_they_start(seaweed: SeaweedS3, tmp_path: Path) -> None:
+    """Knative's containerConcurrency, as HAProxy's per-replica maxconn: no replica is sent more than
+    its share at once, the rest wait at HAProxy. Six steps sent while the fleet is at zero wait at the
+    activator; when the replicas start, each is sent 2 at a time (without the cap, HAProxy hands them
+    all out at once: 3 each when both are routed together, all six to one routed alone), and both serve
+    the held steps."""
+    import concurrent.futures
+
+    fl = load_fleet_local()
+    assert "maxconn 2\n" in fl.haproxy_config(1, [2], tmp_path / "sock", container_concurrency=2)
+    assert " maxconn" not in fl.haproxy_config(1, [2], tmp_path / "sock", container_concurrency=0).split("backend")[1]
+    with fl.Fleet(tmp_path / "fleet", 2, serve_args=["--hibernate-after-s", "60"], s3=seaweed,
+                  container_concurrency=2, activator_wait_s=60) as f, httpx.Client(timeout=60) as http:
+        sids = []
+        for _ in range(6):
+            r = send(http, f.url, CREATE, {"snapshot": "python"})
+            assert r.status_code == 200, r.text
+            sids.append(r.json()["sandbox_id"])
+        assert f.scale_to_zero() == [0, 0]
+        while f.routed():
+            time.sleep(0.05)
+        def step(sid: str) -> httpx.Response:  # 2 s each: a replica given all six would have run them at once
+            with httpx.Client(timeout=60) as client:
+                return send(client, f.url, EXEC, {"sandbox_id": sid, "code": "import time; time.sleep(2); print(2)"})
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futs = [pool.submit(step, sid) for sid in sids]
+            time.sleep(1.0)  # all six wait at HAProxy's activator
+            f.scale_up()
+            replies = [fut.result() for fut in futs]
+        assert [r.status_code for r in replies] == [200] * 6, [r.text for r in replies]
+        assert all(r.json()["stdout"] == "2\n" and r.json()["resumed"] for r in replies)
+        smax = [haproxy_stat(f, "replicas", f"r{i}", "smax") for i in (1, 2)]
+        served = [haproxy_stat(f, "replicas", f"r{i}", "stot") for i in (1, 2)]
+        assert max(smax) <= 2, smax  # never more than its share at once
+        assert haproxy_stat(f, "replicas", "BACKEND", "qmax") >= 1  # the rest waited at HAProxy
+        # both replicas served the held steps (each also had its creates before the zero: 3 each)
+        assert min(served) >= 3 + 1, served
