@@ -606,6 +606,7 @@ async def _serve(cfg: ServeConfig, replica: _Replica, sock: socket.socket, stop:
         uvicorn.Config(
             service.asgi_app(),
             lifespan="off",
+            ws="none",  # no WebSocket route: its protocol's modules (websockets, wsproto) are not loaded at start
             http=http_protocol(cfg.service.request_timeout_s,
                                lambda status: service.metrics.requests.labels("invalid", str(status)).inc()),
             log_config=None,
