@@ -161,7 +161,7 @@ class Runner:
         # compiles at once: two per CPU the sandboxes get; the others wait their turn (not counted in their
         # compile_timeout). 16 JVM compiles sharing 2 CPUs all ran past a 60 s compile_timeout (correct
         # programs judged compile timeouts); at 2 or 4 at once they finish (4: g++ keeps its throughput).
-        self.compile_slots = compile_slots or 2 * _sandbox_cpus(rt)
+        self.compile_slots = compile_slots or 2 * sandbox_cpus(rt)
         self._compiling = asyncio.Semaphore(self.compile_slots)
         self.cache = cache
         self.one_shot = one_shot or rt  # one-shot runs: the durable layer's run makes room (idle sandboxes hibernate)
@@ -456,7 +456,7 @@ def _case_result(r: ExecResult, expected: str | None) -> CaseResult:
                       oom_killed=r.oom_killed, signal=r.signal, wall_s=r.wall_s, passed=passed)
 
 
-def _sandbox_cpus(rt: Any) -> int:
+def sandbox_cpus(rt: Any) -> int:
     """The CPUs sandboxes run on, rounded up: the cap on all of them (the host's or the container's CPUs
     less the supervisor's reserve) where the runtime has a cgroup backend, else this process's CPUs."""
     cpu = getattr(getattr(getattr(rt, "rt", rt), "cgroup_backend", None), "cpu", None)

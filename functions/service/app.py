@@ -46,7 +46,14 @@ from rollbox.functions.handlers import run_code as run_code_handler
 from rollbox.functions.handlers import sandbox
 from rollbox.functions.handlers.routing import EventRef, Route, SandboxRuntime
 from rollbox.functions.recording.steps import StepLog, current_step
-from rollbox.functions.service.admission import Admission, InsufficientStorage, Rejected, ServiceConfig, disk_full
+from rollbox.functions.service.admission import (
+    RUNNING_PER_CPU,
+    Admission,
+    InsufficientStorage,
+    Rejected,
+    ServiceConfig,
+    disk_full,
+)
 from rollbox.functions.service.deadline import budget_s, within
 from rollbox.functions.service.idempotency import Conflict, IdempotencyCache
 from rollbox.functions.service.logs import logger
@@ -215,7 +222,8 @@ class Service:
         self.admission = Admission(
             cap=cap or LiveCap(cfg.max_live),
             max_queued=cfg.max_queued,
-            max_running=cfg.max_running,
+            max_running=cfg.max_running or RUNNING_PER_CPU * run_code_handler.sandbox_cpus(runtime),
+            long_running_s=cfg.turn_s,
             retry_after_s=cfg.retry_after_s,
             running=runtime.running_count,
         )

@@ -109,9 +109,13 @@ OPTIONS: tuple[Option, ...] = (
            "language compiles run at once (/run_code and run events); the others wait their turn, which does not "
            "count in their compile timeout, and a wait past it is a 504 (/run_code) or 429 with Retry-After; "
            "0: two per CPU the sandboxes get"),
-    Option("max_running", "--max-running", "ROLLBOX_MAX_RUNNING", integer(1), _D.max_running,
+    Option("max_running", "--max-running", "ROLLBOX_MAX_RUNNING", integer(0), _D.max_running,
            "cap on admitted requests running at once; the others wait their turn in order (not started: on "
-           "SIGTERM they get 503 with Retry-After at once, to be retried elsewhere)"),
+           "SIGTERM they get 503 with Retry-After at once, to be retried elsewhere); one that has run "
+           "--turn-s leaves its place to the next; 0: 8 per CPU the sandboxes get"),
+    Option("turn_s", "--turn-s", "ROLLBOX_TURN_S", seconds_or_never, _D.turn_s,
+           "a started request counts against --max-running this long at most, then the next one waiting starts "
+           "too (a program that sleeps or runs long does not hold the queue); 0: until it ends"),
     Option(
         "max_body_bytes",
         "--max-body-bytes",
@@ -668,7 +672,7 @@ async def _linger(service: Service, until: float) -> None:
 async def _drain(cfg: ServeConfig, replica: _Replica) -> None:
     service = replica.service
     handed_back = service.admission.start_draining()  # the waiting ones: 503 + Retry-After, now
-    lifecycle.info("draining", extra={"fields": {"running": service.admission.started, "handed_back": handed_back,
+    lifecycle.info("draining", extra={"fields": {"running": service.admission.running, "handed_back": handed_back,
                                                  "grace_s": cfg.grace_s}})
     if not await service.admission.wait_idle(cfg.grace_s):
         lifecycle.warning("grace period over; cancelling in-flight events",

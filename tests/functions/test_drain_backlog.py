@@ -1,4 +1,5 @@
-"""SIGTERM with a backlog: the steps waiting their turn (behind --max-running) are handed back at once
+"""SIGTERM with a backlog: the steps waiting their turn (behind --max-running; --turn-s 0: the running
+ones keep their turn to their end, so the others are still waiting at the SIGTERM) are handed back at once
 (503 + Retry-After, nothing of them applied), the running ones finish, the process exits within the
 grace, and each handed-back step, retried on another replica sharing the S3 store, applies once.
 
@@ -48,7 +49,7 @@ async def test_sigterm_hands_back_waiting_steps_at_once_and_their_retries_apply_
         seaweed: SeaweedS3, tmp_path: Path) -> None:
     env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
            "ROLLBOX_STORE": f"s3://{seaweed.new_bucket()}/rb", "AWS_ENDPOINT_URL": seaweed.endpoint}
-    a = start_server(tmp_path / "a", "--home", str(tmp_path / "home-a"), "--max-running", str(RUNNING),
+    a = start_server(tmp_path / "a", "--home", str(tmp_path / "home-a"), "--max-running", str(RUNNING), "--turn-s", "0",
                      "--grace-s", str(GRACE_S), env=env)
     b: ServerProc | None = None
     try:
@@ -100,3 +101,26 @@ async def test_sigterm_hands_back_waiting_steps_at_once_and_their_retries_apply_
         a.stop()
         if b is not None:
             assert b.stop() == 0
+
+
+async def test_a_program_that_sleeps_does_not_hold_the_queue(tmp_path: Path) -> None:
+    """--max-running 1: a step whose program sleeps 6 s holds its turn for --turn-s (1 s by default)
+    only; the step sent after it, on another sandbox, starts then and is answered long before."""
+    a = start_server(tmp_path / "a", "--home", str(tmp_path / "home"), "--max-running", "1")
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            sids = []
+            for _ in range(2):
+                r = await send(http, a.url, event(CREATE, {}))
+                assert r.status == 200, r.data
+                sids.append(str(r.data["sandbox_id"]))
+            t0 = time.monotonic()
+            sleeper = asyncio.create_task(_timed(_step(http, a, sids[0], "sleep 6; echo slept")))
+            await _until(http, a, "inflight", 1)
+            at, r = await _timed(_step(http, a, sids[1], "echo quick"))
+            assert (r.status, r.data["stdout"]) == (200, "quick\n"), r.data
+            assert at - t0 < 4, at - t0  # its turn came after ~1 s, not after the sleeper's 6 s
+            done, slept = await sleeper
+            assert (slept.status, slept.data["stdout"]) == (200, "slept\n") and done > at
+    finally:
+        assert a.stop() == 0

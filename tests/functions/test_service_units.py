@@ -300,3 +300,56 @@ async def test_a_replys_head_and_body_go_out_as_one_write() -> None:
     await asyncio.sleep(0)
     assert len(t.writes) == 1
 
+
+
+async def test_admission_runs_max_running_in_order_and_a_long_one_leaves_its_place() -> None:
+    """--max-running: the others wait their turn in order; one that has run long_running_s (a program
+    that sleeps) no longer holds its place, so it never holds the queue."""
+    from rollbox.functions.durable.capacity import LiveCap
+    from rollbox.functions.service.admission import Admission
+
+    adm = Admission(cap=LiveCap(100), max_queued=10, retry_after_s=1, running=lambda: 0, max_running=2,
+                    long_running_s=0.3)
+    order: list[str] = []
+    release = {name: asyncio.Event() for name in ("a", "b", "c", "d")}
+
+    async def request(name: str) -> None:
+        async with adm.admit(creates_sandbox=False):
+            order.append(name)
+            await release[name].wait()
+
+    tasks = {}
+    for name in ("a", "b", "c", "d"):
+        tasks[name] = asyncio.create_task(request(name))
+        await asyncio.sleep(0.01)
+    assert order == ["a", "b"] and adm.waiting == 2 and adm.running == 2
+    release["a"].set()  # a ends before its time is up: the first waiting one starts, in order
+    await asyncio.sleep(0.05)
+    assert order == ["a", "b", "c"] and adm.waiting == 1 and adm.outlasted == 0
+    await asyncio.sleep(0.3)  # b outlasted its time: d starts though b and c still run
+    assert order == ["a", "b", "c", "d"] and adm.waiting == 0 and adm.running == 3 and adm.outlasted >= 1
+    for name in ("b", "c", "d"):
+        release[name].set()
+    await asyncio.gather(*tasks.values())
+    assert adm.started == 0 and adm.inflight == 0 and adm.running == 0  # each place given back once
+
+
+def test_max_running_defaults_to_eight_per_cpu_the_sandboxes_get() -> None:
+    from rollbox.functions.handlers.run_code import sandbox_cpus
+    from rollbox.functions.service.admission import RUNNING_PER_CPU, ServiceConfig
+    from rollbox.functions.service.app import Service
+
+    class NoRuntime:  # (nothing runs: only the service's admission is looked at)
+        def running_count(self) -> int:
+            return 0
+
+        def live_count(self) -> int:
+            return 0
+
+        def pool_sizes(self) -> dict[str, int]:
+            return {}
+
+    rt = NoRuntime()
+    assert RUNNING_PER_CPU == 8 and ServiceConfig().max_running == 0
+    assert Service(rt, ServiceConfig(), routes=()).admission.max_running == 8 * sandbox_cpus(rt)  # type: ignore[arg-type]
+    assert Service(rt, ServiceConfig(max_running=5), routes=()).admission.max_running == 5  # type: ignore[arg-type]
