@@ -30,9 +30,10 @@ LONG_RUNNING_S = 1.0
 # --max-running's default: started requests per CPU the sandboxes get. A replica that starts every
 # admitted request of a burst at once shares its CPUs among them all, so each one's reply waits until
 # nearly all are done; taken in turn, replies come as each is done, at the same steps/s. After a scale
-# from zero (2 replicas on 2 cores, ~130 requests held): 16 at once per replica answered the first
-# 1.6-1.8 s after the start and the wave's median in 0.05-0.5 s, 64 at once (the old default, Knative's
-# containerConcurrency) 2.2-2.9 s and 1.1-10 s (loadtest/bench_capacity.py; docs/capacity.md).
+# from zero (2 replicas on 2 cores, ~130 requests held), with 16 at once per replica a step sent at the
+# start was answered 1.80-1.85 s after it and half the wave's steps within 0.05-0.5 s; with 64 at once
+# (the old default, Knative's containerConcurrency) 2.9-4.6 s and 1.1-10 s (loadtest/bench_capacity.py,
+# docs/capacity.md). CPU per request is the same either way.
 RUNNING_PER_CPU = 8
 
 MiB = 1024 * 1024

@@ -23,7 +23,9 @@ def inflight(text: str) -> float:
 
 
 async def test_sigterm_drains_in_flight_work(tmp_path: Path) -> None:
-    srv = start_server(tmp_path, "--grace-s", "30")
+    # all N started at once (beyond --max-running they would wait their turn, and a drain hands those
+    # back with 503 at once: tests/functions/test_drain_backlog.py)
+    srv = start_server(tmp_path, "--grace-s", "30", "--max-running", str(N))
     try:
         async with httpx.AsyncClient(
             timeout=httpx.Timeout(10, read=60), limits=httpx.Limits(max_connections=N + 8)
