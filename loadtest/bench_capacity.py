@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,16 +59,27 @@ TICK = os.sysconf("SC_CLK_TCK")
 MIB = 1024 * 1024
 
 
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
+def proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: [0] state, [1] ppid, [2] pgrp, [7] minflt,
+    [8] cminflt, [11:15] utime stime cutime cstime. Raises OSError when the process is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()
+
+
+def _processes() -> Iterator[tuple[int, list[str]]]:
+    """(pid, ``proc_stat``) of every process now (those gone while read are skipped)."""
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    ppid = int(f.read().rpartition(")")[2].split()[1])
-            except (OSError, IndexError, ValueError):
+                yield int(entry.name), proc_stat(int(entry.name))
+            except OSError:
                 continue
-            out.setdefault(ppid, []).append(int(entry.name))
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for pid, fields in _processes():
+        out.setdefault(int(fields[1]), []).append(pid)
     return out
 
 
@@ -85,8 +97,7 @@ def tree_cpu_split_s(root: int, children: dict[int, list[int]]) -> tuple[float, 
     user = kernel = 0
     for pid in _tree(root, children):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
+            fields = proc_stat(pid)
             user += int(fields[11]) + int(fields[13])  # utime + cutime
             kernel += int(fields[12]) + int(fields[14])  # stime + cstime
         except (OSError, IndexError, ValueError):
@@ -101,8 +112,7 @@ def tree_cpu_s(root: int, children: dict[int, list[int]]) -> float:
 
 def own_cpu_s(pid: int) -> float:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return sum(int(x) for x in f.read().rpartition(")")[2].split()[11:13]) / TICK
+        return sum(int(x) for x in proc_stat(pid)[11:13]) / TICK
     except (OSError, ValueError):
         return 0.0
 
@@ -137,36 +147,26 @@ def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
     def alive() -> bool:  # (a zombie nobody reaps is not)
         return any(_state(pid) not in ("Z", "") for pid in _group(proc.pid))
 
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while alive() and time.monotonic() < deadline:
-        proc.poll()
-        time.sleep(0.1)
-    if alive():
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):  # (a SIGKILL lands a moment later)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait_s
+        while alive() and time.monotonic() < deadline:
+            proc.poll()
+            time.sleep(0.1)
+        if not alive():
+            break
     proc.wait()
 
 
 def _group(pgid: int) -> list[int]:
-    out = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    if int(f.read().rpartition(")")[2].split()[3]) == pgid:
-                        out.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return out
+    return [pid for pid, fields in _processes() if int(fields[2]) == pgid]
 
 
 def _state(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
+        return proc_stat(pid)[0]
+    except OSError:
         return ""
 
 

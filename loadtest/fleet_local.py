@@ -54,7 +54,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.*
 sys.path.insert(0, str(ROOT / "tests" / "functions"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fleet (the model: how service.yaml is read)
 
+from fleet import Kpa  # noqa: E402
 from svc_testkit import ServerProc, start_server  # noqa: E402
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, free_ports  # noqa: E402
@@ -66,12 +68,12 @@ from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, free_por
 # keeps Go's default.
 WEED_PROCS = 1
 
-# Requests one replica is sent at once: knative/base/service.yaml's containerConcurrency (and `rollbox
-# serve`'s --max-running). Knative's activator sends a pod no more than that and holds the rest, and
-# when a revision comes back from zero it sends each pod its share as it becomes ready. Without the
-# cap, HAProxy handed every buffered request to the first replica routed (the 100k run's wave: ~129 on
-# one replica while the second, routed 0.1 s later, got only the new ones).
-CONTAINER_CONCURRENCY = 64
+# Requests one replica is sent at once: knative/base/service.yaml's containerConcurrency, read as the
+# fleet model reads it. Knative's activator sends a pod no more than that and holds the rest, and when
+# a revision comes back from zero it sends each pod its share as it becomes ready. Without the cap,
+# HAProxy handed every buffered request to the first replica routed (the 100k run's wave: ~129 on one
+# replica while the second, routed 0.1 s later, got only the new ones).
+CONTAINER_CONCURRENCY = Kpa.from_service().container_concurrency
 
 HAPROXY_TIMEOUT_SERVER_S = 600  # longer than any reply: the replicas' own deadline answers first
 

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "loadtest"))
-from bench_capacity import _children, _tree, store_ops, tree_cpu_split_s  # noqa: E402
+from bench_capacity import _children, _tree, proc_stat, store_ops, tree_cpu_split_s  # noqa: E402
 from fleet_local import WEED_PROCS  # noqa: E402
 
 from tests.snapshots.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, free_ports  # noqa: E402
@@ -83,15 +83,9 @@ class Cpu:
         return self.user_s + self.kernel_s
 
 
-def _stat(pid: int) -> list[str]:
-    """/proc/PID/stat's fields after the command name: [7] minflt, [8] cminflt, [11:15] utime stime cutime cstime."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()
-
-
 def own_cpu(pid: int) -> Cpu:
     """The process's own CPU, its threads included (not its children's)."""
-    v = _stat(pid)
+    v = proc_stat(pid)
     return Cpu(int(v[11]) / TICK, int(v[12]) / TICK)
 
 
@@ -104,7 +98,7 @@ def tree_faults(pid: int, children: dict[int, list[int]]) -> int:
     total = 0
     for p in _tree(pid, children):
         try:
-            v = _stat(p)
+            v = proc_stat(p)
             total += int(v[7]) + int(v[8])
         except (OSError, IndexError, ValueError):
             continue
@@ -166,7 +160,7 @@ def sample(servers: list[int], weed: int) -> Sample:
     ch = _children()
     own = [own_cpu(p) for p in servers]
     tree = [tree_cpu(p, ch) for p in servers]
-    own_faults = [int(_stat(p)[7]) for p in servers]
+    own_faults = [int(proc_stat(p)[7]) for p in servers]
     threads: dict[str, float] = {}
     for p in servers:
         for k, v in threads_cpu(p).items():
