@@ -17,6 +17,7 @@ import io
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -25,7 +26,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from rollbox.functions.contract.records import DEFAULT_EXPERIMENT, arrow_table_of_lines
+from rollbox.functions.contract.records import DEFAULT_EXPERIMENT, arrow_scalar, arrow_table_of_lines
 from rollbox.functions.recording.spool import KINDS, Segment, Spool, spool_line
 from rollbox.runtime.errors import RollboxError
 from rollbox.snapshots.calls import StoreCalls
@@ -75,8 +76,8 @@ class Flusher:
             log.info("flushed %d rows a previous process left in the spool", left)
 
     async def loop(self) -> None:
-        # pyarrow's kernels and Parquet writer load lazily (~0.6 s, pandas included): once, in the
-        # background after the server answers, so that neither its start nor its first flush waits
+        # pyarrow's kernels and Parquet writer load lazily: once, in the background after the server
+        # answers, so that neither its start nor its first flush waits
         await asyncio.sleep(WARM_UP_AFTER_S)
         try:
             await asyncio.to_thread(_warm_up)
@@ -163,18 +164,9 @@ class Flusher:
                 if not mine:
                     continue
                 table = arrow_table_of_lines(b"".join(mine), schema)
-            when = "recorded_at" if "recorded_at" in schema.names else "ended_at"
-            dates = pc.strftime(table[when], format="%Y-%m-%d").fill_null(
-                dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"))
-            experiments = table["experiment"].fill_null(DEFAULT_EXPERIMENT)
-            table = table.select(schema.names)
-            keys = pa.table({"e": experiments, "d": dates})
-            for part in keys.group_by(["e", "d"]).aggregate([]).to_pylist():
-                group = table.filter(pc.and_(pc.equal(experiments, part["e"]), pc.equal(dates, part["d"])))
-                buf = io.BytesIO()
-                pq.write_table(group, buf, compression="zstd")
+            for (experiment, date), data in parquet_partitions(table, schema):
                 # False: flushed before a crash, already there
-                self.objects.put_new(partition_key(kind, part["e"], part["d"], name), buf.getvalue())
+                self.objects.put_new(partition_key(kind, experiment, date, name), data)
 
     @staticmethod
     def _sort_lines(lines: list[bytes], schema: pa.Schema) -> tuple[list[bytes], list[bytes]]:
@@ -243,8 +235,26 @@ class Flusher:
         return generation > 0 and not self.objects.keys(f"sandboxes/{sandbox_id}/")
 
 
+def parquet_partitions(table: pa.Table, schema: pa.Schema) -> Iterator[tuple[tuple[str, str], bytes]]:
+    """``table`` (rows of ``schema`` plus their experiment) as Parquet files, one per (experiment, date)."""
+    when = "recorded_at" if "recorded_at" in schema.names else "ended_at"
+    string = pa.string()  # (Arrow scalars, not Python values: see arrow_scalar)
+    dates = pc.strftime(table[when], format="%Y-%m-%d").fill_null(
+        arrow_scalar(dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"), string))
+    experiments = table["experiment"].fill_null(arrow_scalar(DEFAULT_EXPERIMENT, string))
+    table = table.select(schema.names)
+    # (one key column and its distinct values, not Table.group_by: that loads pyarrow.dataset, and pandas)
+    keys = pc.binary_join_element_wise(dates, experiments, arrow_scalar("/", string))
+    for key in pc.unique(keys).to_pylist():
+        date, experiment = key.split("/", 1)  # (a date has no "/")
+        buf = io.BytesIO()
+        pq.write_table(table.filter(pc.equal(keys, arrow_scalar(key, string))), buf, compression="zstd")
+        yield (experiment, date), buf.getvalue()
+
+
 def _warm_up() -> None:
-    """Write a table once, in memory: pyarrow loads its compute kernels and Parquet writer lazily,
-    which would otherwise land on the first flush under load."""
+    """Write each kind's table once, in memory, as a flush does: pyarrow loads its compute kernels and
+    Parquet writer lazily, which would otherwise land on the first flush under load."""
     for kind, (_, schema) in KINDS.items():
-        pq.write_table(arrow_table_of_lines(spool_line(kind, {}), schema), io.BytesIO(), compression="zstd")
+        for _ in parquet_partitions(arrow_table_of_lines(spool_line(kind, {}), schema), schema):
+            pass
