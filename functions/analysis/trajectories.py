@@ -38,7 +38,8 @@ from urllib.parse import quote, unquote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from rollbox.functions.contract.records import DEFAULT_EXPERIMENT, STEP_SCHEMA, USAGE_SCHEMA, usage_event
+from rollbox.functions.contract.records import DEFAULT_EXPERIMENT, usage_event
+from rollbox.functions.contract.tables import STEP_SCHEMA, USAGE_SCHEMA
 from rollbox.runtime.errors import InvalidRequest, RollboxError
 from rollbox.runtime.runtime import default_home
 from rollbox.snapshots.state import LocalObjects, Objects

@@ -1,7 +1,8 @@
 """What rollbox records: one step record per handled event, one usage record per sandbox life.
 
 Both are pydantic models (the documented, versioned schema; ``python -m rollbox.functions.contract.schemas``
-publishes them as JSON Schema beside the event schemas) and Arrow schemas (the Parquet files)::
+publishes them as JSON Schema beside the event schemas); ``tables.py`` has them as Arrow schemas (the
+Parquet files)::
 
     trajectories/experiment=<e>/date=<yyyy-mm-dd>/<spool segment>.parquet   StepRecord rows
     usage/experiment=<e>/date=<yyyy-mm-dd>/<spool segment>.parquet          UsageRecord rows
@@ -15,32 +16,25 @@ changes meaning or goes away; new columns may be added within a version.
 from __future__ import annotations
 
 import datetime as dt
-import functools
-import io
 import json
 from typing import Any, Final
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.json as pajson
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "DEFAULT_EXPERIMENT",
     "SCHEMA_VERSION",
-    "STEP_SCHEMA",
-    "USAGE_SCHEMA",
     "USAGE_TYPE",
     "FileRef",
     "StepRecord",
     "UsageRecord",
-    "arrow_table_of_lines",
     "usage_event",
 ]
 
 SCHEMA_VERSION: Final = 1
 DEFAULT_EXPERIMENT: Final = "default"
 USAGE_TYPE: Final = "dev.rollbox.usage"  # the CloudEvent type of a usage record (OpenMeter ingests these)
+TIMESTAMPS: Final = frozenset({"event_time", "recorded_at", "ended_at"})  # unix seconds in rows, UTC in files
 
 
 class FileRef(BaseModel):
@@ -140,108 +134,6 @@ class UsageRecord(BaseModel):
     peak_memory_bytes: int
     execs: int
     replica: str
-
-
-def _arrow_type(annotation: Any) -> pa.DataType:
-    text = str(annotation)
-    if "FileRef" in text:
-        return pa.list_(pa.struct([("path", pa.string()), ("bytes", pa.int64())]))
-    if text.startswith("list["):
-        return pa.list_(pa.string())
-    if "bool" in text:
-        return pa.bool_()
-    if "float" in text:
-        return pa.float64()
-    if "int" in text:
-        return pa.int64()
-    return pa.string()
-
-
-TIMESTAMPS: Final = frozenset({"event_time", "recorded_at", "ended_at"})  # unix seconds in rows, UTC in files
-_TS = pa.timestamp("us", tz="UTC")
-
-
-def _schema(model: type[BaseModel]) -> pa.Schema:
-    # experiment is the partition key: in the path, not in the file
-    fields = [pa.field(name, _TS if name in TIMESTAMPS else _arrow_type(f.annotation), nullable=True)
-              for name, f in model.model_fields.items() if name != "experiment"]
-    return pa.schema(fields, metadata={"rollbox_schema_version": str(SCHEMA_VERSION),
-                                       "rollbox_model": model.__name__})
-
-
-STEP_SCHEMA: Final = _schema(StepRecord)
-USAGE_SCHEMA: Final = _schema(UsageRecord)
-
-
-def _defaults(model: type[BaseModel]) -> dict[str, Any]:
-    """The model's non-null defaults: what a row that leaves the field out means."""
-    out = {}
-    for name, f in model.model_fields.items():
-        if not f.is_required():
-            value = f.get_default(call_default_factory=True)
-            if value is not None:
-                out[name] = value
-    return out
-
-
-_DEFAULTS: Final = {STEP_SCHEMA: _defaults(StepRecord), USAGE_SCHEMA: _defaults(UsageRecord)}
-
-
-def arrow_scalar(value: Any, of: pa.DataType) -> pa.Scalar:
-    """``value`` as an Arrow scalar of type ``of``, read by Arrow's JSON reader. ``pa.scalar`` (and a
-    compute function given a Python value) looks for pandas first and imports it when installed:
-    ~0.18 s of CPU and ~40 MiB of a replica, for nothing (no DataFrame is made here)."""
-    return _arrow_values({"x": value}, [pa.field("x", of)])["x"]
-
-
-def _arrow_values(values: dict[str, Any], fields: list[pa.Field]) -> dict[str, pa.Scalar]:
-    schema = pa.schema([pa.field("v", pa.struct(fields))])
-    row = pajson.read_json(io.BytesIO(json.dumps({"v": values}).encode()),
-                           parse_options=pajson.ParseOptions(explicit_schema=schema))
-    return {name: row.column("v")[0][name] for name in values}
-
-
-@functools.cache
-def _fill_values(schema: pa.Schema) -> dict[str, pa.Scalar]:
-    """``_DEFAULTS`` of ``schema`` as Arrow scalars of its fields' types (``arrow_scalar``)."""
-    defaults = _DEFAULTS.get(schema, {})
-    return _arrow_values(defaults, [schema.field(name) for name in defaults]) if defaults else {}
-
-
-_MICROS_PER_S: Final = arrow_scalar(1e6, pa.float64())
-
-
-def _float_fields(schema: pa.Schema) -> list[pa.Field]:
-    return [pa.field(f.name, pa.float64()) if f.name in TIMESTAMPS else f for f in schema]
-
-
-def _timestamps(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """Unix-seconds columns (float64) as ``schema``'s UTC timestamps, and its metadata."""
-    for name in TIMESTAMPS & set(schema.names):
-        i = table.schema.get_field_index(name)
-        micros = pc.cast(pc.round(pc.multiply(table[name], _MICROS_PER_S)), pa.int64())
-        table = table.set_column(i, schema.field(name), micros.cast(schema.field(name).type))
-    return table.replace_schema_metadata(schema.metadata)
-
-
-def arrow_table_of_lines(data: bytes, schema: pa.Schema, key: str = "r") -> pa.Table:
-    """JSON lines each holding a row under ``key`` (the spool's format) as a table of ``schema`` plus
-    an ``experiment`` column (the partition key), parsed by Arrow's JSON reader: no Python object per
-    row. Other keys of a line are skipped; a field the row lacks is null."""
-    fields = [*_float_fields(schema), pa.field("experiment", pa.string())]
-    parsed = pajson.read_json(
-        io.BytesIO(data),
-        read_options=pajson.ReadOptions(use_threads=False, block_size=min(len(data) + 1, 2**31 - 1)),
-        parse_options=pajson.ParseOptions(explicit_schema=pa.schema([pa.field(key, pa.struct(fields))]),
-                                          unexpected_field_behavior="ignore"))
-    rows = parsed.column(key).combine_chunks()
-    table = pa.Table.from_struct_array(rows) if len(rows) else pa.schema(fields).empty_table()
-    for name, value in _fill_values(schema).items():  # a field the row left out: the model's default
-        column = table[name]
-        if column.null_count:
-            i = table.schema.get_field_index(name)
-            table = table.set_column(i, table.field(i), column.fill_null(value))
-    return _timestamps(table, schema)
 
 
 def usage_event(row: dict[str, Any]) -> dict[str, Any]:

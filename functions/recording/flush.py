@@ -13,20 +13,15 @@ import asyncio
 import contextlib
 import datetime as dt
 import fcntl
-import io
 import logging
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import orjson
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
-from rollbox.functions.contract.records import DEFAULT_EXPERIMENT, arrow_scalar, arrow_table_of_lines
+from rollbox.functions.contract.records import DEFAULT_EXPERIMENT
 from rollbox.functions.recording.spool import KINDS, Segment, Spool, spool_line
 from rollbox.runtime.errors import RollboxError
 from rollbox.snapshots.calls import StoreCalls
@@ -37,14 +32,15 @@ __all__ = ["Flusher", "partition_key"]
 log = logging.getLogger("rollbox.recorder")
 FLUSH_DEADLINE_S = 120.0  # a flush the store does not finish in this time fails; its segment is kept
 SETTLE_WAIT_S = 30.0  # a flush waits this long for a segment's durable commits to settle (then: next flush)
-WARM_UP_AFTER_S = 1.0  # after start: a replica scaled from zero answers its first event before
-_KIND_PREFIX = {kind: b'{"k":"%s"' % kind.encode() for kind in KINDS}
+# after start: pyarrow (~0.2 s of CPU) loads once a replica scaled from zero has had a few seconds for
+# the requests that waited for it (its first flush comes later still: flush_interval_s, 10 s by default)
+WARM_UP_AFTER_S = 5.0
 
 
 def partition_key(kind: str, experiment: str | None, when: float | str, name: str) -> str:
     """``trajectories|usage/experiment=<e>/date=<yyyy-mm-dd>/<name>.parquet`` (the experiment URI-quoted,
     which hive partitioning decodes); ``when``: unix seconds, or the date itself."""
-    prefix, _ = KINDS[kind]
+    prefix = KINDS[kind]
     date = when if isinstance(when, str) else dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%d")
     exp = quote(experiment or DEFAULT_EXPERIMENT, safe="-_.")
     return f"{prefix}/experiment={exp}/date={date}/{name}.parquet"
@@ -76,8 +72,8 @@ class Flusher:
             log.info("flushed %d rows a previous process left in the spool", left)
 
     async def loop(self) -> None:
-        # pyarrow's kernels and Parquet writer load lazily: once, in the background after the server
-        # answers, so that neither its start nor its first flush waits
+        # pyarrow, its kernels and Parquet writer load lazily: once, in the background after the server
+        # answers (WARM_UP_AFTER_S), so that neither its start nor its first flush waits
         await asyncio.sleep(WARM_UP_AFTER_S)
         try:
             await asyncio.to_thread(_warm_up)
@@ -149,38 +145,17 @@ class Flusher:
     def upload_lines(self, lines: list[bytes], name: str) -> None:
         """Spool lines as Parquet files, one per (kind, experiment, date), each with a create-only write.
         Lines Arrow cannot read as their kind's schema go, as they are, to ``rejected/<kind>/<name>.jsonl``."""
-        for kind, (_, schema) in KINDS.items():
-            mine = [line for line in lines if line.startswith(_KIND_PREFIX[kind])]
-            if not mine:
-                continue
-            try:
-                table = arrow_table_of_lines(b"".join(mine), schema)
-            except (pa.ArrowException, ValueError, TypeError, OverflowError):
-                mine, bad = self._sort_lines(mine, schema)
-                self.objects.put_new(f"rejected/{kind}/{name}.jsonl", b"".join(bad))
-                self.spool.metrics.rejected += len(bad)
-                log.warning("%s: %d %s rows could not be written as Parquet; kept as JSON under rejected/%s/",
-                            name, len(bad), kind, kind)
-                if not mine:
-                    continue
-                table = arrow_table_of_lines(b"".join(mine), schema)
-            for (experiment, date), data in parquet_partitions(table, schema):
-                # False: flushed before a crash, already there
-                self.objects.put_new(partition_key(kind, experiment, date, name), data)
+        from rollbox.functions.recording import parquet  # (pyarrow: loaded by the warm-up or the first flush)
 
-    @staticmethod
-    def _sort_lines(lines: list[bytes], schema: pa.Schema) -> tuple[list[bytes], list[bytes]]:
-        """(Lines Arrow reads as ``schema``, lines it does not), each tried alone."""
-        good: list[bytes] = []
-        bad: list[bytes] = []
-        for line in lines:
-            try:
-                arrow_table_of_lines(line if line.endswith(b"\n") else line + b"\n", schema)
-            except (pa.ArrowException, ValueError, TypeError, OverflowError):
-                bad.append(line if line.endswith(b"\n") else line + b"\n")
-            else:
-                good.append(line)
-        return good, bad
+        files = parquet.files_of(lines)
+        for kind, bad in files.rejected.items():
+            self.objects.put_new(f"rejected/{kind}/{name}.jsonl", b"".join(bad))
+            self.spool.metrics.rejected += len(bad)
+            log.warning("%s: %d %s rows could not be written as Parquet; kept as JSON under rejected/%s/",
+                        name, len(bad), kind, kind)
+        for kind, experiment, date, data in files.parts:
+            # False: flushed before a crash, already there
+            self.objects.put_new(partition_key(kind, experiment, date, name), data)
 
     # ------------------------------------------------------------------------------ recovery
     def _recover(self) -> int:
@@ -235,26 +210,7 @@ class Flusher:
         return generation > 0 and not self.objects.keys(f"sandboxes/{sandbox_id}/")
 
 
-def parquet_partitions(table: pa.Table, schema: pa.Schema) -> Iterator[tuple[tuple[str, str], bytes]]:
-    """``table`` (rows of ``schema`` plus their experiment) as Parquet files, one per (experiment, date)."""
-    when = "recorded_at" if "recorded_at" in schema.names else "ended_at"
-    string = pa.string()  # (Arrow scalars, not Python values: see arrow_scalar)
-    dates = pc.strftime(table[when], format="%Y-%m-%d").fill_null(
-        arrow_scalar(dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"), string))
-    experiments = table["experiment"].fill_null(arrow_scalar(DEFAULT_EXPERIMENT, string))
-    table = table.select(schema.names)
-    # (one key column and its distinct values, not Table.group_by: that loads pyarrow.dataset, and pandas)
-    keys = pc.binary_join_element_wise(dates, experiments, arrow_scalar("/", string))
-    for key in pc.unique(keys).to_pylist():
-        date, experiment = key.split("/", 1)  # (a date has no "/")
-        buf = io.BytesIO()
-        pq.write_table(table.filter(pc.equal(keys, arrow_scalar(key, string))), buf, compression="zstd")
-        yield (experiment, date), buf.getvalue()
-
-
 def _warm_up() -> None:
-    """Write each kind's table once, in memory, as a flush does: pyarrow loads its compute kernels and
-    Parquet writer lazily, which would otherwise land on the first flush under load."""
-    for kind, (_, schema) in KINDS.items():
-        for _ in parquet_partitions(arrow_table_of_lines(spool_line(kind, {}), schema), schema):
-            pass
+    from rollbox.functions.recording import parquet
+
+    parquet.warm_up()

@@ -29,13 +29,13 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily
-from rollbox.functions.contract.records import DEFAULT_EXPERIMENT, STEP_SCHEMA, USAGE_SCHEMA
+from rollbox.functions.contract.records import DEFAULT_EXPERIMENT
 from rollbox.functions.recording.aiosync import AsyncFsync
 
 __all__ = ["KINDS", "Metrics", "Segment", "Spool", "Token", "spool_line"]
 
 log = logging.getLogger("rollbox.recorder")
-KINDS = {"step": ("trajectories", STEP_SCHEMA), "usage": ("usage", USAGE_SCHEMA)}
+KINDS = {"step": "trajectories", "usage": "usage"}  # a spool line's kind: its files' folder in the store
 MIN_FREE_BYTES = 16 * 1024 * 1024  # below this on the spool's disk, ``disk_full`` (steps are refused)
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 

@@ -84,3 +84,30 @@ async def test_a_snapshot_only_in_s3_is_prewarmed_once_the_store_is_attached(tmp
         assert reply.status == 200 and reply.data["stdout"] == "42\n" and reply.data["pooled"] is True, reply.data
     finally:
         assert srv.stop() == 0, srv.log_path.read_text()[-3000:]
+
+
+def _maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+async def test_a_replica_loads_pyarrow_after_its_start_and_records_its_first_steps(tmp_path: Path) -> None:
+    """pyarrow (~0.2 s of a replica's CPU) is only for writing Parquet: a replica listens and answers
+    without it, and loads it a few seconds later (the flush's warm-up) or at its first flush. The
+    recording works as before: the first run's step is in the store as Parquet after the drain."""
+    home = tmp_path / "home"
+    srv = start_server(tmp_path, "--home", str(home), "--durability", "off", "--flush-interval-s", "60")
+    try:
+        await _first_run(srv)
+        assert "/pyarrow/" not in _maps(srv.proc.pid), "pyarrow was loaded by the start"
+        deadline = time.monotonic() + 30
+        while "/pyarrow/" not in _maps(srv.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "/pyarrow/" in _maps(srv.proc.pid), "the warm-up did not load pyarrow"
+        assert "/pandas/" not in _maps(srv.proc.pid), "pandas was loaded"
+    finally:
+        assert srv.stop() == 0, srv.log_path.read_text()[-3000:]
+    from rollbox.functions.analysis.trajectories import read
+    from rollbox.snapshots.state import LocalObjects
+
+    steps = read("trajectories", LocalObjects(home))
+    assert steps.column("stdout").to_pylist() == ["42\n"]

@@ -22,7 +22,8 @@ from cloudevents.http import from_dict
 from prometheus_client.parser import text_string_to_metric_families
 from rollbox.functions.analysis.trajectories import read, steps, usage
 from rollbox.functions.cli import main as cli
-from rollbox.functions.contract.records import SCHEMA_VERSION, STEP_SCHEMA
+from rollbox.functions.contract.records import SCHEMA_VERSION
+from rollbox.functions.contract.tables import STEP_SCHEMA
 from rollbox.functions.recording.recorder import Recorder
 from rollbox.snapshots.state import LocalObjects, SandboxRecord, record_key
 from rollbox.snapshots.store_s3 import S3Objects
