@@ -43,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +51,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleet_local import CONTAINER_CONCURRENCY, WEED_PROCS, Fleet, format_drain, locust_master_args
+from fleet_local import CONTAINER_CONCURRENCY, WEED_PROCS, Fleet, format_drain, locust_master_args, send
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -313,12 +312,6 @@ class Activity:
                 last.update(seen)  # (one that did not answer: its next window counts from the last it did)
                 if self.stop.wait(5.0):
                     return
-
-
-def send(http: httpx.Client, url: str, etype: str, data: dict[str, Any]) -> httpx.Response:
-    headers = {"ce-specversion": "1.0", "ce-type": f"dev.rollbox.sandbox.{etype}", "ce-source": "/bench/capacity",
-               "ce-id": uuid.uuid4().hex, "content-type": "application/json"}
-    return http.post(url, headers=headers, json=data)
 
 
 def history(prefix: Path, name: str) -> list[dict[str, str]]:

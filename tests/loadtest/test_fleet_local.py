@@ -229,3 +229,26 @@ def test_requests_held_at_zero_are_shared_by_the_replicas_as_they_start(seaweed:
         assert haproxy_stat(f, "replicas", "BACKEND", "qmax") >= 1  # the rest waited at HAProxy
         # both replicas served the held steps (each also had its creates before the zero: 3 each)
         assert min(served) >= 3 + 1, served
+
+
+def test_the_script_measures_scales_from_zero_and_back(tmp_path: Path) -> None:
+    """`fleet_local.py --restarts N`: an episode opened, the fleet stopped and started N times, each
+    start's routing and the episode's next reply printed, then their medians; exit 0 when every start
+    answered, and nothing left running."""
+    import json
+    import os
+    import subprocess
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOX_")}
+    p = subprocess.run([sys.executable, str(ROOT / "loadtest" / "fleet_local.py"), "--replicas", "2", "--restarts", "2",
+                        "--base", str(tmp_path / "fleet")], capture_output=True, text=True, timeout=180, env=clean)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    lines = p.stdout.strip().splitlines()
+    starts = [json.loads(x) for x in lines[:-1]]
+    assert len(starts) == 2, p.stdout
+    for s in starts:
+        assert s["drain_exit_codes"] == [0, 0], s
+        assert 0 < s["routed_s"] < 60 and s["first_reply_s"] is not None and 0 < s["first_reply_s"] < 60, s
+    assert lines[-1].startswith("2 replicas scaled from zero 2 times: routed after ") and "0 without a reply" in lines[-1]
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "fleet")], capture_output=True, text=True).stdout.split()
+    assert left == [], left  # (replicas, SeaweedFS and HAProxy all run with paths under --base)
