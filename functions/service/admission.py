@@ -2,7 +2,7 @@
 
 Three caps: requests admitted and not yet answered (``max_queued``: waiting their turn or running),
 requests running at once (``max_running``: the others wait in a FIFO queue, not started; a request
-that has run ``LONG_RUNNING_S`` no longer counts, so programs that sleep or run long never hold the
+that has run ``TURN_S`` no longer counts, so programs that sleep or run long never hold the
 queue), and live sandboxes. Creates and runs still in flight count as live until they return, so the cap holds
 under a burst of concurrent creates. Draining (SIGTERM) refuses everything new, and hands every
 request still waiting its turn back at once (503 + Retry-After: it was never started, so its retry
@@ -26,7 +26,7 @@ from rollbox.runtime.errors import Overloaded, RollboxError, ShuttingDown
 # A request that has run this long leaves its place among the --max-running to the next one waiting:
 # what caps them is the CPU a burst of fresh requests (restoring, committing, short programs) shares,
 # and a program that sleeps or runs for seconds (it has its own timeout) would only hold the queue.
-LONG_RUNNING_S = 1.0
+TURN_S = 1.0
 # --max-running's default: started requests per CPU the sandboxes get. A replica that starts every
 # admitted request of a burst at once shares its CPUs among them all, so each one's reply waits until
 # nearly all are done; taken in turn, replies come as each is done, at the same steps/s. After a scale
@@ -46,7 +46,7 @@ class ServiceConfig:
     max_live: int = DEFAULT_MAX_LIVE  # the replica's LiveCap, which the durable layer asks too
     max_queued: int = 1024
     max_running: int = 0  # the rest of max_queued waits its turn, not started (handed back on drain); 0: auto
-    turn_s: float = LONG_RUNNING_S  # a started request counts against max_running this long at most (0: to its end)
+    turn_s: float = TURN_S  # a started request counts against max_running this long at most (0: to its end)
     max_body_bytes: int = 8 * MiB
     idempotency_entries: int = 100_000
     idempotency_ttl_s: float = 600.0
@@ -102,9 +102,9 @@ class Admission:
     the durable layer hibernates idle ones to make room)."""
 
     def __init__(self, *, cap: LiveCap, max_queued: int, retry_after_s: float, running: Callable[[], int],
-                 max_running: int | None = None, long_running_s: float = LONG_RUNNING_S):
+                 max_running: int | None = None, turn_s: float = TURN_S):
         """``max_running``: requests started at once (default ``max_queued``: every admitted one); one
-        that has run ``long_running_s`` leaves its place to the next."""
+        that has run ``turn_s`` leaves its place to the next."""
         if max_queued < 1:
             raise ValueError("max_queued must be >= 1")
         if max_running is not None and max_running < 1:
@@ -112,8 +112,8 @@ class Admission:
         self.cap = cap
         self.max_queued = max_queued
         self.max_running = max_running or max_queued
-        self.long_running_s = long_running_s  # (0: never)
-        self.outlasted = 0  # requests that ran past long_running_s and left their place
+        self.turn_s = turn_s  # (0: never)
+        self.outlasted = 0  # requests that ran past turn_s and left their place
         self.retry_after_s = retry_after_s
         self._running = running
         self.inflight = 0  # admitted, not answered: started (``started``) or waiting their turn
@@ -154,8 +154,8 @@ class Admission:
         try:
             await self._turn(ends_sandbox)
             place = [True]  # (held: given back once, by whichever comes first)
-            timer = (asyncio.get_running_loop().call_later(self.long_running_s, self._outlast, place)
-                     if self.long_running_s > 0 else None)
+            timer = (asyncio.get_running_loop().call_later(self.turn_s, self._outlast, place)
+                     if self.turn_s > 0 else None)
             try:
                 yield
             finally:
@@ -197,7 +197,7 @@ class Admission:
 
     @property
     def running(self) -> int:
-        """Admitted requests started (those past ``long_running_s`` included)."""
+        """Admitted requests started (those past ``turn_s`` included)."""
         return self.inflight - self.waiting
 
     def _done(self) -> None:

@@ -223,7 +223,7 @@ class Service:
             cap=cap or LiveCap(cfg.max_live),
             max_queued=cfg.max_queued,
             max_running=cfg.max_running or RUNNING_PER_CPU * run_code_handler.sandbox_cpus(runtime),
-            long_running_s=cfg.turn_s,
+            turn_s=cfg.turn_s,
             retry_after_s=cfg.retry_after_s,
             running=runtime.running_count,
         )

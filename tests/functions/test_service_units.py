@@ -303,13 +303,13 @@ async def test_a_replys_head_and_body_go_out_as_one_write() -> None:
 
 
 async def test_admission_runs_max_running_in_order_and_a_long_one_leaves_its_place() -> None:
-    """--max-running: the others wait their turn in order; one that has run long_running_s (a program
+    """--max-running: the others wait their turn in order; one that has run turn_s (a program
     that sleeps) no longer holds its place, so it never holds the queue."""
     from rollbox.functions.durable.capacity import LiveCap
     from rollbox.functions.service.admission import Admission
 
     adm = Admission(cap=LiveCap(100), max_queued=10, retry_after_s=1, running=lambda: 0, max_running=2,
-                    long_running_s=0.3)
+                    turn_s=0.3)
     order: list[str] = []
     release = {name: asyncio.Event() for name in ("a", "b", "c", "d")}
 
